@@ -1,0 +1,212 @@
+"""Reading an MTP checkpoint directory in the HF release layout, without transformers (and without torch).
+
+A checkpoint is `config.json` (flat, or nested under `text_config`) plus either one `model.safetensors` or shards
+listed in `model.safetensors.index.json`. Only what the head needs is read: the `mtp.*` tensors and the embedding
+rows of the requested token ids, located from the safetensors headers and read with `os.pread` (the real
+embedding is 248320 x 5120: it is never read whole). Everything comes back as float32 numpy arrays.
+"""
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from oracle.errors import CheckpointError, InputError
+from oracle.families.qwen3_5_layout import (MAIN_MODEL_PREFIXES, HeadConfig, head_config_from_json,
+                                            head_tensor_shapes)
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the first element in `file`
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class HeadWeights:
+    tensors: dict[str, np.ndarray]  # checkpoint name -> float32 array
+    digest: str  # sha256 over (name, dtype, shape, stored bytes) of every head tensor, in name order
+
+
+class Checkpoint:
+    """An opened checkpoint directory: its head config and a map from tensor name to where its bytes lie."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"checkpoint {self.path} is not a directory; pass the folder that holds "
+                                  f"config.json and the safetensors files.")
+        self.raw_config = _read_json(self.path / "config.json")
+        self.config: HeadConfig = head_config_from_json(self.raw_config, str(self.path / "config.json"))
+        self._headers: dict[str, dict[str, TensorEntry]] = {}
+        self._shard_of = self._weight_map()
+
+    def _weight_map(self) -> dict[str, str]:
+        index = self.path / INDEX_NAME
+        if index.is_file():
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index} has no 'weight_map' object; regenerate the index.")
+            return weight_map
+        single = self.path / SINGLE_NAME
+        if single.is_file():
+            return {name: SINGLE_NAME for name in self._header(SINGLE_NAME)}
+        raise CheckpointError(f"{self.path} has neither {SINGLE_NAME} nor {INDEX_NAME}; "
+                              f"pass a checkpoint directory in the HF layout.")
+
+    def _header(self, shard: str) -> dict[str, TensorEntry]:
+        if shard not in self._headers:
+            self._headers[shard] = _read_safetensors_header(self.path / shard)
+        return self._headers[shard]
+
+    def names(self) -> list[str]:
+        return sorted(self._shard_of)
+
+    def entry(self, name: str) -> TensorEntry:
+        shard = self._shard_of.get(name)
+        if shard is None:
+            raise CheckpointError(f"tensor {name} is missing from checkpoint {self.path} "
+                                  f"(not in {INDEX_NAME if (self.path / INDEX_NAME).is_file() else SINGLE_NAME}).")
+        if not (self.path / shard).is_file():
+            raise CheckpointError(f"shard {shard} is missing from {self.path}: {INDEX_NAME} lists tensor {name} "
+                                  f"in it. Copy the complete checkpoint (every shard the index names).")
+        entry = self._header(shard).get(name)
+        if entry is None:
+            raise CheckpointError(f"{INDEX_NAME} says {name} is in {shard}, but that file's header does not "
+                                  f"list it; the index and the shards come from different checkpoints.")
+        return entry
+
+    def read(self, name: str, expected_shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """One whole tensor as float32, checked against `expected_shape` when given."""
+        entry = self.entry(name)
+        _check_shape(entry, expected_shape, self.config)
+        return _decode(_read_bytes(entry), entry).reshape(entry.shape)
+
+    def read_head(self) -> HeadWeights:
+        """Every `mtp.*` tensor of the head, shape-checked against config.json; all of them must be used."""
+        expected = head_tensor_shapes(self.config)
+        unused = sorted(n for n in self._shard_of if n.startswith("mtp.") and n not in expected)
+        if unused:
+            raise CheckpointError(f"{self.path}: the head has tensors the dense Qwen3.5 head does not use: "
+                                  f"{', '.join(unused[:5])}{' …' if len(unused) > 5 else ''} "
+                                  f"(a MoE or multi-layer head?). Refusing to ignore them.")
+        digest = hashlib.sha256()
+        tensors = {}
+        for name in sorted(expected):
+            entry = self.entry(name)
+            _check_shape(entry, expected[name], self.config)
+            raw = _read_bytes(entry)
+            digest.update(f"{name}|{entry.dtype}|{list(entry.shape)}|".encode())
+            digest.update(raw)
+            tensors[name] = _decode(raw, entry).reshape(entry.shape)
+        return HeadWeights(tensors=tensors, digest="sha256:" + digest.hexdigest())
+
+    def main_model_prefix(self) -> str:
+        """`model.language_model.` (VLM release) or `model.` (text-only), whichever holds the embedding."""
+        for prefix in MAIN_MODEL_PREFIXES:
+            if prefix + "embed_tokens.weight" in self._shard_of:
+                return prefix
+        raise CheckpointError(f"{self.path}: no embedding table; looked for "
+                              f"{' and '.join(p + 'embed_tokens.weight' for p in MAIN_MODEL_PREFIXES)}.")
+
+    def embedding_rows(self, token_ids: np.ndarray) -> np.ndarray:
+        """Float32 rows [T, D] of the shared embedding for `token_ids`; only those rows are read."""
+        name = self.main_model_prefix() + "embed_tokens.weight"
+        entry = self.entry(name)
+        _check_shape(entry, (self.config.vocab_size, self.config.hidden_size), self.config)
+        check_token_ids(token_ids, self.config.vocab_size)
+        row_bytes = entry.nbytes // entry.shape[0]
+        rows = {}
+        with open(entry.file, "rb") as f:
+            for tok in np.unique(token_ids):
+                raw = os.pread(f.fileno(), row_bytes, entry.offset + int(tok) * row_bytes)
+                rows[int(tok)] = _decode(raw, entry)
+        return np.stack([rows[int(t)] for t in token_ids]).astype(np.float32, copy=False)
+
+
+def check_token_ids(token_ids: np.ndarray, vocab_size: int) -> None:
+    bad = np.flatnonzero((token_ids < 0) | (token_ids >= vocab_size))
+    if bad.size:
+        row = int(bad[0])
+        raise InputError(f"token id {int(token_ids[row])} at row {row} is out of range: the checkpoint's "
+                         f"vocab_size is {vocab_size} (config.json), so ids must be in 0..{vocab_size - 1}.")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing; a checkpoint directory needs its config.json and "
+                              f"safetensors index.") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is not valid JSON ({err}).") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} does not hold a JSON object.")
+    return data
+
+
+def _read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
+    """Parse a safetensors header: 8-byte little-endian length, then JSON {name: {dtype, shape, data_offsets}}."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > size - 8:
+                raise ValueError("header length beyond end of file")
+            header = json.loads(f.read(length))
+    except (OSError, ValueError, struct.error) as err:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({err}); re-copy it.") from None
+    entries = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = meta["data_offsets"]
+        entries[name] = TensorEntry(name, path, meta["dtype"], tuple(meta["shape"]), 8 + length + start, end - start)
+        if 8 + length + end > size:
+            raise CheckpointError(f"{path} is truncated: tensor {name} ends at byte {8 + length + end} of a "
+                                  f"{size}-byte file. Re-copy the shard.")
+    return entries
+
+
+def _check_shape(entry: TensorEntry, expected: tuple[int, ...] | None, cfg: HeadConfig) -> None:
+    if entry.dtype not in _ITEMSIZE:
+        raise CheckpointError(f"{entry.name} in {entry.file.name} is {entry.dtype}; this reader handles "
+                              f"{', '.join(_ITEMSIZE)}.")
+    if expected is not None and tuple(entry.shape) != tuple(expected):
+        raise CheckpointError(
+            f"{entry.name} in {entry.file.name} has shape {list(entry.shape)}, but config.json implies "
+            f"{list(expected)} (hidden_size={cfg.hidden_size}, num_attention_heads={cfg.num_attention_heads}, "
+            f"num_key_value_heads={cfg.num_key_value_heads}, head_dim={cfg.head_dim}, "
+            f"intermediate_size={cfg.intermediate_size}, vocab_size={cfg.vocab_size}). "
+            f"The config and the weights come from different models.")
+
+
+def _read_bytes(entry: TensorEntry) -> bytearray:
+    buf = bytearray(entry.nbytes)
+    with open(entry.file, "rb") as f:
+        f.seek(entry.offset)
+        if f.readinto(buf) != entry.nbytes:
+            raise CheckpointError(f"{entry.file} ended before tensor {entry.name} was read; re-copy it.")
+    return buf
+
+
+def _decode(raw: bytes | bytearray, entry: TensorEntry) -> np.ndarray:
+    """Stored bytes -> flat float32. bfloat16 is the top half of a float32, so the widening is exact."""
+    if entry.dtype == "BF16":
+        return (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+    if entry.dtype == "F16":
+        return np.frombuffer(raw, dtype="<f2").astype(np.float32)
+    return np.frombuffer(raw, dtype="<f4").astype(np.float32)  # copy: frombuffer views are read-only

@@ -1,0 +1,73 @@
+"""`mtp-oracle`: export reference traces of an MTP head and inspect them."""
+
+import shlex
+import signal
+import sys
+from pathlib import Path
+
+import click
+
+from oracle.errors import MtpGroup
+
+EXISTING_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
+EXISTING_FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
+
+
+@click.group(cls=MtpGroup)
+@click.pass_context
+def cli(ctx: click.Context) -> None:
+    """Reference traces for Multi-Token-Prediction draft heads, from the official transformers layers."""
+    ctx.obj = ctx.obj or {"command": shlex.join(["mtp-oracle", *sys.argv[1:]])}
+
+
+@cli.command()
+@click.argument("checkpoint", type=EXISTING_DIR)
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Trace file to write (HDF5).")
+@click.option("--tokens", help="Step token ids t_1..t_T, comma separated (already shifted: step i reads t_{i+1}).")
+@click.option("--tokens-file", type=EXISTING_FILE, help="Step token ids from a text file or a .npy int array.")
+@click.option("--hidden", "hidden_file", metavar="FILE",
+              help="H [T, D] float32: FILE.npy, FILE.bin (raw little-endian) or FILE.h5:/dataset.")
+@click.option("--hidden-seed", type=int, help="Synthetic H: standard normal rows from this seed.")
+@click.option("--main-model", is_flag=True, help="H from the checkpoint's main model (post-final-norm).")
+@click.option("--first-token", type=int, help="With --main-model: x_0, the token before the first step token.")
+@click.option("--start-pos", type=int, default=0, show_default=True, help="Position p_0 of step 0.")
+@click.option("--mode", type=click.Choice(["batched", "stepwise"]), default="batched", show_default=True,
+              help="One causal pass over all steps, or one step at a time through the KV cache.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress messages.")
+@click.pass_obj
+def export(obj, checkpoint, out, tokens, tokens_file, hidden_file, hidden_seed, main_model, first_token, start_pos,
+           mode, quiet) -> None:
+    """Run the head on T teacher-forced steps and write every stage to an mtp-trace/1 file."""
+    from oracle.export import HiddenSource, export_trace
+    from oracle.inputs import token_ids_from_file, token_ids_from_text
+
+    _exactly_one({"--tokens": tokens, "--tokens-file": tokens_file})
+    _exactly_one({"--hidden": hidden_file, "--hidden-seed": hidden_seed, "--main-model": main_model or None})
+    ids = token_ids_from_file(tokens_file) if tokens_file else token_ids_from_text(tokens, "--tokens")
+    source = HiddenSource(file=hidden_file, seed=hidden_seed, main_model=main_model, first_token=first_token)
+    log = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))
+    path = export_trace(checkpoint, out, ids, source, start_pos=start_pos, mode=mode,
+                        command=obj["command"], log=log)
+    click.echo(f"wrote {path}: {len(ids)} steps x 11 stages")
+
+
+@cli.command()
+@click.argument("trace", type=EXISTING_FILE)
+def inspect(trace) -> None:
+    """Print a trace's schema, provenance, inputs and per-stage statistics."""
+    from oracle.inspect import render_inspection
+
+    click.echo(render_inspection(trace))
+
+
+def _exactly_one(options: dict) -> None:
+    given = [name for name, value in options.items() if value is not None]
+    if len(given) != 1:
+        raise click.UsageError(f"give exactly one of {', '.join(options)} (got {', '.join(given) or 'none'}).")
+
+
+def main(args=None, standalone_mode: bool = True):
+    # SIGTERM ends the process through Python, so an export in progress removes its temporary file.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    command = shlex.join(["mtp-oracle", *(sys.argv[1:] if args is None else args)])  # recorded in provenance
+    return cli.main(args=args, prog_name="mtp-oracle", standalone_mode=standalone_mode, obj={"command": command})

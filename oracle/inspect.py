@@ -1,0 +1,69 @@
+"""`mtp-oracle inspect`: what a trace holds — schema, provenance, inputs and per-stage statistics."""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from oracle.stages import STAGE_BY_NAME
+from oracle.trace import read_trace, rows_per_chunk
+
+
+@dataclass(frozen=True)
+class StageStats:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    mean: float
+    std: float
+    absmax: float
+    nonfinite: int
+
+
+def stage_stats(reader, name: str) -> StageStats:
+    """Mean, std, absmax and non-finite count of one stage, read in row chunks (memory bounded)."""
+    shape = reader.stage_shape(name)
+    total = total_sq = 0.0
+    absmax, nonfinite, count = 0.0, 0, 0
+    step = rows_per_chunk(shape[1], shape[0]) if len(shape) == 2 else shape[0]
+    for start in range(0, shape[0], max(step, 1)):
+        rows = np.asarray(reader.stage_rows(name, start, start + step), dtype=np.float64)
+        finite = rows[np.isfinite(rows)]
+        nonfinite += rows.size - finite.size
+        total, total_sq, count = total + finite.sum(), total_sq + (finite**2).sum(), count + finite.size
+        absmax = max(absmax, float(np.abs(finite).max(initial=0.0)))
+    mean = total / count if count else float("nan")
+    std = float(np.sqrt(max(total_sq / count - mean**2, 0.0))) if count else float("nan")
+    return StageStats(name, shape, str(reader.stage_dtype(name)), mean, std, absmax, nonfinite)
+
+
+def render_inspection(path: Path) -> str:
+    with read_trace(path) as reader:
+        attrs = reader.attrs
+        lines = [f"{path}: {attrs['schema']}, family {attrs.get('family', '?')}, "
+                 f"T={reader.num_tokens} tokens, D={reader.hidden_size}"]
+        for key in ("producer", "checkpoint_digest", "inputs_digest"):
+            if key in attrs:
+                lines.append(f"  {key:<18} {attrs[key]}")
+        for key in ("versions", "config", "provenance"):
+            if key in attrs:
+                lines.append(f"  {key:<18} {json.dumps(attrs[key], sort_keys=True)}")
+        if reader.has_inputs:
+            inputs = reader.inputs()
+            lines.append(f"  token_ids          {_preview(inputs.token_ids)}")
+            lines.append(f"  positions          {_preview(inputs.positions)}")
+        lines.append(f"  {'stage':<7}{'width':>7}  {'dtype':<8}{'mean':>11}{'std':>11}{'absmax':>11}{'nonfinite':>10}")
+        for name in reader.stages:
+            s = stage_stats(reader, name)
+            lines.append(f"  {name:<7}{s.shape[-1]:>7}  {s.dtype:<8}{s.mean:>11.4g}{s.std:>11.4g}"
+                         f"{s.absmax:>11.4g}{s.nonfinite:>10}")
+        missing = [n for n in STAGE_BY_NAME if n not in reader.stages]
+        lines.append(f"  {len(reader.stages)}/{len(STAGE_BY_NAME)} stages"
+                     + (f", not captured: {', '.join(missing)}" if missing else ""))
+    return "\n".join(lines)
+
+
+def _preview(arr: np.ndarray, limit: int = 12) -> str:
+    head = ",".join(str(int(v)) for v in arr[:limit])
+    return head + (f",… ({len(arr)} in all)" if len(arr) > limit else "")

@@ -1,0 +1,258 @@
+"""`mtp-trace/1`: the reference-trace file format, and the only code in the project that touches HDF5.
+
+A trace records T teacher-forced steps of an MTP head. Datasets are addressed by name, never by order, so a C/CUDA
+team can write one with the HDF5 C API (or h5py) from this description alone.
+
+Root attributes
+    schema             "mtp-trace/1"                                          (required)
+    num_tokens         T, integer                                             (required)
+    hidden_size        D, integer                                             (required)
+    stages             names of the /stages datasets present, in STAGES order (oracle/stages.py)
+    family             e.g. "qwen3_5"
+    producer           package and version, e.g. "mtp-oracle 0.1.0"
+    versions           JSON: {"torch", "transformers", "h5py", "numpy"}
+    config             JSON of the head config used
+    checkpoint_digest  "sha256:<hex>" over (name, dtype, shape, stored bytes) of each head tensor, in name order
+    inputs_digest      "sha256:<hex>" of the four /inputs datasets, see `inputs_digest`
+    provenance         JSON: command line, checkpoint path, hidden source, seed, mode, dtype, git commit, time
+
+Datasets
+    /inputs/token_ids  int64   [T]      step i's token t_{i+1}
+    /inputs/positions  int64   [T]      step i's RoPE position p_i
+    /inputs/hidden     float32 [T, D]   H_i: the main model's post-final-norm hidden (the lm_head input)
+    /inputs/embed      float32 [T, D]   embedding rows of token_ids as stored (bf16 widened exactly)
+    /stages/<name>     float32 [T, w]   w = 2D for fc_in, D otherwise; row t = step t; chunked by token rows
+
+The oracle writes all 11 stages. A candidate may omit stages it does not capture (never counted as passed) and
+may omit /inputs. Files are written under a temporary name beside the target and renamed when complete, so an
+interrupted write never leaves a file that looks finished.
+"""
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from oracle.errors import InputError, OutputError, TraceFormatError
+from oracle.stages import STAGE_BY_NAME, STAGE_NAMES
+
+SCHEMA = "mtp-trace/1"
+INPUT_NAMES = ("token_ids", "positions", "hidden", "embed")
+_JSON_ATTRS = ("versions", "config", "provenance")
+_CHUNK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class TraceInputs:
+    """What every step consumes: token t_{i+1}, its embedding row, hidden H_i and position p_i."""
+
+    token_ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]
+    hidden: np.ndarray  # float32 [T, D]
+    embed: np.ndarray  # float32 [T, D]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.hidden.shape[1])
+
+
+def inputs_digest(inputs: TraceInputs) -> str:
+    """sha256 over name, dtype, shape and little-endian bytes of each input array, in INPUT_NAMES order."""
+    digest = hashlib.sha256()
+    for name in INPUT_NAMES:
+        arr = np.ascontiguousarray(getattr(inputs, name))
+        arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
+        digest.update(f"{name}|{arr.dtype.str}|{list(arr.shape)}|".encode())
+        digest.update(arr.tobytes())
+    return "sha256:" + digest.hexdigest()
+
+
+def rows_per_chunk(width: int, num_tokens: int) -> int:
+    """Token rows per HDF5 chunk (about 1 MiB of float32), also the probe's read granularity."""
+    return max(1, min(num_tokens, _CHUNK_BYTES // (4 * width)))
+
+
+def check_writable(path: Path) -> None:
+    """Fail before any work if `path` cannot be created or replaced."""
+    path = Path(path)
+    if path.is_dir():
+        raise OutputError(f"--out {path} is a directory; give a file name such as {path / 'ref.h5'}.")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise OutputError(f"--out {path}: directory {parent} does not exist; create it first.")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"--out {path}: directory {parent} is not writable; choose another location.")
+
+
+def write_trace(path: Path, inputs: TraceInputs, stages: dict[str, np.ndarray], attrs: dict) -> None:
+    """Write an `mtp-trace/1` file atomically.
+
+    `stages` maps stage names (a subset of STAGES) to float32 [T, width] arrays; `attrs` holds the optional root
+    attributes (family, producer, versions, config, checkpoint_digest, provenance); dict values are stored as JSON.
+    The required attributes, `stages` and `inputs_digest` are derived here.
+    """
+    path = Path(path)
+    check_writable(path)
+    names = [n for n in STAGE_NAMES if n in stages]
+    unknown = set(stages) - set(names)
+    if unknown:
+        raise ValueError(f"unknown stage names {sorted(unknown)}; valid: {STAGE_NAMES}")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with h5py.File(tmp, "w") as f:
+            _write_root_attrs(f, inputs, names, attrs)
+            for name in INPUT_NAMES:
+                f.create_dataset(f"inputs/{name}", data=getattr(inputs, name))
+            for name in names:
+                _write_stage(f, name, stages[name], inputs)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _write_root_attrs(f: h5py.File, inputs: TraceInputs, names: list[str], attrs: dict) -> None:
+    f.attrs["schema"] = SCHEMA
+    f.attrs["num_tokens"] = inputs.num_tokens
+    f.attrs["hidden_size"] = inputs.hidden_size
+    f.attrs["stages"] = names
+    f.attrs["inputs_digest"] = inputs_digest(inputs)
+    for key, value in attrs.items():
+        f.attrs[key] = json.dumps(value, sort_keys=True) if isinstance(value, dict) else value
+
+
+def _write_stage(f: h5py.File, name: str, values: np.ndarray, inputs: TraceInputs) -> None:
+    width = STAGE_BY_NAME[name].width(inputs.hidden_size)
+    if values.shape != (inputs.num_tokens, width) or values.dtype != np.float32:
+        raise ValueError(f"stage {name}: got {values.dtype} {values.shape}, need float32 "
+                         f"{(inputs.num_tokens, width)}")
+    f.create_dataset(f"stages/{name}", data=values, chunks=(rows_per_chunk(width, inputs.num_tokens), width))
+
+
+class TraceReader:
+    """An open trace: root attributes, the stages present, and row-range reads (memory bounded by the range)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._file = _open_hdf5(self.path)
+        try:
+            self.attrs = _read_root_attrs(self._file, self.path)
+            self.num_tokens = int(self.attrs["num_tokens"])
+            self.hidden_size = int(self.attrs["hidden_size"])
+            self.stages = self._present_stages()
+        except BaseException:
+            self._file.close()
+            raise
+
+    def __enter__(self) -> "TraceReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def _present_stages(self) -> tuple[str, ...]:
+        group = self._file.get("stages", {})
+        unknown = sorted(set(group) - set(STAGE_NAMES))
+        if unknown:
+            raise TraceFormatError(f"{self.path}: unknown stage datasets {unknown}; valid names are "
+                                   f"{', '.join(STAGE_NAMES)} (oracle/stages.py).")
+        return tuple(n for n in STAGE_NAMES if n in group)
+
+    def stage_shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._file[f"stages/{name}"].shape)
+
+    def stage_dtype(self, name: str) -> np.dtype:
+        return self._file[f"stages/{name}"].dtype
+
+    def stage_rows(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Rows start..stop of /stages/<name>, as stored."""
+        return self._file[f"stages/{name}"][start:stop]
+
+    @property
+    def has_inputs(self) -> bool:
+        return all(f"inputs/{n}" in self._file for n in INPUT_NAMES)
+
+    def input_rows(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        return self._file[f"inputs/{name}"][start:stop]
+
+    def inputs(self) -> TraceInputs:
+        """All of /inputs, shape-checked against num_tokens and hidden_size."""
+        if not self.has_inputs:
+            raise TraceFormatError(f"{self.path} has no complete /inputs group ({', '.join(INPUT_NAMES)}).")
+        arrays = {n: self.input_rows(n) for n in INPUT_NAMES}
+        t, d = self.num_tokens, self.hidden_size
+        for name, shape in (("token_ids", (t,)), ("positions", (t,)), ("hidden", (t, d)), ("embed", (t, d))):
+            if arrays[name].shape != shape:
+                raise TraceFormatError(f"{self.path}: /inputs/{name} has shape {arrays[name].shape}, "
+                                       f"expected {shape} from num_tokens={t}, hidden_size={d}.")
+        return TraceInputs(**arrays)
+
+
+def read_trace(path: Path) -> TraceReader:
+    """Open an `mtp-trace/1` file for reading (use as a context manager).
+
+    Raises TraceFormatError, with a regeneration hint, if the file is not HDF5, is truncated, or carries another
+    schema. Stage datasets are not read until asked for: `stage_rows(name, start, stop)` reads a row range.
+    """
+    return TraceReader(path)
+
+
+def _open_hdf5(path: Path) -> h5py.File:
+    if not path.is_file():
+        raise TraceFormatError(f"trace {path} does not exist.")
+    try:
+        return h5py.File(path, "r")
+    except OSError as err:
+        raise TraceFormatError(f"{path} is not a readable HDF5 file (truncated or corrupt?): {err}. "
+                               f"Regenerate it with: mtp-oracle export CHECKPOINT --out {path}") from None
+
+
+def _read_root_attrs(f: h5py.File, path: Path) -> dict:
+    schema = f.attrs.get("schema")
+    if schema is None:
+        raise TraceFormatError(f"{path} is HDF5 but not an mtp trace (no 'schema' attribute).")
+    schema = _as_str(schema)
+    if schema != SCHEMA:
+        raise TraceFormatError(f"{path} has schema {schema}, this tool reads {SCHEMA}. "
+                               f"Regenerate with: mtp-oracle export CHECKPOINT --out {path}")
+    attrs = {}
+    for key, value in f.attrs.items():
+        value = _as_str(value)
+        attrs[key] = json.loads(value) if key in _JSON_ATTRS else value
+    for key in ("num_tokens", "hidden_size"):
+        if key not in attrs:
+            raise TraceFormatError(f"{path}: required root attribute '{key}' is missing.")
+    if "stages" in attrs:
+        attrs["stages"] = [_as_str(s) for s in attrs["stages"]]
+    return attrs
+
+
+def _as_str(value):
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def array_from_hdf5(path: Path, dataset: str) -> np.ndarray:
+    """One dataset of a user's HDF5 file (for `--hidden FILE.h5:/dataset`)."""
+    f = _open_hdf5(Path(path))
+    with f:
+        if dataset not in f or not isinstance(f[dataset], h5py.Dataset):
+            raise InputError(f"{path} has no dataset {dataset}; its datasets are: "
+                             f"{', '.join(_dataset_names(f)) or 'none'}.")
+        return f[dataset][()]
+
+
+def _dataset_names(f: h5py.File) -> list[str]:
+    names = []
+    f.visititems(lambda name, obj: names.append("/" + name) if isinstance(obj, h5py.Dataset) else None)
+    return names

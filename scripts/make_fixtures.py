@@ -1,0 +1,152 @@
+"""Deterministic tiny Qwen3.5 checkpoints in the real release layout, and the stored reference trace.
+
+    python scripts/make_fixtures.py
+
+writes fixtures/qwen3_5_tiny/ (one model.safetensors), fixtures/qwen3_5_tiny_sharded/ (3 shards + index, the
+head split across two of them) and fixtures/qwen3_5_tiny_ref.h5 (a trace exported from the first). Tests import
+`write_checkpoint` to make variants with other dims.
+
+The layout is the release's: config.json as Qwen3_5ForConditionalGeneration with a nested text_config, bf16
+safetensors holding a complete tiny main model (3 linear-attention + 1 full-attention layers, and a 1-block vision
+tower) under the names transformers uses, `lm_head.weight`, and the 15 `mtp.*` head tensors, whose names are
+transcribed below from the release (not taken from the oracle, so a wrong name in the oracle cannot agree with
+itself). Dims are small but not degenerate: GQA (4 heads, 2 KV heads), head_dim 32 != hidden/heads = 16,
+partial rotary (8 of 32 dims).
+"""
+
+import json
+import os
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+ROOT = Path(__file__).resolve().parent.parent
+GENERATED_BY = "python scripts/make_fixtures.py"
+TINY = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "intermediate_size": 96, "vocab_size": 512, "num_hidden_layers": 4, "rope_theta": 1e7,
+        "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1], "rms_norm_eps": 1e-6}
+REF_TOKENS = [17, 42, 3, 255, 100, 7, 511, 64]  # step tokens t_1..t_8 of the stored trace
+REF_HIDDEN_SEED = 0
+
+
+def release_config(dims: dict) -> dict:
+    """config.json of a Qwen3_5ForConditionalGeneration release, shrunk to `dims`."""
+    text = {
+        "model_type": "qwen3_5_text", "hidden_size": dims["hidden_size"],
+        "num_attention_heads": dims["num_attention_heads"], "num_key_value_heads": dims["num_key_value_heads"],
+        "head_dim": dims["head_dim"], "intermediate_size": dims["intermediate_size"],
+        "vocab_size": dims["vocab_size"], "num_hidden_layers": dims["num_hidden_layers"],
+        "layer_types": ["linear_attention" if (i + 1) % 4 else "full_attention"
+                        for i in range(dims["num_hidden_layers"])],
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "hidden_act": "silu",
+        "rms_norm_eps": dims["rms_norm_eps"], "max_position_embeddings": 4096, "attention_bias": False,
+        "tie_word_embeddings": False, "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": dims["rope_theta"],
+                            "partial_rotary_factor": dims["partial_rotary_factor"],
+                            "mrope_section": dims["mrope_section"], "mrope_interleaved": True},
+    }
+    vision = {"model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 32, "num_heads": 2,
+              "intermediate_size": 64, "out_hidden_size": dims["hidden_size"], "patch_size": 4,
+              "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 16}
+    return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+            "text_config": text, "vision_config": vision, "tie_word_embeddings": False}
+
+
+def mtp_shapes(dims: dict) -> dict[str, tuple[int, ...]]:
+    """The release's 15 head tensors ([out, in] for linears; q_proj holds query and gate per head)."""
+    d, hd, ff = dims["hidden_size"], dims["head_dim"], dims["intermediate_size"]
+    q, kv = dims["num_attention_heads"] * hd, dims["num_key_value_heads"] * hd
+    attn = "mtp.layers.0.self_attn."
+    return {"mtp.fc.weight": (d, 2 * d), "mtp.pre_fc_norm_embedding.weight": (d,),
+            "mtp.pre_fc_norm_hidden.weight": (d,), "mtp.norm.weight": (d,),
+            "mtp.layers.0.input_layernorm.weight": (d,), "mtp.layers.0.post_attention_layernorm.weight": (d,),
+            attn + "q_proj.weight": (2 * q, d), attn + "k_proj.weight": (kv, d), attn + "v_proj.weight": (kv, d),
+            attn + "o_proj.weight": (d, q), attn + "q_norm.weight": (hd,), attn + "k_norm.weight": (hd,),
+            "mtp.layers.0.mlp.gate_proj.weight": (ff, d), "mtp.layers.0.mlp.up_proj.weight": (ff, d),
+            "mtp.layers.0.mlp.down_proj.weight": (d, ff)}
+
+
+def main_model_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the main model, exactly as transformers' Qwen3_5ForConditionalGeneration has them."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    cfg = Qwen3_5Config(text_config=config["text_config"], vision_config=config["vision_config"])
+    with torch.device("meta"):
+        model = Qwen3_5ForConditionalGeneration(cfg)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def tensor_values(name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
+    """Deterministic values per name; (1+w) norm weights are far from 0 so a missed or `w`-flavoured norm shows."""
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    if name.endswith("A_log"):
+        return np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
+    if name.endswith("dt_bias"):
+        return rng.uniform(0.5, 1.5, shape).astype(np.float32)
+    if "visual" in name or name.endswith(".bias"):
+        return (0.02 * rng.standard_normal(shape)).astype(np.float32)
+    if name.endswith("linear_attn.norm.weight"):  # Qwen3_5RMSNormGated: plain w, initialised to ones
+        return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+    if len(shape) == 1:  # every other 1-D weight here is a zero-centred (1+w) RMSNorm
+        return (0.3 * rng.standard_normal(shape)).astype(np.float32)
+    if name.endswith("embed_tokens.weight"):
+        return rng.standard_normal(shape).astype(np.float32)
+    fan_in = int(np.prod(shape[1:]))
+    return (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)
+
+
+def _shard_of(name: str) -> int:
+    """Three shards like a release; the head is split across shards 2 and 3 so the index is really used."""
+    if name.startswith("mtp.layers."):
+        return 3
+    if name.startswith("mtp.") or name.startswith("model.language_model.layers."):
+        return 2
+    return 1
+
+
+def write_checkpoint(out_dir: Path, dims: dict | None = None, seed: int = 0, sharded: bool = False) -> Path:
+    """A complete tiny checkpoint (config.json + bf16 safetensors) in the release layout."""
+    dims = {**TINY, **(dims or {})}
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = release_config(dims)
+    shapes = main_model_shapes(config) | mtp_shapes(dims)
+    tensors = {n: torch.from_numpy(tensor_values(n, s, seed)).to(torch.bfloat16) for n, s in sorted(shapes.items())}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    metadata = {"format": "pt", "generated_by": GENERATED_BY}
+    if not sharded:
+        save_file(tensors, out_dir / "model.safetensors", metadata=metadata)
+        return out_dir
+    files = {k: f"model-{k:05d}-of-00003.safetensors" for k in (1, 2, 3)}
+    weight_map = {n: files[_shard_of(n)] for n in tensors}
+    for k, file in files.items():
+        save_file({n: t for n, t in tensors.items() if _shard_of(n) == k}, out_dir / file, metadata=metadata)
+    index = {"metadata": {"total_size": sum(t.numel() * 2 for t in tensors.values())}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return out_dir
+
+
+def reference_export_args(checkpoint: Path, out: Path) -> list[str]:
+    return ["export", str(checkpoint), "--out", str(out), "--tokens", ",".join(map(str, REF_TOKENS)),
+            "--hidden-seed", str(REF_HIDDEN_SEED)]
+
+
+def main() -> None:
+    from oracle.cli import main as oracle_main
+
+    os.chdir(ROOT)  # the trace's provenance records these paths relative to the repository
+    fixtures = ROOT / "fixtures"
+    write_checkpoint(fixtures / "qwen3_5_tiny")
+    write_checkpoint(fixtures / "qwen3_5_tiny_sharded", sharded=True)
+    args = reference_export_args(Path("fixtures/qwen3_5_tiny"), Path("fixtures/qwen3_5_tiny_ref.h5"))
+    oracle_main(args, standalone_mode=False)
+    print(f"wrote {fixtures}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
