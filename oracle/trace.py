@@ -114,6 +114,9 @@ def write_trace(path: Path, inputs: TraceInputs, stages: dict[str, np.ndarray], 
             for name in names:
                 _write_stage(f, name, stages[name], inputs)
         os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"cannot write {path}: {err}. Check free space and permissions there.") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
