@@ -53,7 +53,8 @@ def release_config(dims: dict) -> dict:
     vision = {"model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 32, "num_heads": 2,
               "intermediate_size": 64, "out_hidden_size": dims["hidden_size"], "patch_size": 4,
               "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 16}
-    return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+    return {"_generated_by": GENERATED_BY, "architectures": ["Qwen3_5ForConditionalGeneration"],
+            "model_type": "qwen3_5",
             "text_config": text, "vision_config": vision, "tie_word_embeddings": False}
 
 
@@ -118,7 +119,7 @@ def write_checkpoint(out_dir: Path, dims: dict | None = None, seed: int = 0, sha
     shapes = main_model_shapes(config) | mtp_shapes(dims)
     tensors = {n: torch.from_numpy(tensor_values(n, s, seed)).to(torch.bfloat16) for n, s in sorted(shapes.items())}
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    metadata = {"format": "pt", "generated_by": GENERATED_BY}
+    metadata = {"format": "pt"}  # one key: safetensors orders metadata keys at random, breaking byte-determinism
     if not sharded:
         save_file(tensors, out_dir / "model.safetensors", metadata=metadata)
         return out_dir
