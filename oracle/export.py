@@ -43,6 +43,7 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
                  log: Callable[[str], None] = lambda msg: None) -> Path:
     """Run the head on T teacher-forced steps and write every stage to `out` (atomically)."""
     check_writable(out)
+    token_ids = np.asarray(token_ids, dtype=np.int64)
     ckpt = Checkpoint(checkpoint_dir)
     cfg = ckpt.config
     check_token_ids(token_ids, cfg.vocab_size)
