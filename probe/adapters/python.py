@@ -1,0 +1,61 @@
+"""`python:MODULE:FACTORY`: a user's Python implementation, driven step by step like the C ABI.
+
+    FACTORY(config: HeadConfig, weights: dict[str, np.ndarray]) -> impl
+
+`weights` maps the checkpoint's `mtp.*` names to float32 arrays. `impl` must have
+
+    impl.step(pos: int, embed_row: ndarray[D], hidden: ndarray[D], out: ndarray[D], trace: dict[str, ndarray])
+
+which writes the step's output into `out` and each captured stage into `trace[name]` (row views of poisoned
+buffers: write with `trace["fc"][:] = ...`, not by rebinding). `impl.capture` (optional) lists the stages it
+captures, in any order; the others are "not captured". The impl keeps its own KV cache across calls.
+"""
+
+import importlib
+from pathlib import Path
+
+import numpy as np
+
+from oracle.checkpoint import Checkpoint
+from oracle.stages import STAGE_BY_NAME, TRACE_STAGE_NAMES
+from oracle.trace import TraceInputs
+from probe.errors import AdapterError
+from probe.poison import poison
+
+
+class PythonAdapter:
+    deterministic = True
+
+    def __init__(self, spec: str, checkpoint: Path):
+        module_name, _, factory_name = spec.partition(":")
+        if not module_name or not factory_name:
+            raise AdapterError(f"--impl python:{spec}: expected python:MODULE:FACTORY, e.g. python:my_engine:make_head.")
+        try:
+            factory = getattr(importlib.import_module(module_name), factory_name)
+        except (ImportError, AttributeError) as err:
+            raise AdapterError(f"--impl python:{spec}: cannot load {factory_name} from {module_name} ({err}). "
+                               f"Is the module on PYTHONPATH?") from None
+        ckpt = Checkpoint(checkpoint)
+        self.name = f"python:{spec}"
+        self._impl = factory(ckpt.config, ckpt.read_head().tensors)
+        if not callable(getattr(self._impl, "step", None)):
+            raise AdapterError(f"{self.name}: the object {factory_name}() returned has no step() method.")
+        self._capture = _captured_stages(self._impl, self.name)
+
+    def run(self, inputs: TraceInputs) -> dict[str, np.ndarray]:
+        t, d = inputs.num_tokens, inputs.hidden_size
+        buffers = {n: poison((t, STAGE_BY_NAME[n].width(d))) for n in self._capture}
+        buffers["out"] = poison((t, d))
+        for i in range(t):
+            rows = {n: buffers[n][i] for n in self._capture}  # views: the impl writes into the buffers
+            self._impl.step(int(inputs.positions[i]), inputs.embed[i].copy(), inputs.hidden[i].copy(),
+                            buffers["out"][i], rows)
+        return buffers
+
+
+def _captured_stages(impl, name: str) -> tuple[str, ...]:
+    declared = getattr(impl, "capture", TRACE_STAGE_NAMES)
+    unknown = sorted(set(declared) - set(TRACE_STAGE_NAMES))
+    if unknown:
+        raise AdapterError(f"{name}: capture lists unknown stages {unknown}; valid: {', '.join(TRACE_STAGE_NAMES)}.")
+    return tuple(n for n in TRACE_STAGE_NAMES if n in declared)
