@@ -16,7 +16,8 @@ from oracle.checkpoint import Checkpoint, check_token_ids
 from oracle.errors import InputError
 from oracle.families import qwen3_5
 from oracle.inputs import hidden_from_file, hidden_from_seed, positions_from_start
-from oracle.trace import TraceInputs, check_writable, write_trace
+from oracle.output import check_writable
+from oracle.trace import TraceInputs, write_trace
 
 MODES = ("batched", "stepwise")
 

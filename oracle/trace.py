@@ -30,14 +30,14 @@ interrupted write never leaves a file that looks finished.
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import h5py
 import numpy as np
 
-from oracle.errors import InputError, OutputError, TraceFormatError
+from oracle.errors import InputError, TraceFormatError
+from oracle.output import atomic_output
 from oracle.stages import STAGE_BY_NAME, STAGE_NAMES
 
 SCHEMA = "mtp-trace/1"
@@ -80,46 +80,24 @@ def rows_per_chunk(width: int, num_tokens: int) -> int:
     return max(1, min(num_tokens, _CHUNK_BYTES // (4 * width)))
 
 
-def check_writable(path: Path) -> None:
-    """Fail before any work if `path` cannot be created or replaced."""
-    path = Path(path)
-    if path.is_dir():
-        raise OutputError(f"--out {path} is a directory; give a file name such as {path / 'ref.h5'}.")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise OutputError(f"--out {path}: directory {parent} does not exist; create it first.")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise OutputError(f"--out {path}: directory {parent} is not writable; choose another location.")
-
-
-def write_trace(path: Path, inputs: TraceInputs, stages: dict[str, np.ndarray], attrs: dict) -> None:
+def write_trace(path: Path, inputs: TraceInputs, stages: dict[str, np.ndarray], attrs: dict,
+                option: str = "--out") -> None:
     """Write an `mtp-trace/1` file atomically.
 
     `stages` maps stage names (a subset of STAGES) to float32 [T, width] arrays; `attrs` holds the optional root
     attributes (family, producer, versions, config, checkpoint_digest, provenance); dict values are stored as JSON.
     The required attributes, `stages` and `inputs_digest` are derived here.
     """
-    path = Path(path)
-    check_writable(path)
     names = [n for n in STAGE_NAMES if n in stages]
     unknown = set(stages) - set(names)
     if unknown:
         raise ValueError(f"unknown stage names {sorted(unknown)}; valid: {STAGE_NAMES}")
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with h5py.File(tmp, "w") as f:
-            _write_root_attrs(f, inputs, names, attrs)
-            for name in INPUT_NAMES:
-                f.create_dataset(f"inputs/{name}", data=getattr(inputs, name))
-            for name in names:
-                _write_stage(f, name, stages[name], inputs)
-        os.replace(tmp, path)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise OutputError(f"cannot write {path}: {err}. Check free space and permissions there.") from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_output(path, option) as tmp, h5py.File(tmp, "w") as f:
+        _write_root_attrs(f, inputs, names, attrs)
+        for name in INPUT_NAMES:
+            f.create_dataset(f"inputs/{name}", data=getattr(inputs, name))
+        for name in names:
+            _write_stage(f, name, stages[name], inputs)
 
 
 def _write_root_attrs(f: h5py.File, inputs: TraceInputs, names: list[str], attrs: dict) -> None:

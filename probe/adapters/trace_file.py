@@ -1,0 +1,207 @@
+"""Reading a trace someone already wrote: an `mtp-trace/1` HDF5 file, or a raw directory an engine dumped.
+
+Both sit behind one small interface, `TraceSource`: the stages present, their shape and dtype as stored, and
+row-range reads (memory bounded by the range), plus the inputs the producer recorded, if any. A source converts
+layout to the oracle's (native float32 rows) and does nothing else: checks live in probe/selfcheck.py.
+
+Raw directory layout (for engines that do not write HDF5):
+
+    <stage>.bin    one per captured stage, named as in oracle/stages.py (e, h, fc_in, fc, ah, attn, res1, mh,
+                   mlp, res2, out); little-endian float32, row-major [T, width], width 2D for fc_in, D otherwise.
+                   The files carry no header: T and D are the reference's. Omit the stages you do not capture.
+    inputs.json    optional: {"token_ids": [T ints], "positions": [T ints]} as the engine consumed them
+    hidden.bin     optional: the hidden H [T, D] float32 the engine consumed (must be the reference's, bit for bit)
+
+Any other `*.bin` name is an error (a misspelt stage would otherwise be silently "not captured").
+"""
+
+import json
+from pathlib import Path
+from typing import Callable, Protocol, TypeVar
+
+import numpy as np
+
+from oracle.errors import TraceFormatError
+from oracle.stages import STAGE_BY_NAME, STAGE_NAMES
+from oracle.trace import read_trace
+
+CHECKED_INPUTS = ("token_ids", "positions", "hidden")  # the inputs a candidate is given; embed comes from weights
+_JSON_INPUTS = ("token_ids", "positions")
+_T = TypeVar("_T")
+
+
+class TraceSource(Protocol):
+    path: Path
+    kind: str
+    num_tokens: int
+    hidden_size: int
+    stages: tuple[str, ...]  # present stages, in STAGES order
+    recorded_inputs: tuple[str, ...]  # subset of CHECKED_INPUTS
+
+    def stage_shape(self, name: str) -> tuple[int, ...]: ...
+    def stage_dtype(self, name: str) -> np.dtype: ...
+    def stage_rows(self, name: str, start: int, stop: int) -> np.ndarray: ...
+    def input_shape(self, name: str) -> tuple[int, ...]: ...
+    def input_rows(self, name: str, start: int, stop: int) -> np.ndarray: ...
+    def describe(self, name: str) -> str: ...
+    def close(self) -> None: ...
+
+
+def open_reference(path: Path) -> "Hdf5Trace":
+    """The oracle trace: always an `mtp-trace/1` file."""
+    path = Path(path)
+    if path.is_dir():
+        raise TraceFormatError(f"reference {path} is a directory; pass the .h5 file written by mtp-oracle export.")
+    return Hdf5Trace(path)
+
+
+def open_candidate(path: Path, num_tokens: int, hidden_size: int) -> TraceSource:
+    """A candidate trace: an `mtp-trace/1` file, or a raw directory read with the reference's T and D."""
+    path = Path(path)
+    if path.is_dir():
+        return RawDirTrace(path, num_tokens, hidden_size)
+    return Hdf5Trace(path)
+
+
+class _Closing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        pass
+
+
+class Hdf5Trace(_Closing):
+    """An `mtp-trace/1` file, read through oracle.trace; h5py errors from a corrupt file become TraceFormatError."""
+
+    kind = "mtp-trace/1"
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._reader = _guarded(self.path, "reading the file header", lambda: read_trace(self.path))
+        self.num_tokens = self._reader.num_tokens
+        self.hidden_size = self._reader.hidden_size
+        self.stages = self._reader.stages
+        self.recorded_inputs = CHECKED_INPUTS if self._guard("/inputs", lambda: self._reader.has_inputs) else ()
+
+    def _guard(self, what: str, call: Callable[[], _T]) -> _T:
+        return _guarded(self.path, f"reading {what}", call)
+
+    def close(self) -> None:
+        self._reader.close()
+
+    def stage_shape(self, name: str) -> tuple[int, ...]:
+        return self._guard(f"/stages/{name}", lambda: self._reader.stage_shape(name))
+
+    def stage_dtype(self, name: str) -> np.dtype:
+        return self._guard(f"/stages/{name}", lambda: self._reader.stage_dtype(name))
+
+    def stage_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        rows = self._guard(f"/stages/{name} rows {start}..{stop - 1}",
+                           lambda: self._reader.stage_rows(name, start, stop))
+        return _native_float32(rows)
+
+    def input_shape(self, name: str) -> tuple[int, ...]:
+        # As declared by the root attributes (oracle.trace checks /inputs against them); reads verify the rest.
+        return (self.num_tokens,) if name != "hidden" else (self.num_tokens, self.hidden_size)
+
+    def input_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        rows = self._guard(f"/inputs/{name} rows {start}..{stop - 1}",
+                           lambda: self._reader.input_rows(name, start, stop))
+        return _native_float32(rows)
+
+    def describe(self, name: str) -> str:
+        return f"{self.path}:/stages/{name}"
+
+
+class RawDirTrace(_Closing):
+    """A directory of `<stage>.bin` files (module docstring), read by row ranges without loading whole files."""
+
+    kind = "raw dir"
+
+    def __init__(self, path: Path, num_tokens: int, hidden_size: int):
+        self.path = Path(path)
+        self.num_tokens, self.hidden_size = num_tokens, hidden_size
+        try:
+            files = {p.name for p in self.path.iterdir() if p.is_file()}
+        except OSError as err:
+            raise TraceFormatError(f"raw trace directory {self.path} is not readable: {err}.") from None
+        known = {f"{n}.bin" for n in STAGE_NAMES} | {"hidden.bin"}
+        unknown = sorted(f for f in files if f.endswith(".bin") and f not in known)
+        if unknown:
+            raise TraceFormatError(f"{self.path}: unknown stage files {', '.join(unknown)}; name each file "
+                                   f"<stage>.bin with a stage from oracle/stages.py: {', '.join(STAGE_NAMES)} "
+                                   f"(or hidden.bin for the consumed hidden).")
+        self.stages = tuple(n for n in STAGE_NAMES if f"{n}.bin" in files)
+        self._ids = _inputs_from_json(self.path / "inputs.json") if "inputs.json" in files else {}
+        recorded = set(self._ids) | ({"hidden"} if "hidden.bin" in files else set())
+        self.recorded_inputs = tuple(n for n in CHECKED_INPUTS if n in recorded)
+
+    def _file(self, name: str) -> Path:
+        return self.path / f"{name}.bin"
+
+    def _width(self, name: str) -> int:
+        return self.hidden_size if name == "hidden" else STAGE_BY_NAME[name].width(self.hidden_size)
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        nbytes = self._file(name).stat().st_size
+        rows, rest = divmod(nbytes, 4 * self._width(name))
+        return (rows, self._width(name)) if rest == 0 else (nbytes // 4,)
+
+    def _rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        width = self._width(name)
+        flat = np.fromfile(self._file(name), dtype="<f4", count=(stop - start) * width, offset=start * width * 4)
+        return flat.reshape(-1, width).astype(np.float32, copy=False)  # little-endian file -> native float32
+
+    def stage_shape(self, name: str) -> tuple[int, ...]:
+        return self._shape(name)
+
+    def stage_dtype(self, name: str) -> np.dtype:
+        return np.dtype(np.float32)  # raw files are float32 by definition; a wider dtype shows as a wrong size
+
+    def stage_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        return self._rows(name, start, stop)
+
+    def input_shape(self, name: str) -> tuple[int, ...]:
+        return self._ids[name].shape if name in _JSON_INPUTS else self._shape(name)
+
+    def input_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        return self._ids[name][start:stop] if name in _JSON_INPUTS else self._rows(name, start, stop)
+
+    def describe(self, name: str) -> str:
+        return f"{self._file(name)} ({self._file(name).stat().st_size} bytes)"
+
+
+def _guarded(path: Path, what: str, call: Callable[[], _T]) -> _T:
+    try:
+        return call()
+    # h5py reports a damaged file as any of these, from whichever call first touches the damage.
+    except (OSError, RuntimeError, KeyError) as err:
+        raise TraceFormatError(f"{path} is corrupt or truncated: {what} failed ({err}). Write the file again "
+                               f"(reference: mtp-oracle export ... --out {path}).") from None
+
+
+def _native_float32(rows: np.ndarray) -> np.ndarray:
+    if rows.dtype.kind == "f" and rows.dtype.itemsize == 4:
+        return rows.astype(np.float32, copy=False)  # any-endian float32 -> native, bit-exact
+    return rows
+
+
+def _inputs_from_json(path: Path) -> dict[str, np.ndarray]:
+    hint = 'expected {"token_ids": [ints], "positions": [ints]}'
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise TraceFormatError(f"{path} is not readable JSON ({err}); {hint}.") from None
+    if not isinstance(data, dict) or not set(data) <= set(_JSON_INPUTS):
+        keys = sorted(data) if isinstance(data, dict) else type(data).__name__
+        raise TraceFormatError(f"{path} holds {keys}; {hint}.")
+    arrays = {}
+    for key, values in data.items():
+        if not (isinstance(values, list) and all(type(v) is int and -2**63 <= v < 2**63 for v in values)):
+            raise TraceFormatError(f"{path}: '{key}' must be a list of int64 integers; {hint}.")
+        arrays[key] = np.asarray(values, dtype=np.int64).reshape(len(values))
+    return arrays

@@ -1,0 +1,300 @@
+"""Rendering a `DiffReport`: the terminal report, the greppable summary line, and the JSON report.
+
+This is the only module of the probe that formats text. Sides are labelled by role: `oracle` (the reference
+trace) and `candidate`.
+"""
+
+import json
+import math
+from pathlib import Path
+
+from oracle.output import atomic_output
+from oracle.stages import STAGE_NAMES, stage_index
+
+from probe.adapters.trace_file import CHECKED_INPUTS
+from probe.compare import DIVERGENT_STATUSES, INVALID_STATUSES, Cell, RowStats, StageDiff
+from probe.diff import DiffReport
+from probe.evidence import ATTENTION, POSITION_NOTE, QK_NOTE, qk_evidenced
+from probe.selfcheck import Issue
+
+MAX_RULE = "pass iff max_rel < rtol or max_abs < atol, max_rel = max|a-e| / max|e| per (stage, token) row"
+_COL = 7
+_ALL_ROWS = 40  # up to this many tokens the table shows every token
+_STATUS_TEXT = {"unwritten": "UNWR", "shape": "SHAPE", "dtype": "DTYPE", "nonfinite": "NaN!"}
+_ISSUE_LABEL = {"coverage": "no stage captured", "shape": "wrong shape", "dtype": "wrong dtype",
+                "inputs": "inputs differ", "unwritten": "unwritten rows"}
+LEGEND = ("cells: tolerance budget used (1 = at the limit; a row passes below 1)\n"
+          "       ! out of tolerance   ~ not evidential (t=0 attention)   NaN! computed NaN/Inf   UNWR never written\n"
+          "       SHAPE/DTYPE wrong layout   - not captured   . not compared (--fail-fast)")
+
+
+def coverage_text(captured: tuple[str, ...]) -> str:
+    """`11 stages`, or `9/11 stages, not captured: mh, mlp`."""
+    missing = [n for n in STAGE_NAMES if n not in captured]
+    if not missing:
+        return f"{len(STAGE_NAMES)} stages"
+    return f"{len(captured)}/{len(STAGE_NAMES)} stages, not captured: {', '.join(missing)}"
+
+
+def summary_line(report: DiffReport) -> str:
+    """The last stdout line: VERDICT | what | coverage | ref=… candidate=…"""
+    coverage, where = coverage_text(report.captured), f"ref={report.reference} candidate={report.candidate}"
+    name = report.verdict.name
+    if name == "pass":
+        parts = ["PASSED", f"{len(report.captured)} stages x {report.num_tokens} tokens within tolerance"]
+        parts += [coverage] if report.not_captured else []
+    elif name == "diverged":
+        first = report.first
+        parts = ["DIVERGED", f"first divergent stage: {first.stage} at token {first.token}",
+                 f"budget {budget_text(first.diff.budget_used)}", coverage]
+    elif name == "invalid":
+        parts = ["INVALID", _issues_short(report.issues), coverage]
+    else:
+        parts = ["INCONCLUSIVE", "all compared rows within tolerance, but " + "; ".join(report.verdict.reasons),
+                 coverage]
+    return " | ".join(parts + [where])
+
+
+def render_text(report: DiffReport, verbose: bool = False) -> str:
+    """The human report (everything but the summary line); `verbose` adds the worst elements side by side."""
+    blocks = [_header(report), _table(report), LEGEND, _issues(report), _divergence(report, verbose),
+              _worst_per_stage(report) if verbose else "", _evidence(report),
+              f"verdict: {report.verdict.name} (exit {report.verdict.exit_code})"]
+    return "\n\n".join(b for b in blocks if b)
+
+
+def budget_text(budget: float) -> str:
+    if not math.isfinite(budget):
+        return "inf"
+    return f"{budget:.0f}x" if budget >= 100 else f"{budget:.3g}x"
+
+
+def _header(report: DiffReport) -> str:
+    lines = [f"oracle     {report.reference}  (mtp-trace/1, T={report.num_tokens}, D={report.hidden_size})",
+             f"candidate  {report.candidate}  ({report.candidate_kind}): {coverage_text(report.captured)}",
+             f"inputs     {_inputs_text(report)}", f"tolerance  {MAX_RULE}"]
+    tols = {tol for tol in report.tols.values()}
+    for tol in sorted(tols, key=lambda t: t.why):
+        stages = [n for n in STAGE_NAMES if report.tols[n] == tol]
+        scope = "all stages" if len(stages) == len(STAGE_NAMES) else ", ".join(stages)
+        lines.append(f"           {scope}: rtol {tol.rtol:g}, atol {tol.atol:g} ({tol.why})")
+    return "\n".join(lines)
+
+
+def _inputs_text(report: DiffReport) -> str:
+    if not report.inputs_recorded:
+        return "inputs not recorded: not verified"
+    differ = [i.where.split("/")[1] for i in report.issues if i.kind == "inputs"]
+    same = [n for n in report.inputs_recorded if n not in differ]
+    missing = [n for n in CHECKED_INPUTS if n not in report.inputs_recorded]
+    parts = ([f"DIFFER from the reference: {', '.join(differ)}"] if differ else []) + \
+        ([f"identical to the reference: {', '.join(same)}"] if same else []) + \
+        ([f"not recorded (not verified): {', '.join(missing)}"] if missing else [])
+    return "; ".join(parts)
+
+
+def _table(report: DiffReport) -> str:
+    grid = {(c.stage, c.token): c for c in report.cells}
+    lines = ["budget used per (token, stage)", "token " + "".join(f"{n:>{_COL}}" for n in STAGE_NAMES)]
+    previous = -1
+    for token in _tokens_shown(report):
+        if token > previous + 1:
+            lines.append(f"  ... tokens {previous + 1}-{token - 1} not shown (see the max row)")
+        lines.append(f"t{token:<5}" + "".join(f"{_grid_text(report, grid, n, token):>{_COL}}" for n in STAGE_NAMES))
+        previous = token
+    if previous < report.num_tokens - 1:
+        lines.append(f"  ... tokens {previous + 1}-{report.num_tokens - 1} not shown (see the max row)")
+    worst = [_worst_cell(c for c in report.cells if c.stage == n) for n in STAGE_NAMES]
+    lines.append("max   " + "".join(f"{_cell_text(c) if c else '-':>{_COL}}" for c in worst))
+    return "\n".join(lines)
+
+
+def _tokens_shown(report: DiffReport) -> list[int]:
+    total = report.num_tokens
+    if total <= _ALL_ROWS:
+        return list(range(total))
+    must = {report.first.token} if report.first else set()
+    must |= {i.tokens[0] for i in report.issues if i.tokens}
+    return sorted(set(range(16)) | set(range(total - 8, total)) | must)
+
+
+def _grid_text(report: DiffReport, grid: dict, stage: str, token: int) -> str:
+    if stage not in report.captured:
+        return "-"
+    cell = grid.get((stage, token))
+    return _cell_text(cell) if cell else "."
+
+
+def _cell_text(cell: Cell) -> str:
+    status = cell.diff.status
+    if status in _STATUS_TEXT:
+        return _STATUS_TEXT[status]
+    mark = "!" if status in DIVERGENT_STATUSES else ("" if cell.evidential else "~")
+    return _budget_short(cell.diff.budget_used) + mark
+
+
+def _budget_short(budget: float) -> str:
+    if budget == 0:
+        return "0"
+    if budget < 1e-3:
+        return "<.001"
+    if budget < 10:
+        return f"{budget:.2f}"
+    return f"{budget:.0f}" if budget < 1000 else f"{budget:.0e}"
+
+
+def _worst_cell(cells) -> Cell | None:
+    def severity(cell: Cell) -> tuple[int, float]:
+        rank = 2 if cell.diff.status in INVALID_STATUSES else 1 if cell.diff.status == "nonfinite" else 0
+        return rank, cell.diff.budget_used
+    return max(cells, key=severity, default=None)
+
+
+def _issues(report: DiffReport) -> str:
+    if not report.issues:
+        return "self-checks: passed (layout, inputs as recorded, every compared row written)"
+    lines = ["self-checks FAILED (verdict invalid):"]
+    lines += [f"  - {i.message}" + (f" [tokens {_ranges(i.tokens)}]" if i.tokens else "") for i in report.issues]
+    return "\n".join(lines)
+
+
+def _issues_short(issues: tuple[Issue, ...]) -> str:
+    """`unwritten rows: e at token(s) 1-7, h at token(s) 1-7, fc_in at token(s) 1-7 and 8 more; inputs differ: …`"""
+    by_kind: dict[str, list[str]] = {}
+    for issue in issues:
+        place = f"{issue.where} at token(s) {_ranges(issue.tokens)}" if issue.tokens else issue.where
+        by_kind.setdefault(_ISSUE_LABEL[issue.kind], []).append(place)
+    return "; ".join(f"{label}: {', '.join(places[:3])}" + (f" and {len(places) - 3} more" if len(places) > 3 else "")
+                     for label, places in by_kind.items())
+
+
+def _ranges(tokens: tuple[int, ...]) -> str:
+    spans: list[list[int]] = []
+    for t in sorted(tokens):
+        if spans and t == spans[-1][1] + 1:
+            spans[-1][1] = t
+        else:
+            spans.append([t, t])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def _divergence(report: DiffReport, verbose: bool) -> str:
+    lines = []
+    if report.compared_tokens < report.num_tokens:
+        lines.append(f"--fail-fast: stopped after {report.compared_tokens} of {report.num_tokens} tokens; "
+                     f"later tokens were not compared")
+    if report.first is None:
+        return "\n".join(lines + ["no divergence: every compared row is within tolerance or failed a self-check"])
+    first = report.first
+    per_token = ", ".join(f"t{t} {s}" for t, s in list(report.first_per_token.items())[:12])
+    lines += [f"first divergence: stage {first.stage} at token {first.token} (stage s at token t depends only on "
+              f"tokens <= t, so this is the origin)", f"first divergent stage per token: {per_token}"
+              + (" ..." if len(report.first_per_token) > 12 else ""), cell_detail(first, verbose)]
+    return "\n".join(lines)
+
+
+def cell_detail(cell: Cell, verbose: bool = False) -> str:
+    """A divergence message in the style of torch.testing: counts, greatest differences, what would pass."""
+    d = cell.diff
+    lines = [f"FAILED | stage {stage_index(cell.stage) + 1}/{len(STAGE_NAMES)} '{cell.stage}' token {cell.token} "
+             f"| width {d.n_total} float32 vs oracle float32 | status {d.status}",
+             f"  mismatched elements: {d.n_mismatch} / {d.n_total} ({100 * d.n_mismatch / max(d.n_total, 1):.1f}%)",
+             f"  greatest absolute difference: {d.max_abs:.3g} at index {d.max_abs_index} (atol {d.tol.atol:g})",
+             f"  greatest relative difference: {d.max_rel:.3g} = max|a-e| / max|e| (rtol {d.tol.rtol:g})",
+             f"  would pass with: atol > {d.max_abs:.3g} or rtol > {d.max_rel:.3g} | tolerance budget used: "
+             f"{budget_text(d.budget_used)} (1x = at the limit)",
+             f"  rel L2 {d.rel_l2:.3g}, cosine {d.cosine:.6g}",
+             f"  oracle     {_stats_text(d.expected_stats)}",
+             f"  candidate  {_stats_text(d.actual_stats)}{_stats_hint(d)}"]
+    if verbose:
+        lines += _side_by_side(d)
+    return "\n".join(lines)
+
+
+def _stats_text(s: RowStats) -> str:
+    text = f"mean {s.mean:+.4g}  std {s.std:.4g}  absmax {s.absmax:.4g}"
+    return text + (f"  non-finite {s.n_nonfinite}" if s.n_nonfinite else "")
+
+
+def _stats_hint(d: StageDiff) -> str:
+    if d.status == "nonfinite":
+        return "     <- NaN/Inf computed by the candidate"
+    e, a = d.expected_stats, d.actual_stats
+    same = all(f"{x:.3g}" == f"{y:.3g}" for x, y in ((e.mean, a.mean), (e.std, a.std), (e.absmax, a.absmax)))
+    return "     <- same statistics, different values: suspect layout or permutation" if same and not d else ""
+
+
+def _side_by_side(d: StageDiff) -> list[str]:
+    lines = [f"  worst elements:  {'index':>6} {'oracle':>15} {'candidate':>15} {'|diff|':>10}"]
+    lines += [f"                   {i:>6} {e:>15.8g} {a:>15.8g} {abs(a - e):>10.3g}" for i, e, a in d.worst]
+    return lines
+
+
+def _worst_per_stage(report: DiffReport) -> str:
+    lines = ["worst row of every compared stage (-v):"]
+    for name in report.captured:
+        cell = _worst_cell(c for c in report.cells if c.stage == name and c.diff.status not in INVALID_STATUSES)
+        if cell:
+            d = cell.diff
+            lines.append(f"{name} token {cell.token}: {d.status}, budget {budget_text(d.budget_used)}, "
+                         f"max_abs {d.max_abs:.3g} at index {d.max_abs_index}, max_rel {d.max_rel:.3g}")
+            lines += _side_by_side(d)
+    return "\n".join(lines)
+
+
+def _evidence(report: DiffReport) -> str:
+    qk = [c.token for c in report.cells if c.stage == ATTENTION and c.evidential]
+    witnessed = (f"q/k path evidenced by {ATTENTION} at t={_ranges(tuple(qk))}" if qk_evidenced(report.cells)
+                 else f"q/k path NOT evidenced: no {ATTENTION} comparison at t >= 1")
+    lines = ["evidence:", f"  - {QK_NOTE}; {witnessed}", f"  - {POSITION_NOTE}",
+             f"  - inputs: {_inputs_text(report)}"]
+    if report.not_captured:
+        lines.append(f"  - not captured (never counted as passed): {', '.join(report.not_captured)}")
+    lines += [f"  - {reason}" for reason in report.verdict.reasons if report.verdict.name == "inconclusive"]
+    return "\n".join(lines)
+
+
+def report_json(report: DiffReport) -> dict:
+    """The JSON report: verdict, first divergence, issues, tolerances and one row per (stage, token)."""
+    first = report.first
+    return {
+        "schema": "mtp-probe-diff/1", "verdict": report.verdict.name, "exit_code": report.verdict.exit_code,
+        "summary": summary_line(report), "reasons": list(report.verdict.reasons),
+        "reference": report.reference, "candidate": report.candidate, "candidate_kind": report.candidate_kind,
+        "num_tokens": report.num_tokens, "hidden_size": report.hidden_size,
+        "stages": {"captured": list(report.captured), "not_captured": list(report.not_captured),
+                   "coverage": coverage_text(report.captured)},
+        "compared_tokens": report.compared_tokens, "rule": MAX_RULE,
+        "tolerances": {n: {"rtol": t.rtol, "atol": t.atol, "why": t.why} for n, t in report.tols.items()},
+        "inputs": _inputs_text(report), "evidence_notes": [QK_NOTE, POSITION_NOTE],
+        "first_divergence": {"stage": first.stage, "token": first.token,
+                             "budget_used": _num(first.diff.budget_used)} if first else None,
+        "first_divergence_per_token": [{"token": t, "stage": s} for t, s in report.first_per_token.items()],
+        "issues": [{"kind": i.kind, "where": i.where, "tokens": list(i.tokens), "message": i.message}
+                   for i in report.issues],
+        "rows": [_row_json(c) for c in report.cells],
+    }
+
+
+def write_json(report: DiffReport, path: Path) -> None:
+    with atomic_output(path, "--json") as tmp:
+        tmp.write_text(json.dumps(report_json(report), indent=1, allow_nan=False) + "\n")
+
+
+def _row_json(cell: Cell) -> dict:
+    d = cell.diff
+    return {"stage": cell.stage, "token": cell.token, "status": d.status, "evidential": cell.evidential,
+            "n_total": d.n_total, "n_mismatch": d.n_mismatch, "n_poison": d.n_poison, "max_abs": _num(d.max_abs),
+            "max_abs_index": d.max_abs_index, "max_rel": _num(d.max_rel), "budget_used": _num(d.budget_used),
+            "rel_l2": _num(d.rel_l2), "cosine": _num(d.cosine), "expected_stats": _stats_json(d.expected_stats),
+            "actual_stats": _stats_json(d.actual_stats),
+            "worst": [{"index": i, "oracle": _num(e), "candidate": _num(a)} for i, e, a in d.worst]}
+
+
+def _stats_json(s: RowStats) -> dict:
+    return {"mean": _num(s.mean), "std": _num(s.std), "absmax": _num(s.absmax), "n_nonfinite": s.n_nonfinite}
+
+
+def _num(x: float) -> float | str:
+    # Strict JSON has no NaN/Infinity; non-finite values are written as the strings float() reads back.
+    return x if math.isfinite(x) else str(x)

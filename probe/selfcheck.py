@@ -1,0 +1,125 @@
+"""The probe's self-checks: a candidate that fails one is `invalid` (exit 2), whatever its numbers say.
+
+They hold for every source: the reference is complete; the candidate captures something; each captured stage has
+the reference's shape and is float32; recorded inputs equal the reference's (token ids and positions exactly,
+hidden bit for bit); every compared row was written (`unwritten` rows, found by compare_rows).
+"""
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+
+from oracle.stages import STAGE_BY_NAME, STAGE_NAMES
+from oracle.trace import rows_per_chunk
+
+from probe.adapters.trace_file import CHECKED_INPUTS, TraceSource
+from probe.compare import Cell
+from probe.errors import ReferenceTraceError
+from probe.poison import POISON_BITS
+
+
+@dataclass(frozen=True)
+class Issue:
+    kind: str  # coverage | shape | dtype | inputs | unwritten
+    where: str  # a stage name, "inputs/<name>" or "candidate"
+    tokens: tuple[int, ...]  # every affected token
+    message: str
+
+
+def check_reference(ref: TraceSource) -> None:
+    """Raise ReferenceTraceError unless `ref` holds every stage, float32 [T, width], and its inputs."""
+    regenerate = f"Regenerate it with: mtp-oracle export CHECKPOINT --out {ref.path}"
+    missing = [n for n in STAGE_NAMES if n not in ref.stages]
+    if missing:
+        raise ReferenceTraceError(f"reference {ref.path} lacks stages {', '.join(missing)}; a reference must hold "
+                                  f"all {len(STAGE_NAMES)}. {regenerate}")
+    if set(ref.recorded_inputs) != set(CHECKED_INPUTS):
+        raise ReferenceTraceError(f"reference {ref.path} has no complete /inputs group. {regenerate}")
+    for name in STAGE_NAMES:
+        problem = layout_problem(ref, name, expected_shape(ref, name))
+        if problem:
+            raise ReferenceTraceError(f"reference {problem[1]} {regenerate}")
+
+
+def layout_problem(source: TraceSource, name: str, want: tuple[int, int]) -> tuple[str, str] | None:
+    """(`shape` | `dtype`, message) when stage `name` is not float32 of shape `want`, else None."""
+    got = tuple(source.stage_shape(name))
+    if got != want:
+        return "shape", (f"stage {name}: {source.describe(name)} has shape {got}, expected float32 {want} "
+                         f"= [T, width] of the reference; write row t of step t, width {want[1]}.")
+    dtype = np.dtype(source.stage_dtype(name))
+    if not (dtype.kind == "f" and dtype.itemsize == 4):
+        return "dtype", (f"stage {name}: {source.describe(name)} is {dtype}, expected float32; write the "
+                         f"engine's float32 values (convert bf16/fp16 to float32 exactly, never round f64).")
+    return None
+
+
+def coverage_issues(cand: TraceSource) -> list[Issue]:
+    """A candidate that captures no stage at all proves nothing."""
+    if cand.stages:
+        return []
+    return [Issue("coverage", "candidate", (), f"{cand.path} captures no stage; capture at least "
+                                               f"{', '.join(STAGE_NAMES)} (or a subset with attn and out).")]
+
+
+def input_issues(ref: TraceSource, cand: TraceSource) -> list[Issue]:
+    """Every recorded candidate input that differs from the reference, with every affected token."""
+    issues = []
+    for name in cand.recorded_inputs:
+        want, got = tuple(ref.input_shape(name)), tuple(cand.input_shape(name))
+        if got != want:
+            issues.append(Issue("inputs", f"inputs/{name}", tuple(range(ref.num_tokens)),
+                                f"recorded {name} has shape {got}, the reference's is {want}."))
+            continue
+        issue = _input_issue(ref, cand, name)
+        if issue:
+            issues.append(issue)
+    return issues
+
+
+def _input_issue(ref: TraceSource, cand: TraceSource, name: str) -> Issue | None:
+    width = ref.hidden_size if name == "hidden" else 1
+    step = rows_per_chunk(width, ref.num_tokens)
+    bad: list[int] = []
+    for start in range(0, ref.num_tokens, step):
+        stop = min(start + step, ref.num_tokens)
+        expected, actual = ref.input_rows(name, start, stop), cand.input_rows(name, start, stop)
+        kind_ok = actual.dtype == np.float32 if name == "hidden" else actual.dtype.kind in "iu"
+        if actual.shape != expected.shape or not kind_ok:
+            return Issue("inputs", f"inputs/{name}", tuple(range(ref.num_tokens)),
+                         f"recorded {name} rows {start}..{stop - 1} are {actual.dtype} {actual.shape}, expected "
+                         f"{expected.dtype} {expected.shape}.")
+        if name == "hidden":  # bit-identical: the candidate must have been given the reference's hidden
+            differs = (actual.view(np.uint32) != expected.view(np.uint32)).any(axis=1)
+        else:
+            differs = actual != expected
+        bad.extend(int(t) + start for t in np.flatnonzero(differs))
+    if not bad:
+        return None
+    example = "" if name == "hidden" else (f" (token {bad[0]}: reference {ref.input_rows(name, bad[0], bad[0] + 1)[0]}"
+                                           f", candidate {cand.input_rows(name, bad[0], bad[0] + 1)[0]})")
+    return Issue("inputs", f"inputs/{name}", tuple(bad),
+                 f"{name} differs from the reference at {len(bad)} token(s){example}; run the candidate on the "
+                 f"reference's inputs (/inputs of {ref.path}).")
+
+
+def unwritten_issues(cells: Iterable[Cell]) -> list[Issue]:
+    """One issue per stage and cause (poison left, all-zero row) naming every unwritten token."""
+    groups: dict[tuple[str, bool], list[int]] = {}
+    for cell in cells:
+        if cell.diff.status == "unwritten":
+            groups.setdefault((cell.stage, cell.diff.n_poison > 0), []).append(cell.token)
+    issues = []
+    for (stage, poisoned), tokens in sorted(groups.items(), key=lambda item: STAGE_NAMES.index(item[0][0])):
+        cause = (f"still hold the poison pattern 0x{POISON_BITS:08X}" if poisoned
+                 else "are all zeros where the reference is not (a zero-initialised buffer?)")
+        issues.append(Issue("unwritten", stage, tuple(tokens),
+                            f"stage {stage}: {len(tokens)} row(s) {cause}: never written. Check the row offset "
+                            f"the engine writes step t to (row t of [T, width])."))
+    return issues
+
+
+def expected_shape(ref: TraceSource, name: str) -> tuple[int, int]:
+    """[T, width] of stage `name` in the reference's dimensions."""
+    return ref.num_tokens, STAGE_BY_NAME[name].width(ref.hidden_size)

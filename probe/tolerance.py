@@ -1,0 +1,59 @@
+"""Tolerances: one default, optional command-line overrides, each carrying the reason it exists.
+
+A (stage, token) row passes iff `max_rel < rtol` or `max_abs < atol` (definitions in probe/compare.py). A zero
+tolerance means exact equality.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+from oracle.stages import STAGE_NAMES
+
+from probe.errors import ToleranceError
+
+
+@dataclass(frozen=True)
+class Tol:
+    rtol: float
+    atol: float
+    why: str
+
+    def __post_init__(self) -> None:
+        for name, value in (("rtol", self.rtol), ("atol", self.atol)):
+            if not (math.isfinite(value) and value >= 0):
+                raise ToleranceError(f"{name}={value} ({self.why}): a tolerance must be a finite number >= 0.")
+
+
+# DESIGN.md: a float32 engine against the float32 oracle, per (stage, token) row.
+DEFAULT = Tol(rtol=1e-4, atol=1e-5, why="default for a float32 candidate against the float32 oracle")
+
+
+def stage_tol_from_text(text: str) -> tuple[str, Tol]:
+    """Parse one `--stage-tol STAGE=RTOL,ATOL` value, e.g. `fc=1e-3,1e-4`."""
+    name, sep, numbers = text.partition("=")
+    name = name.strip()
+    if name not in STAGE_NAMES:
+        raise ToleranceError(f"--stage-tol {text}: unknown stage '{name}'; valid stages are "
+                             f"{', '.join(STAGE_NAMES)}.")
+    parts = numbers.split(",")
+    try:
+        rtol, atol = (float(p) for p in parts) if sep and len(parts) == 2 else (None, None)
+    except ValueError:
+        rtol = atol = None
+    if rtol is None or atol is None:
+        raise ToleranceError(f"--stage-tol {text}: expected STAGE=RTOL,ATOL with both numbers, e.g. {name}=1e-3,1e-4.")
+    return name, Tol(rtol, atol, f"--stage-tol {text.strip()}")
+
+
+def tol_table(base: Tol = DEFAULT, overrides: Iterable[str] = ()) -> dict[str, Tol]:
+    """The tolerance of every stage: `base`, replaced per stage by `--stage-tol` overrides (each stage once)."""
+    table = {name: base for name in STAGE_NAMES}
+    seen: set[str] = set()
+    for text in overrides:
+        name, tol = stage_tol_from_text(text)
+        if name in seen:
+            raise ToleranceError(f"--stage-tol gives stage '{name}' more than once; keep one value per stage.")
+        seen.add(name)
+        table[name] = tol
+    return table

@@ -1,0 +1,113 @@
+"""compare_rows on hand-made rows: exact metrics, statuses, and NaN never passing."""
+
+import math
+
+import numpy as np
+import pytest
+
+from probe.compare import compare_rows
+from probe.poison import poison
+from probe.tolerance import DEFAULT, Tol
+
+
+def f32(*values) -> np.ndarray:
+    return np.array(values, dtype=np.float32)
+
+
+def test_exact_metrics_of_a_divergent_row():
+    d = compare_rows(f32(1, -2, 4.5, 0), f32(1, -2, 4, 0), DEFAULT)
+    assert d.status == "values" and not d
+    assert d.max_abs == 0.5 and d.max_abs_index == 2
+    assert d.max_rel == 0.5 / 4  # max|a-e| / max|e|
+    assert d.budget_used == pytest.approx(min(0.125 / 1e-4, 0.5 / 1e-5))  # 1250x
+    assert d.n_mismatch == 1 and d.n_total == 4 and d.n_poison == 0
+    assert d.worst[0] == (2, 4.0, 4.5)
+    assert d.expected_stats.absmax == 4 and d.actual_stats.absmax == 4.5
+
+
+def test_within_tolerance_by_max_rel_only():
+    expected, actual = f32(1, 2, 4, 8), f32(1, 2, 4, 8.0005)
+    gap = float(actual[3]) - 8.0
+    d = compare_rows(actual, expected, DEFAULT)
+    assert d and d.status == "ok"
+    assert d.max_abs == pytest.approx(gap) and d.max_abs > DEFAULT.atol
+    assert d.max_rel == pytest.approx(gap / 8) and d.budget_used == pytest.approx(gap / 8 / 1e-4)
+    assert d.budget_used < 1 and d.n_mismatch == 0
+
+
+def test_within_tolerance_by_max_abs_only():
+    d = compare_rows(f32(1e-6, 0), f32(0, 1e-6), DEFAULT)  # max_rel = 1, max_abs = 1e-6 < atol
+    assert d and d.max_rel == pytest.approx(1.0) and d.budget_used == pytest.approx(0.1)
+
+
+def test_just_outside_both_limits_fails():
+    expected = f32(1, 0.5)
+    actual = expected + f32(2e-4, 0)  # max_rel 2e-4 >= 1e-4 and max_abs 2e-4 >= 1e-5
+    d = compare_rows(actual, expected, DEFAULT)
+    assert not d and 1 < d.budget_used < 3 and d.n_mismatch == 1
+
+
+def test_n_mismatch_counts_elements_that_alone_fail_the_row():
+    expected = f32(10, 0.1, 5)
+    actual = f32(10, 0.1 + 5e-4, 5.002)  # limit max(1e-5, 1e-4 * 10) = 1e-3: only the last element fails
+    d = compare_rows(actual, expected, DEFAULT)
+    assert d.n_mismatch == 1 and not d and d.max_abs_index == 2
+
+
+def test_rel_l2_and_cosine():
+    same = compare_rows(f32(3, 4), f32(3, 4), DEFAULT)
+    assert same.rel_l2 == 0 and same.cosine == pytest.approx(1.0) and same.budget_used == 0
+    swapped = compare_rows(f32(4, 3), f32(3, 4), DEFAULT)
+    assert swapped.rel_l2 == pytest.approx(math.sqrt(2) / 5) and swapped.cosine == pytest.approx(24 / 25)
+    assert swapped.expected_stats.mean == swapped.actual_stats.mean  # same statistics, different values
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nonfinite_candidate_never_passes(bad):
+    d = compare_rows(f32(1, bad, 3), f32(1, 2, 3), Tol(1e9, 1e9, "huge"))
+    assert d.status == "nonfinite" and not d and d.budget_used == math.inf
+    assert d.actual_stats.n_nonfinite == 1 and d.max_abs_index == 1
+
+
+def test_nan_never_matches_nan():
+    d = compare_rows(f32(np.nan), f32(np.nan), DEFAULT)
+    assert d.status == "nonfinite" and not d
+
+
+def test_zero_reference_row():
+    assert compare_rows(f32(0, 0), f32(0, 0), DEFAULT).status == "ok"
+    tiny = compare_rows(f32(0, 1e-6), f32(0, 0), DEFAULT)
+    assert tiny and tiny.max_rel == math.inf and tiny.budget_used == pytest.approx(0.1)
+    big = compare_rows(f32(0, 1e-3), f32(0, 0), DEFAULT)
+    assert big.status == "values" and big.max_rel == math.inf
+
+
+def test_unwritten_rows():
+    expected = f32(1, 2, 3)
+    row = expected.copy()
+    row[1:] = poison(2)
+    left = compare_rows(row, expected, DEFAULT)
+    assert left.status == "unwritten" and left.n_poison == 2 and not left
+    zeros = compare_rows(np.zeros(3, np.float32), expected, DEFAULT)
+    assert zeros.status == "unwritten" and zeros.n_poison == 0
+    computed_nan = compare_rows(f32(1, np.nan, 3), expected, DEFAULT)
+    assert computed_nan.status == "nonfinite" and computed_nan.n_poison == 0
+
+
+def test_layout_is_checked_before_values():
+    assert compare_rows(f32(1, 2), f32(1, 2, 3), DEFAULT).status == "shape"
+    d = compare_rows(np.array([1, 2], np.float64), f32(1, 2), DEFAULT)
+    assert d.status == "dtype" and not d
+
+
+def test_zero_tolerance_means_exact_equality():
+    exact = Tol(0, 0, "exact")
+    assert compare_rows(f32(1, 2), f32(1, 2), exact)
+    ulp = np.nextafter(np.float32(2), np.float32(3))
+    d = compare_rows(f32(1, ulp), f32(1, 2), exact)
+    assert not d and d.n_mismatch == 1
+
+
+def test_worst_elements_are_ordered_by_difference():
+    d = compare_rows(f32(0, 0.3, 0.1, 0.2, 0, 0, 0.4), np.zeros(7, np.float32) + f32(1, 0, 0, 0, 0, 0, 0), DEFAULT)
+    assert [i for i, _, _ in d.worst] == [0, 6, 1, 3, 2]

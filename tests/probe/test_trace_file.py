@@ -1,0 +1,94 @@
+"""Trace sources (HDF5 file, raw directory) and bounded memory: reads never exceed one chunk of rows."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from oracle.stages import STAGE_BY_NAME, STAGE_NAMES
+from oracle.trace import rows_per_chunk
+from probe.adapters import trace_file
+from probe.adapters.trace_file import open_candidate, open_reference
+from probe.diff import diff_sources
+from probe.tolerance import tol_table
+from tests.helpers import ROOT, TINY_REF
+from tests.probe.tracekit import ref_data, synthetic, write_h5, write_raw  # noqa: F401
+
+
+class RecordingSource:
+    """Wraps a TraceSource and records every row range asked for."""
+
+    def __init__(self, source):
+        self._source = source
+        self.requests: list[tuple[str, int, int]] = []
+
+    def __getattr__(self, name):
+        return getattr(self._source, name)
+
+    def stage_rows(self, name, start, stop):
+        self.requests.append((name, start, stop))
+        return self._source.stage_rows(name, start, stop)
+
+    def input_rows(self, name, start, stop):
+        self.requests.append((f"inputs/{name}", start, stop))
+        return self._source.input_rows(name, start, stop)
+
+
+def _assert_bounded(requests, tokens, hidden):
+    widths = {n: STAGE_BY_NAME[n].width(hidden) for n in STAGE_NAMES} | {"inputs/hidden": hidden}
+    for name, start, stop in requests:
+        assert stop - start <= rows_per_chunk(widths.get(name, 1), tokens), (name, start, stop)
+    for name in STAGE_NAMES:  # every row was read, in more than one request
+        ranges = sorted((a, b) for n, a, b in requests if n == name)
+        assert len(ranges) > 1 and ranges[0][0] == 0 and ranges[-1][1] == tokens
+        assert all(b == c for (_, b), (c, _) in zip(ranges, ranges[1:]))
+
+
+def test_diff_reads_both_traces_one_chunk_at_a_time(tmp_path, monkeypatch):
+    tokens, hidden = 160, 1024  # fc_in is 2048 wide: 128 rows per chunk, so two chunks per stage
+    inputs, stages = synthetic(tokens, hidden)
+    path = write_h5(tmp_path / "big.h5", inputs, stages)
+    raw = write_raw(tmp_path / "raw", stages, inputs)
+    fromfile_counts = []
+    real_fromfile = np.fromfile
+    monkeypatch.setattr(trace_file.np, "fromfile",
+                        lambda *a, **k: fromfile_counts.append(k["count"]) or real_fromfile(*a, **k))
+    for cand_path in (path, raw):
+        with open_reference(path) as ref_source, open_candidate(cand_path, tokens, hidden) as cand_source:
+            ref, cand = RecordingSource(ref_source), RecordingSource(cand_source)
+            report = diff_sources(ref, cand, tol_table())
+        assert report.verdict.name == "pass" and len(report.cells) == 11 * tokens
+        _assert_bounded(ref.requests, tokens, hidden)
+        _assert_bounded(cand.requests, tokens, hidden)
+    assert fromfile_counts and max(fromfile_counts) <= 128 * 2048  # raw files: row ranges, never whole files
+
+
+def test_the_bound_check_catches_a_whole_file_read():
+    with pytest.raises(AssertionError):
+        _assert_bounded([(n, 0, 160) for n in STAGE_NAMES], 160, 1024)
+
+
+def test_raw_rows_are_read_at_their_offset(tmp_path, ref_data):
+    inputs, stages = ref_data
+    raw = write_raw(tmp_path / "raw", stages, inputs)
+    with open_candidate(raw, 8, 64) as source:
+        assert source.stages == tuple(STAGE_NAMES) and source.kind == "raw dir"
+        assert np.array_equal(source.stage_rows("fc_in", 3, 6), stages["fc_in"][3:6])
+        assert np.array_equal(source.input_rows("hidden", 5, 8), inputs.hidden[5:8])
+        assert source.recorded_inputs == ("token_ids", "positions", "hidden")
+
+
+def test_hdf5_source_matches_the_reference_reader(ref_data):
+    inputs, stages = ref_data
+    with open_reference(TINY_REF) as source:
+        assert source.stages == tuple(STAGE_NAMES) and (source.num_tokens, source.hidden_size) == (8, 64)
+        assert np.array_equal(source.stage_rows("attn", 2, 5), stages["attn"][2:5])
+        assert np.array_equal(source.input_rows("token_ids", 0, 8), inputs.token_ids)
+
+
+def test_probe_imports_neither_torch_transformers_nor_matplotlib():
+    code = ("import probe.cli, probe.diff, probe.report, sys; "
+            "bad = [m for m in ('transformers', 'torch', 'matplotlib') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
