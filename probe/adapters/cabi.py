@@ -1,0 +1,157 @@
+"""The C ABI adapter: a shared library implementing fixtures/candidates/mtp_probe.h, run in a child process.
+
+`CAbiAdapter(library, checkpoint).run(inputs)` hands the library the checkpoint's head weights and the reference's
+inputs, and returns the rows it wrote. The library runs inside `python -m probe.adapters.cabi_worker`, so a
+segfault or abort in foreign code becomes an AdapterError naming the signal and the step, never a dead probe.
+`build_library` compiles a .c (gcc) or .cu (nvcc) candidate into such a library.
+"""
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from oracle.checkpoint import Checkpoint
+from oracle.trace import TraceInputs
+from probe.adapters import cabi_worker as worker
+from probe.errors import AdapterError
+
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding probe/ (and, in a checkout, fixtures/)
+HEADER_DIR = _PACKAGE_ROOT / "fixtures" / "candidates"  # mtp_probe.h
+_TOOLCHAINS = {  # suffix -> (compiler, flags before the sources, flags after)
+    ".c": ("gcc", ["-O2", "-std=c11", "-shared", "-fPIC"], ["-lm"]),
+    ".cu": ("nvcc", ["-O2", "-shared", "-Xcompiler", "-fPIC"], []),
+}
+_TAIL_CHARS = 2000
+_INT32_MAX = 2**31 - 1
+
+
+def _tail(text: str) -> str:
+    text = text.strip()
+    return text if len(text) <= _TAIL_CHARS else "…" + text[-_TAIL_CHARS:]
+
+
+def library_name(source: Path, defines: tuple[str, ...]) -> str:
+    """`mtp_step.so` (`mtp_step_cuda.so` from a .cu), `mtp_step-MTP_MUTANT_W_NORM.so` with defines: every source
+    kind and define set gets its own file, so builds never overwrite each other."""
+    stem = source.stem + ("_cuda" if source.suffix == ".cu" else "")
+    tags = ["".join(ch if ch.isalnum() or ch in "_." else "_" for ch in d) for d in defines]
+    return "-".join([stem, *tags]) + ".so"
+
+
+def build_library(source: Path, out_dir: Path, defines: tuple[str, ...] = ()) -> Path:
+    """Compile `source` (.c with gcc, .cu with nvcc) into a shared library in `out_dir`; `defines` are macro
+    names (or NAME=VALUE) passed as -D. The header directory and the source's own are on the include path."""
+    source, out_dir = Path(source), Path(out_dir)
+    if source.suffix not in _TOOLCHAINS:
+        raise AdapterError(f"cannot build {source}: build_library compiles .c (gcc) and .cu (nvcc) files. "
+                           f"Build other sources into a .so yourself and pass the library.")
+    if not source.is_file():
+        raise AdapterError(f"candidate source {source} does not exist; check the path.")
+    compiler, flags, libs = _TOOLCHAINS[source.suffix]
+    if shutil.which(compiler) is None:
+        raise AdapterError(f"{compiler} is not on PATH, so {source.name} cannot be built here. Install it, or "
+                           f"build the library elsewhere and pass the .so.")
+    out = out_dir / library_name(source, defines)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")  # a half-written .so must never carry the final name
+    cmd = [compiler, *flags, f"-I{HEADER_DIR}", f"-I{source.parent}", *(f"-D{d}" for d in defines), str(source),
+           "-o", str(tmp), *libs]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        shown = [str(out) if arg == str(tmp) else arg for arg in cmd]
+        raise AdapterError(f"building {source.name} failed (exit status {proc.returncode}). Command:\n"
+                           f"  {shlex.join(shown)}\n{_tail(proc.stderr + proc.stdout)}")
+    os.replace(tmp, out)
+    return out
+
+
+class CAbiAdapter:
+    """Runs a library implementing mtp_probe.h step by step over the inputs, in a child process."""
+
+    deterministic = True
+
+    def __init__(self, library: Path, checkpoint: Path):
+        self.library = Path(library).resolve()
+        if not self.library.is_file():
+            raise AdapterError(f"C library {library} does not exist. Pass the path of a built .so (--impl c:PATH, "
+                               f"CAbiAdapter(library=...)); build one with probe.adapters.cabi.build_library "
+                               f"or gcc -shared -fPIC.")
+        self.checkpoint = Path(checkpoint)
+        self.hidden_size = Checkpoint(self.checkpoint).config.hidden_size  # fails early on a bad checkpoint
+        self.name = f"c:{self.library.name}"
+
+    def run(self, inputs: TraceInputs) -> dict[str, np.ndarray]:
+        """Stage -> float32 [T, width] for the stages the library captures, plus `out`; rows it never wrote
+        keep the poison pattern. Stages its mtp_capture_mask excludes are absent, never filled in."""
+        self._check_inputs(inputs)
+        with tempfile.TemporaryDirectory(prefix="mtp-cabi-") as tmp:
+            work = Path(tmp)
+            np.save(work / "embed.npy", np.ascontiguousarray(inputs.embed, dtype=np.float32))
+            np.save(work / "hidden.npy", np.ascontiguousarray(inputs.hidden, dtype=np.float32))
+            np.save(work / "positions.npy", np.asarray(inputs.positions, dtype=np.int64))
+            proc = subprocess.run(self._worker_command(work), capture_output=True, text=True, env=_worker_env())
+            if proc.returncode != 0:
+                raise self._failure(proc, work)
+            captured = json.loads((work / worker.MANIFEST_FILE).read_text())
+            return {name: np.load(work / f"{name}.npy") for name in captured}
+
+    def _check_inputs(self, inputs: TraceInputs) -> None:
+        if inputs.hidden_size != self.hidden_size:
+            raise AdapterError(f"the inputs have hidden size {inputs.hidden_size} but checkpoint {self.checkpoint} "
+                               f"has {self.hidden_size}; pass the checkpoint the reference was exported from.")
+        positions = np.asarray(inputs.positions)
+        if positions.size and (positions.min() < 0 or positions.max() > _INT32_MAX):
+            raise AdapterError(f"positions must fit the ABI's `int pos` (0..{_INT32_MAX}); the inputs hold "
+                               f"{positions.min()}..{positions.max()}.")
+
+    def _worker_command(self, work: Path) -> list[str]:
+        return [sys.executable, "-m", "probe.adapters.cabi_worker", str(self.library), str(self.checkpoint),
+                str(work)]
+
+    def _failure(self, proc: subprocess.CompletedProcess, work: Path) -> AdapterError:
+        """Turn a failed worker into a message: its own diagnosis, the signal that killed it, or its stderr."""
+        stderr = _tail(proc.stderr) or "(no stderr)"
+        if proc.returncode == worker.EXIT_DIAGNOSED and (work / worker.ERROR_FILE).is_file():
+            said = f" Its stderr:\n{stderr}" if proc.stderr.strip() else ""  # e.g. which CUDA call failed
+            return AdapterError(f"{self.name}: {(work / worker.ERROR_FILE).read_text()}{said}")
+        where = _phase_description(work / worker.PROGRESS_FILE)
+        if proc.returncode < 0:
+            sig = _signal_name(-proc.returncode)
+            return AdapterError(f"{self.name} crashed with {sig} {where}. The library ran in a child process, "
+                                f"so only it died; debug that call (gdb, valgrind, compute-sanitizer). "
+                                f"Its stderr:\n{stderr}")
+        return AdapterError(f"the worker running {self.name} exited with status {proc.returncode} {where}. "
+                            f"Its stderr:\n{stderr}")
+
+
+def _worker_env() -> dict[str, str]:
+    """The parent's environment, with this package importable by `python -m` whatever the working directory."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return f"{signal.Signals(number).name} ({signal.strsignal(number)})"
+    except ValueError:
+        return f"signal {number}"
+
+
+def _phase_description(progress: Path) -> str:
+    """Where the worker was, from the last phase it announced before dying."""
+    phases = progress.read_text().splitlines() if progress.is_file() else []
+    phase = phases[-1] if phases else ""
+    if phase.startswith("step "):
+        return f"in {phase} (the mtp_step call for token row {phase.split()[1]})"
+    return {"load": "while loading the library or the checkpoint (before mtp_create)",
+            "create": "in mtp_create", "destroy": "in mtp_destroy",
+            "save": "after mtp_destroy, while saving the results"}.get(phase, "before it started (no progress)")

@@ -1,0 +1,177 @@
+"""The child process that drives one C-ABI shared library (fixtures/candidates/mtp_probe.h) through ctypes.
+
+`probe.adapters.cabi.CAbiAdapter` runs `python -m probe.adapters.cabi_worker LIB CHECKPOINT DIR`, so a segfault
+or abort in foreign code ends this process, never the probe. Everything passes through files in DIR:
+
+    in     embed.npy, hidden.npy (float32 [T, D]) and positions.npy (int64 [T])
+    out    <stage>.npy (float32 [T, width]) for every captured stage and `out`; captured.json lists them
+    progress.txt  the phase about to start, one line each, written unbuffered before it starts ("step 3"):
+                  after a crash its last line says where the library died
+    error.txt     a failure this worker diagnosed itself (bad library, error code); exit status EXIT_DIAGNOSED
+"""
+
+import ctypes
+import json
+import os
+import sys
+from ctypes import POINTER, byref, c_double, c_int, c_int32, c_uint32, c_void_p
+from pathlib import Path
+
+import numpy as np
+
+from oracle.checkpoint import Checkpoint
+from oracle.errors import MtpError
+from oracle.families.qwen3_5_layout import HeadConfig
+from oracle.stages import STAGE_BY_NAME, TRACE_STAGE_NAMES
+from probe.errors import AdapterError
+from probe.poison import poison
+
+EXIT_DIAGNOSED = 3
+PROGRESS_FILE, ERROR_FILE, MANIFEST_FILE = "progress.txt", "error.txt", "captured.json"
+ABI_VERSION = 1  # MTP_PROBE_ABI_VERSION
+ALL_CAPTURED = 0x3FF  # ten trace stages; also what a library without mtp_capture_mask is assumed to capture
+RETURN_CODES = {  # mtp_probe.h enum -> (name, what it means for the user)
+    1: ("MTP_ERR_ARG", "the library rejected an argument or a config value it does not support"),
+    2: ("MTP_ERR_ALLOC", "the library ran out of host or device memory"),
+    3: ("MTP_ERR_CAPACITY", "the library says its KV cache is full; the probe passes max_steps = T"),
+    4: ("MTP_ERR_DEVICE", "a CUDA (or other device) call failed; see the library's stderr"),
+}
+
+# The structs mirror mtp_probe.h, which is the source of truth: same fields, same order, same C types.
+# (tests/probe/test_cabi.py parses the header and checks these field lists against it.)
+
+
+class MtpConfig(ctypes.Structure):
+    _fields_ = [("abi_version", c_int32), ("hidden_size", c_int32), ("num_heads", c_int32),
+                ("num_kv_heads", c_int32), ("head_dim", c_int32), ("rotary_dim", c_int32),
+                ("intermediate_size", c_int32), ("max_steps", c_int32), ("rms_norm_eps", c_double),
+                ("rope_theta", c_double)]
+
+
+WEIGHT_TENSORS = (  # mtp_weights field -> checkpoint tensor
+    ("pre_fc_norm_embedding", "mtp.pre_fc_norm_embedding.weight"),
+    ("pre_fc_norm_hidden", "mtp.pre_fc_norm_hidden.weight"),
+    ("fc", "mtp.fc.weight"),
+    ("input_layernorm", "mtp.layers.0.input_layernorm.weight"),
+    ("q_proj", "mtp.layers.0.self_attn.q_proj.weight"),
+    ("k_proj", "mtp.layers.0.self_attn.k_proj.weight"),
+    ("v_proj", "mtp.layers.0.self_attn.v_proj.weight"),
+    ("q_norm", "mtp.layers.0.self_attn.q_norm.weight"),
+    ("k_norm", "mtp.layers.0.self_attn.k_norm.weight"),
+    ("o_proj", "mtp.layers.0.self_attn.o_proj.weight"),
+    ("post_attention_layernorm", "mtp.layers.0.post_attention_layernorm.weight"),
+    ("gate_proj", "mtp.layers.0.mlp.gate_proj.weight"),
+    ("up_proj", "mtp.layers.0.mlp.up_proj.weight"),
+    ("down_proj", "mtp.layers.0.mlp.down_proj.weight"),
+    ("norm", "mtp.norm.weight"),
+)
+
+
+class MtpWeights(ctypes.Structure):
+    _fields_ = [(field, c_void_p) for field, _ in WEIGHT_TENSORS]  # const float *
+
+
+class MtpTrace(ctypes.Structure):
+    _fields_ = [(name, c_void_p) for name in TRACE_STAGE_NAMES]  # float *; the header's order is STAGES order
+
+
+def load_library(path: Path) -> ctypes.CDLL:
+    """dlopen `path` and declare the ABI's signatures; AdapterError names a missing symbol."""
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as err:
+        raise AdapterError(f"cannot load {path}: {err}. Build it as a shared library for this machine "
+                           f"(gcc -shared -fPIC ..., or nvcc -shared -Xcompiler -fPIC ...).") from None
+    signatures = {"mtp_create": (c_int, [POINTER(MtpConfig), POINTER(MtpWeights), POINTER(c_void_p)]),
+                  "mtp_step": (c_int, [c_void_p, c_int, c_void_p, c_void_p, c_void_p, POINTER(MtpTrace)]),
+                  "mtp_destroy": (None, [c_void_p])}
+    for name, (restype, argtypes) in signatures.items():
+        if not hasattr(lib, name):
+            raise AdapterError(f"{path} does not export the symbol {name}. Export it with C linkage, as "
+                               f"declared in mtp_probe.h (non-static; extern \"C\" in C++/CUDA).")
+        getattr(lib, name).restype, getattr(lib, name).argtypes = restype, argtypes
+    return lib
+
+
+def capture_mask(lib: ctypes.CDLL) -> int:
+    if not hasattr(lib, "mtp_capture_mask"):  # optional symbol: without it, all ten stages are captured
+        return ALL_CAPTURED
+    lib.mtp_capture_mask.restype, lib.mtp_capture_mask.argtypes = c_uint32, []
+    return int(lib.mtp_capture_mask()) & ALL_CAPTURED
+
+
+def config_from_head(cfg: HeadConfig, num_steps: int) -> MtpConfig:
+    return MtpConfig(ABI_VERSION, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                     cfg.rotary_dim, cfg.intermediate_size, num_steps, cfg.rms_norm_eps, cfg.rope_theta)
+
+
+def return_code_message(function: str, code: int, where: str) -> str:
+    name, meaning = RETURN_CODES.get(code, (f"code {code}", "not a return code mtp_probe.h defines"))
+    return f"{function} returned {code} ({name}) {where}: {meaning}."
+
+
+class Progress:
+    """Appends each phase to progress.txt with one unbuffered write, so it survives a crash in the next call."""
+
+    def __init__(self, path: Path):
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def __call__(self, phase: str) -> None:
+        os.write(self._fd, f"{phase}\n".encode())
+
+
+def run_steps(lib: ctypes.CDLL, ctx: c_void_p, work: Path, buffers: dict[str, np.ndarray], progress: Progress):
+    """Step t gets row t of every buffer (trace struct fields left NULL for stages not captured)."""
+    embed, hidden = (np.ascontiguousarray(np.load(work / f"{n}.npy"), dtype=np.float32) for n in ("embed", "hidden"))
+    positions = np.load(work / "positions.npy")
+    for t, pos in enumerate(positions.tolist()):
+        progress(f"step {t}")
+        rows = {name: buf[t].ctypes.data for name, buf in buffers.items()}  # [T, w] row-major: row t's address
+        trace = MtpTrace(**{n: rows[n] for n in TRACE_STAGE_NAMES if n in rows})
+        code = lib.mtp_step(ctx, pos, embed[t].ctypes.data, hidden[t].ctypes.data, rows["out"], byref(trace))
+        if code != 0:
+            raise AdapterError(return_code_message("mtp_step", code, f"at step {t} (token row {t}, position {pos})"))
+
+
+def run_library(lib_path: Path, checkpoint: Path, work: Path) -> None:
+    progress = Progress(work / PROGRESS_FILE)
+    progress("load")
+    lib = load_library(lib_path)
+    ckpt = Checkpoint(checkpoint)
+    tensors = ckpt.read_head().tensors
+    weights = {field: np.ascontiguousarray(tensors[name], dtype=np.float32) for field, name in WEIGHT_TENSORS}
+    num_steps, d = int(np.load(work / "positions.npy").shape[0]), ckpt.config.hidden_size
+    mask = capture_mask(lib)
+    captured = [n for i, n in enumerate(TRACE_STAGE_NAMES) if mask >> i & 1] + ["out"]
+    buffers = {n: poison((num_steps, STAGE_BY_NAME[n].width(d))) for n in captured}
+    # Locals, so the structs and the arrays they point at outlive the context (a library may keep pointers).
+    config = config_from_head(ckpt.config, num_steps)
+    weight_ptrs = MtpWeights(**{field: arr.ctypes.data for field, arr in weights.items()})
+    ctx = c_void_p()
+    progress("create")
+    code = lib.mtp_create(byref(config), byref(weight_ptrs), byref(ctx))
+    if code != 0:
+        raise AdapterError(return_code_message("mtp_create", code, f"for the config of {checkpoint}"))
+    try:
+        run_steps(lib, ctx, work, buffers, progress)
+    finally:
+        progress("destroy")
+        lib.mtp_destroy(ctx)
+    progress("save")
+    for name, buf in buffers.items():
+        np.save(work / f"{name}.npy", buf)
+    (work / MANIFEST_FILE).write_text(json.dumps(captured))
+
+
+def main(argv: list[str]) -> None:
+    """LIB CHECKPOINT DIR: run every step of DIR's inputs through LIB, writing results into DIR."""
+    lib_path, checkpoint, work = Path(argv[0]), Path(argv[1]), Path(argv[2])
+    try:
+        run_library(lib_path, checkpoint, work)
+    except MtpError as err:  # AdapterError and CheckpointError: the parent re-raises the message
+        (work / ERROR_FILE).write_text(str(err))
+        sys.exit(EXIT_DIAGNOSED)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
