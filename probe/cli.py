@@ -1,5 +1,7 @@
 """`mtp-probe`: question an implementation of an MTP head against the oracle's reference trace."""
 
+import shlex
+import sys
 from pathlib import Path
 
 import click
@@ -7,11 +9,13 @@ import click
 from oracle.errors import MtpGroup
 from oracle.output import check_writable
 
-from probe.diff import diff_traces
+from probe.diff import DiffReport, diff_traces
 from probe.report import render_text, summary_line, write_json
-from probe.tolerance import DEFAULT, Tol, tol_table
+from probe.run import SPEC_HELP, adapter_from_spec, checkpoint_for, run_and_diff
+from probe.tolerance import DEFAULT, PROFILES, Tol, tol_table
 
 EXISTING_FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
+EXISTING_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
 OUTPUT_FILE = click.Path(dir_okay=False, path_type=Path)
 
 
@@ -20,31 +24,87 @@ def cli() -> None:
     """Compare an MTP-head implementation with an oracle trace, stage by stage and token by token."""
 
 
+def diff_options(command):
+    """Tolerance and report options shared by `diff` and `run`."""
+    options = [
+        click.option("--profile", type=click.Choice(sorted(PROFILES)), default="float32", show_default=True,
+                     help="Tolerance profile for the candidate's precision."),
+        click.option("--rtol", type=float, help=f"Relative tolerance on max_rel = max|a-e| / max|e| per row "
+                                                f"[default: {DEFAULT.rtol:g}; give with --atol]."),
+        click.option("--atol", type=float, help=f"Absolute tolerance on max|a-e| per row [default: {DEFAULT.atol:g}]."),
+        click.option("--stage-tol", multiple=True, metavar="STAGE=RTOL,ATOL", help="Per-stage override, repeatable."),
+        click.option("--json", "json_path", type=OUTPUT_FILE, help="Write the report as JSON to this file."),
+        click.option("--plot", "plot_path", type=OUTPUT_FILE, help="Write a stage x token heatmap PNG to this file."),
+        click.option("--fail-fast", is_flag=True, help="Stop after the first token chunk that diverges."),
+        click.option("-v", "--verbose", is_flag=True, help="Show the worst elements side by side, for every stage."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 @cli.command()
 @click.argument("ref", type=EXISTING_FILE)
 @click.argument("candidate", type=click.Path(exists=True, path_type=Path))
-@click.option("--rtol", type=float, help=f"Relative tolerance on max_rel = max|a-e| / max|e| per row "
-                                         f"[default: {DEFAULT.rtol:g}; give with --atol].")
-@click.option("--atol", type=float, help=f"Absolute tolerance on max|a-e| per row [default: {DEFAULT.atol:g}].")
-@click.option("--stage-tol", multiple=True, metavar="STAGE=RTOL,ATOL", help="Per-stage override, repeatable.")
-@click.option("--json", "json_path", type=OUTPUT_FILE, help="Write the report as JSON to this file.")
-@click.option("--plot", "plot_path", type=OUTPUT_FILE, help="Write a stage x token heatmap PNG to this file.")
-@click.option("--fail-fast", is_flag=True, help="Stop after the first token chunk that diverges.")
-@click.option("-v", "--verbose", is_flag=True, help="Show the worst elements side by side, for every stage.")
+@diff_options
 @click.pass_context
-def diff(ctx, ref, candidate, rtol, atol, stage_tol, json_path, plot_path, fail_fast, verbose) -> None:
+def diff(ctx, ref, candidate, profile, rtol, atol, stage_tol, json_path, plot_path, fail_fast, verbose) -> None:
     """Compare CANDIDATE (an mtp-trace/1 file, or a raw dir of <stage>.bin) with the oracle trace REF.
 
     A (stage, token) row passes iff max_rel < rtol or max_abs < atol. Exit 0 pass, 1 diverged, 2 invalid or bad
     input, 3 inconclusive; the last line is a greppable summary.
     """
+    tols = _tols(profile, rtol, atol, stage_tol, json_path, plot_path)
+    report = diff_traces(ref, candidate, tols, fail_fast=fail_fast)
+    ctx.exit(_render(report, json_path, plot_path, verbose))
+
+
+@cli.command()
+@click.argument("ref", type=EXISTING_FILE)
+@click.option("--impl", "spec", required=True, metavar="SPEC", help=f"Implementation: {SPEC_HELP}.")
+@click.option("--checkpoint", type=EXISTING_DIR, help="Checkpoint of the reference [default: the one it records].")
+@click.option("--out", type=OUTPUT_FILE, help="Also write the candidate's trace (mtp-trace/1) here.")
+@diff_options
+@click.pass_context
+def run(ctx, ref, spec, checkpoint, out, profile, rtol, atol, stage_tol, json_path, plot_path, fail_fast,
+        verbose) -> None:
+    """Run an implementation on REF's recorded inputs and the reference's weights, then diff it like `diff`."""
+    tols = _tols(profile, rtol, atol, stage_tol, json_path, plot_path)
+    if out:
+        check_writable(out, "--out")
+    adapter = adapter_from_spec(spec, checkpoint_for(ref, checkpoint))
+    result = run_and_diff(ref, adapter, tols, out=out, fail_fast=fail_fast,
+                          command=shlex.join(["mtp-probe", *sys.argv[1:]]))
+    click.echo(f"ran {result.adapter} ({'deterministic' if result.deterministic else 'NOT deterministic: two runs may differ'})"
+               + (f"; candidate trace written to {result.written}" if result.written else ""))
+    ctx.exit(_render(result.report, json_path, plot_path, verbose))
+
+
+@cli.command()
+@click.option("--reference", type=EXISTING_FILE, help="Reference trace [default: the bundled fixture].")
+@click.option("--checkpoint", type=EXISTING_DIR, help="Its checkpoint [default: the bundled fixture].")
+@click.option("--build-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Keep the built libraries here [default: a temporary directory].")
+@click.pass_context
+def selftest(ctx, reference, checkpoint, build_dir) -> None:
+    """Prove the probe on itself: every mutant caught and localised, every correct candidate passing."""
+    from probe.selftest import render_table, run_selftest
+
+    rows = run_selftest(reference, checkpoint, build_dir, log=lambda msg: click.echo(msg, err=True))
+    click.echo(render_table(rows))
+    ctx.exit(0 if all(r.ok is not False for r in rows) else 1)
+
+
+def _tols(profile: str, rtol, atol, stage_tol, json_path, plot_path) -> dict[str, Tol]:
     if (rtol is None) != (atol is None):
         raise click.UsageError("give both --rtol and --atol, or neither (API: Tol(rtol, atol, why)).")
-    tols = tol_table(DEFAULT if rtol is None else Tol(rtol, atol, "--rtol/--atol"), stage_tol)
     for option, path in (("--json", json_path), ("--plot", plot_path)):
         if path:
             check_writable(path, option)  # before the diff, not after minutes of work
-    report = diff_traces(ref, candidate, tols, fail_fast=fail_fast)
+    return tol_table(PROFILES[profile] if rtol is None else Tol(rtol, atol, "--rtol/--atol"), stage_tol)
+
+
+def _render(report: DiffReport, json_path: Path | None, plot_path: Path | None, verbose: bool) -> int:
     if json_path:
         write_json(report, json_path)
     if plot_path:
@@ -53,7 +113,7 @@ def diff(ctx, ref, candidate, rtol, atol, stage_tol, json_path, plot_path, fail_
         write_heatmap(report, plot_path)
     click.echo(render_text(report, verbose=verbose))
     click.echo(summary_line(report))
-    ctx.exit(report.verdict.exit_code)
+    return report.verdict.exit_code
 
 
 def main(args=None, standalone_mode: bool = True):

@@ -16,6 +16,7 @@ from oracle.trace import TraceInputs
 class Adapter(Protocol):
     name: str
     deterministic: bool  # False: two runs on the same inputs may differ (the report says so)
+    weights_digest: str | None  # digest (oracle.checkpoint.HeadWeights) of the head weights it ran with
 
     def run(self, inputs: TraceInputs) -> dict[str, np.ndarray]:
         """Stage name -> float32 [T, width] for the stages this implementation exposes (keys ⊆ STAGES,

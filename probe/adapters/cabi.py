@@ -77,6 +77,7 @@ class CAbiAdapter:
     """Runs a library implementing mtp_probe.h step by step over the inputs, in a child process."""
 
     deterministic = True
+    weights_digest: str | None = None  # known once run() has loaded the weights
 
     def __init__(self, library: Path, checkpoint: Path):
         self.library = Path(library).resolve()
@@ -100,8 +101,9 @@ class CAbiAdapter:
             proc = subprocess.run(self._worker_command(work), capture_output=True, text=True, env=_worker_env())
             if proc.returncode != 0:
                 raise self._failure(proc, work)
-            captured = json.loads((work / worker.MANIFEST_FILE).read_text())
-            return {name: np.load(work / f"{name}.npy") for name in captured}
+            manifest = json.loads((work / worker.MANIFEST_FILE).read_text())
+            self.weights_digest = manifest["weights_digest"]  # of the weights the library was actually given
+            return {name: np.load(work / f"{name}.npy") for name in manifest["captured"]}
 
     def _check_inputs(self, inputs: TraceInputs) -> None:
         if inputs.hidden_size != self.hidden_size:

@@ -138,7 +138,8 @@ def run_library(lib_path: Path, checkpoint: Path, work: Path) -> None:
     progress("load")
     lib = load_library(lib_path)
     ckpt = Checkpoint(checkpoint)
-    tensors = ckpt.read_head().tensors
+    head = ckpt.read_head()
+    tensors = head.tensors
     weights = {field: np.ascontiguousarray(tensors[name], dtype=np.float32) for field, name in WEIGHT_TENSORS}
     num_steps, d = int(np.load(work / "positions.npy").shape[0]), ckpt.config.hidden_size
     mask = capture_mask(lib)
@@ -160,7 +161,7 @@ def run_library(lib_path: Path, checkpoint: Path, work: Path) -> None:
     progress("save")
     for name, buf in buffers.items():
         np.save(work / f"{name}.npy", buf)
-    (work / MANIFEST_FILE).write_text(json.dumps(captured))
+    (work / MANIFEST_FILE).write_text(json.dumps({"captured": captured, "weights_digest": head.digest}))
 
 
 def main(argv: list[str]) -> None:

@@ -8,7 +8,8 @@
 
 which writes the step's output into `out` and each captured stage into `trace[name]` (row views of poisoned
 buffers: write with `trace["fc"][:] = ...`, not by rebinding). `impl.capture` (optional) lists the stages it
-captures, in any order; the others are "not captured". The impl keeps its own KV cache across calls.
+captures, in any order; the others are "not captured". The impl keeps its own KV cache across its step() calls;
+FACTORY is called once per run, so every run starts with an empty cache.
 """
 
 import importlib
@@ -37,19 +38,23 @@ class PythonAdapter:
                                f"Is the module on PYTHONPATH?") from None
         ckpt = Checkpoint(checkpoint)
         self.name = f"python:{spec}"
-        self._impl = factory(ckpt.config, ckpt.read_head().tensors)
-        if not callable(getattr(self._impl, "step", None)):
-            raise AdapterError(f"{self.name}: the object {factory_name}() returned has no step() method.")
-        self._capture = _captured_stages(self._impl, self.name)
+        head = ckpt.read_head()
+        self.weights_digest = head.digest
+        self._make = lambda: factory(ckpt.config, head.tensors)
+        self._factory_name = factory_name
 
     def run(self, inputs: TraceInputs) -> dict[str, np.ndarray]:
+        impl = self._make()  # a fresh impl per run: its KV cache must start empty
+        if not callable(getattr(impl, "step", None)):
+            raise AdapterError(f"{self.name}: the object {self._factory_name}() returned has no step() method.")
+        capture = _captured_stages(impl, self.name)
         t, d = inputs.num_tokens, inputs.hidden_size
-        buffers = {n: poison((t, STAGE_BY_NAME[n].width(d))) for n in self._capture}
+        buffers = {n: poison((t, STAGE_BY_NAME[n].width(d))) for n in capture}
         buffers["out"] = poison((t, d))
         for i in range(t):
-            rows = {n: buffers[n][i] for n in self._capture}  # views: the impl writes into the buffers
-            self._impl.step(int(inputs.positions[i]), inputs.embed[i].copy(), inputs.hidden[i].copy(),
-                            buffers["out"][i], rows)
+            rows = {n: buffers[n][i] for n in capture}  # views: the impl writes into the buffers
+            impl.step(int(inputs.positions[i]), inputs.embed[i].copy(), inputs.hidden[i].copy(), buffers["out"][i],
+                      rows)
         return buffers
 
 

@@ -33,8 +33,10 @@ class TorchAdapter:
         self.name = f"torch:{device}:{dtype}"
         self.deterministic = device == "cpu"  # GPU kernels may pick other algorithms run to run
         self._device, self._dtype = torch.device(device), getattr(torch, dtype)
+        head = ckpt.read_head()
+        self.weights_digest = head.digest
         self._w = {name.removeprefix("mtp.").removeprefix("layers.0."): torch.from_numpy(arr).to(
-            self._device, self._dtype) for name, arr in ckpt.read_head().tensors.items()}
+            self._device, self._dtype) for name, arr in head.tensors.items()}
 
     def run(self, inputs: TraceInputs) -> dict[str, np.ndarray]:
         import torch

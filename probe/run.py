@@ -1,0 +1,133 @@
+"""`mtp-probe run`: drive an implementation on exactly the reference's recorded inputs, keep its trace, diff it.
+
+The implementation gets the reference's token ids, embedding rows, hidden states and positions, and the weights
+of the checkpoint the reference was exported from (checked by digest). Its rows go through the same self-checks,
+comparison and verdict as a trace file given to `mtp-probe diff`.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from oracle.stages import STAGE_BY_NAME, STAGE_NAMES
+from oracle.trace import TraceInputs, read_trace, write_trace
+from probe.adapters.base import Adapter
+from probe.adapters.trace_file import open_reference
+from probe.diff import DiffReport, diff_sources
+from probe.errors import AdapterError, ProbeError
+from probe.selfcheck import check_reference
+from probe.tolerance import Tol
+
+SPEC_HELP = "c:LIB.so | python:MODULE:FACTORY | torch[:cpu|cuda[:float32|bfloat16]]"
+
+
+def adapter_from_spec(spec: str, checkpoint: Path) -> Adapter:
+    """The adapter an `--impl` SPEC names (SPEC_HELP)."""
+    kind, _, rest = spec.partition(":")
+    if kind == "c" and rest:
+        from probe.adapters.cabi import CAbiAdapter
+
+        return CAbiAdapter(Path(rest), checkpoint)
+    if kind == "python":
+        from probe.adapters.python import PythonAdapter
+
+        return PythonAdapter(rest, checkpoint)
+    if kind == "torch":
+        from probe.adapters.torch_ref import TorchAdapter
+
+        device, _, dtype = rest.partition(":")
+        return TorchAdapter(checkpoint, device or "cpu", dtype or "float32")
+    raise AdapterError(f"--impl {spec}: unknown implementation; use one of {SPEC_HELP}.")
+
+
+def checkpoint_for(ref_path: Path, given: Path | None) -> Path:
+    """--checkpoint, or the checkpoint recorded in the reference's provenance if it is here."""
+    if given is not None:
+        return Path(given)
+    with read_trace(ref_path) as ref:
+        recorded = ref.attrs.get("provenance", {}).get("checkpoint")
+    if recorded and Path(recorded).is_dir():
+        return Path(recorded)
+    raise ProbeError(f"{ref_path} was exported from checkpoint {recorded or '(not recorded)'}, which is not a "
+                     f"directory here; pass --checkpoint DIR (the same weights: their digest is checked).")
+
+
+@dataclass(frozen=True)
+class RunResult:
+    adapter: str
+    deterministic: bool
+    report: DiffReport
+    written: Path | None  # the candidate trace, when --out was given and its layout allowed writing it
+
+
+def run_and_diff(ref_path: Path, adapter: Adapter, tols: dict[str, Tol], out: Path | None = None,
+                 fail_fast: bool = False, command: str = "") -> RunResult:
+    """Run `adapter` on the reference's inputs, optionally write its trace to `out`, and diff it."""
+    with open_reference(ref_path) as ref:
+        check_reference(ref)
+        with read_trace(ref_path) as reader:
+            inputs, ref_digest = reader.inputs(), reader.attrs.get("checkpoint_digest")
+        result = adapter.run(inputs)
+        _check_weights(adapter, ref_digest, ref_path)
+        stages = _checked_result(result, adapter.name)
+        written = _write_candidate(out, inputs, stages, adapter, command) if out else None
+        report = diff_sources(ref, ArraySource(adapter.name, inputs, stages), tols, fail_fast)
+    return RunResult(adapter.name, adapter.deterministic, report, written)
+
+
+def _check_weights(adapter: Adapter, ref_digest: str | None, ref_path: Path) -> None:
+    if ref_digest and adapter.weights_digest != ref_digest:
+        raise ProbeError(f"{adapter.name} ran with head weights of digest {adapter.weights_digest}, but {ref_path} "
+                         f"was exported from weights of digest {ref_digest}; pass the reference's checkpoint.")
+
+
+def _checked_result(result, name: str) -> dict[str, np.ndarray]:
+    """The checks every adapter's result gets alike: a dict of arrays keyed by stage names."""
+    if not isinstance(result, dict):
+        raise AdapterError(f"{name} returned {type(result).__name__}, not a dict of stage name -> array.")
+    unknown = sorted(set(result) - set(STAGE_NAMES))
+    if unknown:
+        raise AdapterError(f"{name} returned unknown stages {unknown}; valid names: {', '.join(STAGE_NAMES)}.")
+    not_arrays = sorted(k for k, v in result.items() if not isinstance(v, np.ndarray))
+    if not_arrays:
+        raise AdapterError(f"{name} returned non-arrays for {not_arrays}; return numpy arrays.")
+    return {n: result[n] for n in STAGE_NAMES if n in result}
+
+
+def _write_candidate(out: Path, inputs: TraceInputs, stages: dict, adapter: Adapter, command: str) -> Path | None:
+    d = inputs.hidden_size
+    if any(a.dtype != np.float32 or a.shape != (inputs.num_tokens, STAGE_BY_NAME[n].width(d))
+           for n, a in stages.items()):
+        return None  # a wrong layout is reported as invalid by the diff; it cannot be stored as mtp-trace/1
+    attrs = {"producer": f"mtp-probe run --impl {adapter.name}", "checkpoint_digest": adapter.weights_digest,
+             "provenance": {"command": command, "adapter": adapter.name, "deterministic": adapter.deterministic}}
+    write_trace(out, inputs, stages, attrs)
+    return Path(out)
+
+
+class ArraySource:
+    """A candidate held in memory (an adapter's result), behind the TraceSource interface of trace files."""
+
+    recorded_inputs = ()  # the adapter was handed the reference's inputs: nothing of its own to check
+
+    def __init__(self, name: str, inputs: TraceInputs, stages: dict[str, np.ndarray]):
+        self.path, self.kind = Path(name), "adapter"
+        self.num_tokens, self.hidden_size = inputs.num_tokens, inputs.hidden_size
+        self.stages = tuple(stages)
+        self._stages = stages
+
+    def stage_shape(self, name: str) -> tuple[int, ...]:
+        return self._stages[name].shape
+
+    def stage_dtype(self, name: str) -> np.dtype:
+        return self._stages[name].dtype
+
+    def stage_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        return self._stages[name][start:stop]
+
+    def describe(self, name: str) -> str:
+        return f"{self.path} stage {name}"
+
+    def close(self) -> None:
+        pass
