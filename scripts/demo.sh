@@ -1,8 +1,19 @@
 #!/usr/bin/env bash
-# The main job on the bundled fixture: export a reference trace and show what is in it.
-# Run from the repository root after installing (see README.md). Each command is echoed before it runs.
+# The main job on the bundled fixture: export a reference trace, show what is in it, then question candidates
+# against it. Run from the repository root after installing (README.md). Each command is echoed before it runs.
 set -euo pipefail
 set -x
 mkdir -p out
 .venv/bin/mtp-oracle export fixtures/qwen3_5_tiny --out out/ref.h5 --tokens 17,42,3,255,100,7,511,64 --hidden-seed 0
 .venv/bin/mtp-oracle inspect out/ref.h5
+# A C engine step behind the C ABI (fixtures/candidates/mtp_probe.h): build it, run it on the reference's inputs.
+gcc -O2 -std=c11 -shared -fPIC -Ifixtures/candidates fixtures/candidates/mtp_step.c -o out/mtp_step.so -lm
+.venv/bin/mtp-probe run out/ref.h5 --impl c:out/mtp_step.so --out out/cand_c.h5 --json out/report.json
+# The same step with a classic wiring bug (concat order [h, e]): exit 1, localised to fc_in at token 0.
+gcc -O2 -std=c11 -shared -fPIC -DMTP_MUTANT_CONCAT_SWAP -Ifixtures/candidates fixtures/candidates/mtp_step.c \
+    -o out/mtp_step_swapped.so -lm
+.venv/bin/mtp-probe run out/ref.h5 --impl c:out/mtp_step_swapped.so --plot out/swapped.png | tail -1 || true
+# Diff a trace file someone already wrote.
+.venv/bin/mtp-probe diff out/ref.h5 out/cand_c.h5 | tail -1
+# Before trusting a verdict on your engine: the probe catches every known mutant on itself.
+.venv/bin/mtp-probe selftest 2>/dev/null | tail -1
