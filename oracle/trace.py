@@ -125,13 +125,21 @@ class TraceReader:
         self.path = Path(path)
         self._file = _open_hdf5(self.path)
         try:
-            self.attrs = _read_root_attrs(self._file, self.path)
+            self.attrs = self._guard("the root attributes", lambda: _read_root_attrs(self._file, self.path))
             self.num_tokens = int(self.attrs["num_tokens"])
             self.hidden_size = int(self.attrs["hidden_size"])
-            self.stages = self._present_stages()
+            self.stages = self._guard("/stages", self._present_stages)
         except BaseException:
             self._file.close()
             raise
+
+    def _guard(self, what: str, read):
+        """Run `read`; h5py reports damage as OSError, RuntimeError or KeyError from whichever call meets it."""
+        try:
+            return read()
+        except (OSError, RuntimeError, KeyError) as err:
+            raise TraceFormatError(f"{self.path} is corrupt or truncated: reading {what} failed ({err}). Write "
+                                   f"the file again (a reference: mtp-oracle export ... --out {self.path}).") from None
 
     def __enter__(self) -> "TraceReader":
         return self
@@ -151,21 +159,21 @@ class TraceReader:
         return tuple(n for n in STAGE_NAMES if n in group)
 
     def stage_shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._file[f"stages/{name}"].shape)
+        return self._guard(f"/stages/{name}", lambda: tuple(self._file[f"stages/{name}"].shape))
 
     def stage_dtype(self, name: str) -> np.dtype:
-        return self._file[f"stages/{name}"].dtype
+        return self._guard(f"/stages/{name}", lambda: self._file[f"stages/{name}"].dtype)
 
     def stage_rows(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Rows start..stop of /stages/<name>, as stored."""
-        return self._file[f"stages/{name}"][start:stop]
+        return self._guard(f"/stages/{name} rows {start}..{stop}", lambda: self._file[f"stages/{name}"][start:stop])
 
     @property
     def has_inputs(self) -> bool:
-        return all(f"inputs/{n}" in self._file for n in INPUT_NAMES)
+        return self._guard("/inputs", lambda: all(f"inputs/{n}" in self._file for n in INPUT_NAMES))
 
     def input_rows(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
-        return self._file[f"inputs/{name}"][start:stop]
+        return self._guard(f"/inputs/{name} rows {start}..{stop}", lambda: self._file[f"inputs/{name}"][start:stop])
 
     def inputs(self) -> TraceInputs:
         """All of /inputs, shape-checked against num_tokens and hidden_size."""

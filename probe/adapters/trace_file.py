@@ -17,7 +17,7 @@ Any other `*.bin` name is an error (a misspelt stage would otherwise be silently
 
 import json
 from pathlib import Path
-from typing import Callable, Protocol, TypeVar
+from typing import Protocol
 
 import numpy as np
 
@@ -27,7 +27,6 @@ from oracle.trace import read_trace
 
 CHECKED_INPUTS = ("token_ids", "positions", "hidden")  # the inputs a candidate is given; embed comes from weights
 _JSON_INPUTS = ("token_ids", "positions")
-_T = TypeVar("_T")
 
 
 class TraceSource(Protocol):
@@ -75,43 +74,36 @@ class _Closing:
 
 
 class Hdf5Trace(_Closing):
-    """An `mtp-trace/1` file, read through oracle.trace; h5py errors from a corrupt file become TraceFormatError."""
+    """An `mtp-trace/1` file, read through oracle.trace (which reports a corrupt file as TraceFormatError)."""
 
     kind = "mtp-trace/1"
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self._reader = _guarded(self.path, "reading the file header", lambda: read_trace(self.path))
+        self._reader = read_trace(self.path)
         self.num_tokens = self._reader.num_tokens
         self.hidden_size = self._reader.hidden_size
         self.stages = self._reader.stages
-        self.recorded_inputs = CHECKED_INPUTS if self._guard("/inputs", lambda: self._reader.has_inputs) else ()
-
-    def _guard(self, what: str, call: Callable[[], _T]) -> _T:
-        return _guarded(self.path, f"reading {what}", call)
+        self.recorded_inputs = CHECKED_INPUTS if self._reader.has_inputs else ()
 
     def close(self) -> None:
         self._reader.close()
 
     def stage_shape(self, name: str) -> tuple[int, ...]:
-        return self._guard(f"/stages/{name}", lambda: self._reader.stage_shape(name))
+        return self._reader.stage_shape(name)
 
     def stage_dtype(self, name: str) -> np.dtype:
-        return self._guard(f"/stages/{name}", lambda: self._reader.stage_dtype(name))
+        return self._reader.stage_dtype(name)
 
     def stage_rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        rows = self._guard(f"/stages/{name} rows {start}..{stop - 1}",
-                           lambda: self._reader.stage_rows(name, start, stop))
-        return _native_float32(rows)
+        return _native_float32(self._reader.stage_rows(name, start, stop))
 
     def input_shape(self, name: str) -> tuple[int, ...]:
         # As declared by the root attributes (oracle.trace checks /inputs against them); reads verify the rest.
         return (self.num_tokens,) if name != "hidden" else (self.num_tokens, self.hidden_size)
 
     def input_rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        rows = self._guard(f"/inputs/{name} rows {start}..{stop - 1}",
-                           lambda: self._reader.input_rows(name, start, stop))
-        return _native_float32(rows)
+        return _native_float32(self._reader.input_rows(name, start, stop))
 
     def describe(self, name: str) -> str:
         return f"{self.path}:/stages/{name}"
@@ -173,15 +165,6 @@ class RawDirTrace(_Closing):
 
     def describe(self, name: str) -> str:
         return f"{self._file(name)} ({self._file(name).stat().st_size} bytes)"
-
-
-def _guarded(path: Path, what: str, call: Callable[[], _T]) -> _T:
-    try:
-        return call()
-    # h5py reports a damaged file as any of these, from whichever call first touches the damage.
-    except (OSError, RuntimeError, KeyError) as err:
-        raise TraceFormatError(f"{path} is corrupt or truncated: {what} failed ({err}). Write the file again "
-                               f"(reference: mtp-oracle export ... --out {path}).") from None
 
 
 def _native_float32(rows: np.ndarray) -> np.ndarray:

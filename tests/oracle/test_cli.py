@@ -246,3 +246,14 @@ def test_sigterm_during_export_leaves_nothing(tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 128 + signal.SIGTERM
     assert list(tmp_path.iterdir()) == []
+
+
+def test_inspect_a_corrupt_trace_exit_2(tmp_path):
+    damaged = bytearray(TINY_REF.read_bytes())
+    for offset in range(4096, len(damaged), 2048):  # scribble over the metadata and data alike
+        damaged[offset:offset + 16] = b"\xff" * 16
+    path = tmp_path / "corrupt.h5"
+    path.write_bytes(bytes(damaged))
+    result = run_cli(cli, ["inspect", path])
+    assert result.exit_code == 2 and "is corrupt or truncated" in result.output
+    assert isinstance(result.exception, SystemExit)
