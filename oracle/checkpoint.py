@@ -94,6 +94,17 @@ class Checkpoint:
         _check_shape(entry, expected_shape, self.config)
         return _decode(_read_bytes(entry), entry).reshape(entry.shape)
 
+    def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows start..stop of a 2-D tensor as float32 (e.g. a vocabulary chunk of lm_head), read alone."""
+        entry = self.entry(name)
+        _check_shape(entry, None, self.config)
+        if len(entry.shape) != 2 or not 0 <= start <= stop <= entry.shape[0]:
+            raise CheckpointError(f"{name} has shape {list(entry.shape)}; rows {start}..{stop} are not in it.")
+        row_bytes = entry.nbytes // entry.shape[0]
+        with open(entry.file, "rb") as f:
+            raw = os.pread(f.fileno(), (stop - start) * row_bytes, entry.offset + start * row_bytes)
+        return _decode(raw, entry).reshape(stop - start, entry.shape[1])
+
     def read_head(self) -> HeadWeights:
         """Every `mtp.*` tensor of the head, shape-checked against config.json; all of them must be used."""
         expected = head_tensor_shapes(self.config)

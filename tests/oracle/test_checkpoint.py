@@ -132,3 +132,10 @@ def test_not_a_checkpoint_directory(tmp_path):
     (tmp_path / "config.json").write_text((TINY / "config.json").read_text())
     with pytest.raises(CheckpointError, match="neither model.safetensors nor model.safetensors.index.json"):
         Checkpoint(tmp_path)
+
+
+def test_read_rows_reads_a_row_range():
+    ckpt = Checkpoint(TINY_SHARDED)
+    np.testing.assert_array_equal(ckpt.read_rows("lm_head.weight", 100, 228), ckpt.read("lm_head.weight")[100:228])
+    with pytest.raises(CheckpointError, match="rows 500..600 are not in it"):
+        ckpt.read_rows("lm_head.weight", 500, 600)
