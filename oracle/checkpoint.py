@@ -22,6 +22,7 @@ from oracle.families.qwen3_5_layout import (MAIN_MODEL_PREFIXES, HeadConfig, hea
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 _ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4}
+_STORED_NUMPY = {"BF16": "<u2", "F16": "<f2", "F32": "<f4"}  # numpy has no bfloat16: keep its bit patterns
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,8 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class HeadWeights:
-    tensors: dict[str, np.ndarray]  # checkpoint name -> float32 array
+    tensors: dict[str, np.ndarray]  # checkpoint name -> array (float32, or as stored: see dtypes)
+    dtypes: dict[str, str]  # checkpoint name -> "F32", "F16" or "BF16" (held as uint16 bit patterns)
     digest: str  # sha256 over (name, dtype, shape, stored bytes) of every head tensor, in name order
 
 
@@ -92,7 +94,7 @@ class Checkpoint:
         """One whole tensor as float32, checked against `expected_shape` when given."""
         entry = self.entry(name)
         _check_shape(entry, expected_shape, self.config)
-        return _decode(_read_bytes(entry), entry).reshape(entry.shape)
+        return _widen(_read_stored(entry), entry.dtype)
 
     def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         """Rows start..stop of a 2-D tensor as float32 (e.g. a vocabulary chunk of lm_head), read alone."""
@@ -105,8 +107,11 @@ class Checkpoint:
             raw = os.pread(f.fileno(), (stop - start) * row_bytes, entry.offset + start * row_bytes)
         return _decode(raw, entry).reshape(stop - start, entry.shape[1])
 
-    def read_head(self) -> HeadWeights:
-        """Every `mtp.*` tensor of the head, shape-checked against config.json; all of them must be used."""
+    def read_head(self, widen: bool = True) -> HeadWeights:
+        """Every `mtp.*` tensor of the head, shape-checked against config.json; all of them must be used.
+
+        float32 when `widen`; otherwise as stored (HeadWeights.dtypes says how: bf16 comes as uint16 bit patterns),
+        which halves the memory of a bf16 head. The digest covers the stored bytes either way."""
         expected = head_tensor_shapes(self.config)
         unused = sorted(n for n in self._shard_of if n.startswith("mtp.") and n not in expected)
         if unused:
@@ -114,15 +119,16 @@ class Checkpoint:
                                   f"{', '.join(unused[:5])}{' …' if len(unused) > 5 else ''} "
                                   f"(a MoE or multi-layer head?). Refusing to ignore them.")
         digest = hashlib.sha256()
-        tensors = {}
+        tensors, dtypes = {}, {}
         for name in sorted(expected):
             entry = self.entry(name)
             _check_shape(entry, expected[name], self.config)
-            raw = _read_bytes(entry)
+            stored = _read_stored(entry)
             digest.update(f"{name}|{entry.dtype}|{list(entry.shape)}|".encode())
-            digest.update(raw)
-            tensors[name] = _decode(raw, entry).reshape(entry.shape)
-        return HeadWeights(tensors=tensors, digest="sha256:" + digest.hexdigest())
+            digest.update(stored)
+            tensors[name] = _widen(stored, entry.dtype) if widen else stored
+            dtypes[name] = "F32" if widen else entry.dtype
+        return HeadWeights(tensors=tensors, dtypes=dtypes, digest="sha256:" + digest.hexdigest())
 
     def main_model_prefix(self) -> str:
         """`model.language_model.` (VLM release) or `model.` (text-only), whichever holds the embedding."""
@@ -205,13 +211,24 @@ def _check_shape(entry: TensorEntry, expected: tuple[int, ...] | None, cfg: Head
             f"The config and the weights come from different models.")
 
 
-def _read_bytes(entry: TensorEntry) -> bytearray:
-    buf = bytearray(entry.nbytes)
-    with open(entry.file, "rb") as f:
+def _read_stored(entry: TensorEntry) -> np.ndarray:
+    """The tensor's bytes, read straight into an array of its stored dtype (no intermediate copy)."""
+    stored = np.empty(entry.shape, dtype=_STORED_NUMPY[entry.dtype])
+    with open(entry.file, "rb", buffering=0) as f:
         f.seek(entry.offset)
-        if f.readinto(buf) != entry.nbytes:
+        if f.readinto(memoryview(stored).cast("B")) != entry.nbytes:
             raise CheckpointError(f"{entry.file} ended before tensor {entry.name} was read; re-copy it.")
-    return buf
+    return stored
+
+
+def _widen(stored: np.ndarray, dtype: str) -> np.ndarray:
+    """Stored array -> float32 in one allocation. bfloat16 is the top half of a float32: the widening is exact."""
+    if dtype != "BF16":
+        return stored.astype(np.float32)
+    out = np.empty(stored.shape, dtype=np.uint32)
+    out[...] = stored
+    out <<= 16
+    return out.view(np.float32)
 
 
 def _decode(raw: bytes | bytearray, entry: TensorEntry) -> np.ndarray:

@@ -52,10 +52,10 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     log(f"checkpoint {ckpt.path}: D={cfg.hidden_size}, heads={cfg.num_attention_heads}/"
         f"{cfg.num_key_value_heads} kv, head_dim={cfg.head_dim}, T={len(token_ids)} steps")
     h = _resolve_hidden(ckpt, hidden, token_ids, start_pos, log)
-    weights = ckpt.read_head()
+    weights = ckpt.read_head(widen=False)  # bf16 stays bf16: half the memory
     inputs = TraceInputs(token_ids=token_ids, positions=positions, hidden=h,
                          embed=ckpt.embedding_rows(token_ids))
-    head, rotary = qwen3_5.build_head(cfg, weights.tensors)
+    head, rotary = qwen3_5.build_head(cfg, qwen3_5.torch_weights(weights))
     log(f"running the head ({mode})")
     if mode == "batched":
         stages = qwen3_5.run_batched(head, rotary, inputs)

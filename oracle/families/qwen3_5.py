@@ -16,12 +16,13 @@ from collections.abc import Callable
 import numpy as np
 import torch
 from torch import nn
+from torch.nn import functional as F
 from transformers import DynamicCache
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import (Qwen3_5DecoderLayer, Qwen3_5RMSNorm,
                                                           Qwen3_5TextModel, Qwen3_5TextRotaryEmbedding)
 
-from oracle.checkpoint import Checkpoint
+from oracle.checkpoint import Checkpoint, HeadWeights
 from oracle.errors import CheckpointError
 from oracle.families.qwen3_5_layout import HeadConfig
 from oracle.stages import STAGE_NAMES
@@ -91,12 +92,56 @@ class MtpHead(nn.Module):
         return stem | self.tail(stem["fc"], rope, mask, cache)
 
 
-def build_head(cfg: HeadConfig, weights: dict[str, np.ndarray]) -> tuple[MtpHead, Qwen3_5TextRotaryEmbedding]:
-    """The head with every `mtp.*` tensor loaded (strict: none missing, none unused, none left at init)."""
+class UpcastLinear(nn.Module):
+    """A bias-free linear whose weight stays in the checkpoint's dtype (bf16: half the memory of float32) and is
+    widened to float32 exactly, ROWS output rows at a time into one reused buffer, right before the matmul.
+
+    It computes F.linear(x, weight.float()) without ever holding the float32 weight; the output is bit-identical
+    to it (tests/oracle/test_head.py), because each output column reduces over the same K as before.
+    """
+
+    ROWS = 256
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out_features, in_features = self.weight.shape
+        out = x.new_empty(*x.shape[:-1], out_features)
+        block = torch.empty(min(self.ROWS, out_features), in_features, dtype=torch.float32, device=x.device)
+        for start in range(0, out_features, self.ROWS):
+            stop = min(start + self.ROWS, out_features)
+            rows = block[: stop - start]
+            rows.copy_(self.weight[start:stop])  # exact widening: bf16 is the top half of a float32
+            out[..., start:stop] = F.linear(x, rows)
+        return out
+
+
+def _upcast_linears(module: nn.Module) -> None:
+    """Replace every nn.Linear under `module` (official modules included) by an UpcastLinear on its weight."""
+    for name, child in module.named_children():
+        if isinstance(child, nn.Linear):
+            setattr(module, name, UpcastLinear(child.weight.data))
+        else:
+            _upcast_linears(child)
+
+
+def torch_weights(weights: HeadWeights) -> dict[str, torch.Tensor]:
+    """Stored head tensors as torch tensors, sharing memory: bf16 bit patterns become torch.bfloat16."""
+    as_torch = {"F32": lambda a: torch.from_numpy(a), "F16": lambda a: torch.from_numpy(a),
+                "BF16": lambda a: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)}
+    return {name: as_torch[weights.dtypes[name]](arr) for name, arr in weights.tensors.items()}
+
+
+def build_head(cfg: HeadConfig, weights: dict[str, torch.Tensor]) -> tuple[MtpHead, Qwen3_5TextRotaryEmbedding]:
+    """The head with every `mtp.*` tensor loaded (strict: none missing, none unused, none left at init).
+
+    Linear weights keep their dtype (widened block-wise by UpcastLinear); norm weights become float32."""
     text = head_text_config(cfg)
     with torch.device("meta"):  # no default init of full-size modules: every parameter must come from `weights`
         head = MtpHead(text)
-    state = {name.removeprefix("mtp."): torch.from_numpy(arr) for name, arr in weights.items()}
+    state = {name.removeprefix("mtp."): t if t.dim() == 2 else t.float() for name, t in weights.items()}
     try:
         head.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as err:
@@ -104,6 +149,7 @@ def build_head(cfg: HeadConfig, weights: dict[str, np.ndarray]) -> tuple[MtpHead
     left_on_meta = [n for n, t in [*head.named_parameters(), *head.named_buffers()] if t.is_meta]
     if left_on_meta:
         raise RuntimeError(f"parameters never loaded: {left_on_meta}")  # a bug: strict loading should prevent it
+    _upcast_linears(head)
     rotary = Qwen3_5TextRotaryEmbedding(text)  # built for real: its inv_freq buffer is computed, not loaded
     return head.eval(), rotary
 

@@ -26,9 +26,14 @@ def teacher_forced(ckpt: Checkpoint, tokens=TOKENS, hidden=None, start_pos=0) ->
 
 
 def built(ckpt_dir=TINY):
+    """The head as export builds it: stored (bf16) weights, linears widened block-wise."""
     ckpt = Checkpoint(ckpt_dir)
-    head, rotary = qwen3_5.build_head(ckpt.config, ckpt.read_head().tensors)
+    head, rotary = qwen3_5.build_head(ckpt.config, qwen3_5.torch_weights(ckpt.read_head(widen=False)))
     return ckpt, head, rotary
+
+
+def as_torch(arrays: dict) -> dict:
+    return {name: torch.from_numpy(arr) for name, arr in arrays.items()}
 
 
 def rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
@@ -55,13 +60,14 @@ def test_loaded_parameters_are_exactly_the_checkpoint_tensors():
     state = head.state_dict()
     assert {f"mtp.{k}" for k in state} == set(weights)
     for name, value in state.items():
-        np.testing.assert_array_equal(value.numpy(), weights[f"mtp.{name}"], err_msg=name)
+        np.testing.assert_array_equal(value.float().numpy(), weights[f"mtp.{name}"], err_msg=name)
+    assert head.fc.weight.dtype == torch.bfloat16  # linears stay as stored; UpcastLinear widens block-wise
 
 
 @pytest.mark.parametrize("drop", ["mtp.norm.weight", "mtp.layers.0.self_attn.q_norm.weight"])
 def test_a_missing_norm_weight_is_an_error_not_an_identity_norm(drop):
     ckpt = Checkpoint(TINY)
-    weights = dict(ckpt.read_head().tensors)
+    weights = as_torch(ckpt.read_head().tensors)
     del weights[drop]
     with pytest.raises(CheckpointError, match=drop.removeprefix("mtp.")):
         qwen3_5.build_head(ckpt.config, weights)
@@ -74,7 +80,7 @@ def official_layer_stages(ckpt: Checkpoint, fc_rows: np.ndarray, positions: np.n
     prefix = "mtp.layers.0."
     layer.load_state_dict({k.removeprefix(prefix): torch.from_numpy(v)
                            for k, v in ckpt.read_head().tensors.items() if k.startswith(prefix)}, strict=True)
-    rotary = qwen3_5.build_head(ckpt.config, ckpt.read_head().tensors)[1]
+    rotary = qwen3_5.build_head(ckpt.config, as_torch(ckpt.read_head().tensors))[1]
     seen: dict[str, list] = {n: [] for n in ("ah", "attn", "res1", "mh", "mlp", "res2")}
     layer.input_layernorm.register_forward_hook(lambda m, i, o: seen["ah"].append(o))
     layer.self_attn.register_forward_hook(lambda m, i, o: seen["attn"].append(o[0]))
@@ -168,7 +174,7 @@ def test_stem_and_attention_pitfalls_change_the_trace_first_at_their_stage(pitfa
     inputs = teacher_forced(ckpt)
     reference = qwen3_5.run_batched(head, rotary, inputs)
     if pitfall == "q_gate_halves":
-        head = qwen3_5.build_head(ckpt.config, _q_gate_as_halves(ckpt.read_head().tensors))[0]
+        head = qwen3_5.build_head(ckpt.config, as_torch(_q_gate_as_halves(ckpt.read_head().tensors)))[0]
     else:
         head = _with_stem(head, {"w_norm": PlainWeightNormStem, "concat_order": HiddenFirstStem}[pitfall])
     wrong = qwen3_5.run_batched(head, rotary, inputs)
@@ -221,3 +227,21 @@ def test_official_modules_carry_the_checkpoint_config_not_transformers_defaults(
     assert attn.num_key_value_groups == text["num_attention_heads"] // text["num_key_value_heads"]
     norms = [m for m in head.modules() if type(m).__name__ == "Qwen3_5RMSNorm"]
     assert len(norms) == 7 and all(m.eps == text["rms_norm_eps"] for m in norms)
+
+
+@pytest.mark.parametrize("rows, out_features, in_features", [(8, 96, 64), (1, 600, 128), (13, 256, 700)])
+def test_upcast_linear_equals_a_float32_linear_bit_for_bit(rows, out_features, in_features):
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+    x = torch.randn(2, rows, in_features, generator=gen)
+    expected = torch.nn.functional.linear(x, weight.float())
+    assert torch.equal(qwen3_5.UpcastLinear(weight)(x), expected)
+
+
+def test_float32_and_bf16_stored_weights_give_the_same_trace():
+    ckpt, head, rotary = built()
+    widened = qwen3_5.build_head(ckpt.config, as_torch(ckpt.read_head().tensors))[0]
+    inputs = teacher_forced(ckpt)
+    a, b = qwen3_5.run_batched(head, rotary, inputs), qwen3_5.run_batched(widened, rotary, inputs)
+    for name in STAGE_NAMES:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
