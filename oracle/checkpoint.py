@@ -8,6 +8,7 @@ embedding is 248320 x 5120: it is never read whole). Everything comes back as fl
 
 import hashlib
 import json
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ class Checkpoint:
         self.raw_config = _read_json(self.path / "config.json")
         self.config: HeadConfig = head_config_from_json(self.raw_config, str(self.path / "config.json"))
         self._headers: dict[str, dict[str, TensorEntry]] = {}
+        self._maps: dict[Path, mmap.mmap] = {}
         self._shard_of = self._weight_map()
 
     def _weight_map(self) -> dict[str, str]:
@@ -94,7 +96,18 @@ class Checkpoint:
         """One whole tensor as float32, checked against `expected_shape` when given."""
         entry = self.entry(name)
         _check_shape(entry, expected_shape, self.config)
-        return _widen(_read_stored(entry), entry.dtype)
+        return _widen(self._stored(entry), entry.dtype)
+
+    def _stored(self, entry: TensorEntry) -> np.ndarray:
+        """The tensor as stored, a view into its shard mapped copy-on-write: no copy, and pages are read in
+        only when touched (the digest touches each once, at about the cost of the hash alone)."""
+        if entry.file not in self._maps:
+            with open(entry.file, "rb") as f:
+                self._maps[entry.file] = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE,
+                                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        count = entry.nbytes // _ITEMSIZE[entry.dtype]
+        return np.frombuffer(self._maps[entry.file], dtype=_STORED_NUMPY[entry.dtype], count=count,
+                             offset=entry.offset).reshape(entry.shape)
 
     def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         """Rows start..stop of a 2-D tensor as float32 (e.g. a vocabulary chunk of lm_head), read alone."""
@@ -111,7 +124,8 @@ class Checkpoint:
         """Every `mtp.*` tensor of the head, shape-checked against config.json; all of them must be used.
 
         float32 when `widen`; otherwise as stored (HeadWeights.dtypes says how: bf16 comes as uint16 bit patterns),
-        which halves the memory of a bf16 head. The digest covers the stored bytes either way."""
+        mapped from the shard without a copy: half the memory of float32 for a bf16 head. The digest covers the
+        stored bytes either way."""
         expected = head_tensor_shapes(self.config)
         unused = sorted(n for n in self._shard_of if n.startswith("mtp.") and n not in expected)
         if unused:
@@ -123,7 +137,7 @@ class Checkpoint:
         for name in sorted(expected):
             entry = self.entry(name)
             _check_shape(entry, expected[name], self.config)
-            stored = _read_stored(entry)
+            stored = self._stored(entry)
             digest.update(f"{name}|{entry.dtype}|{list(entry.shape)}|".encode())
             digest.update(stored)
             tensors[name] = _widen(stored, entry.dtype) if widen else stored
@@ -209,16 +223,6 @@ def _check_shape(entry: TensorEntry, expected: tuple[int, ...] | None, cfg: Head
             f"num_key_value_heads={cfg.num_key_value_heads}, head_dim={cfg.head_dim}, "
             f"intermediate_size={cfg.intermediate_size}, vocab_size={cfg.vocab_size}). "
             f"The config and the weights come from different models.")
-
-
-def _read_stored(entry: TensorEntry) -> np.ndarray:
-    """The tensor's bytes, read straight into an array of its stored dtype (no intermediate copy)."""
-    stored = np.empty(entry.shape, dtype=_STORED_NUMPY[entry.dtype])
-    with open(entry.file, "rb", buffering=0) as f:
-        f.seek(entry.offset)
-        if f.readinto(memoryview(stored).cast("B")) != entry.nbytes:
-            raise CheckpointError(f"{entry.file} ended before tensor {entry.name} was read; re-copy it.")
-    return stored
 
 
 def _widen(stored: np.ndarray, dtype: str) -> np.ndarray:

@@ -105,14 +105,15 @@ class UpcastLinear(nn.Module):
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
+        # Allocated once: a fresh buffer per call would pay its page faults on every matmul.
+        self.block = torch.empty(min(self.ROWS, weight.shape[0]), weight.shape[1], dtype=torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out_features, in_features = self.weight.shape
+        out_features = self.weight.shape[0]
         out = x.new_empty(*x.shape[:-1], out_features)
-        block = torch.empty(min(self.ROWS, out_features), in_features, dtype=torch.float32, device=x.device)
         for start in range(0, out_features, self.ROWS):
             stop = min(start + self.ROWS, out_features)
-            rows = block[: stop - start]
+            rows = self.block[: stop - start]
             rows.copy_(self.weight[start:stop])  # exact widening: bf16 is the top half of a float32
             out[..., start:stop] = F.linear(x, rows)
         return out

@@ -1,0 +1,295 @@
+"""Performance at real scale, measured side by side in one run against this machine's own floor.
+
+    python scripts/bench.py [--checkpoint DIR] [--work DIR] [--quick]
+
+Generates the Qwen3.5-27B-shaped checkpoint (scripts/make_realscale_checkpoint.py) if DIR lacks one, then prints
+one table: export (T=169, T=1024) against the floor (bytes to read / measured read rate + matmul FLOPs / measured
+float32 GEMM rate) and against the naive approach; diff throughput and peak RSS at D=5120 for T=1024 and 4096
+against a raw h5py read of the same files; and the C ABI driver against the same C step in a plain C loop.
+Every process is a child measured with wait4 (wall time, peak RSS). The machine is noisy: read ratios, not times.
+"""
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+BIN = Path(PY).parent
+HEAD_BYTES_BF16 = 849_400_000  # approximate; measured from the shard below
+TARGETS = {"export_rss": 1.3, "export_1024": 1.5, "export_169": 2.5, "diff_rate": 0.5, "diff_rss_mb": 300,
+           "cabi": 1.10}
+
+
+def run_child(cmd: list[str], env: dict | None = None) -> tuple[float, float, str]:
+    """(wall seconds, peak RSS GB, stdout) of one child process."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, **(env or {})})
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    out, err = proc.stdout.read(), proc.stderr.read()
+    code = os.waitstatus_to_exitcode(status)
+    if code not in (0, 1, 3):
+        raise RuntimeError(f"{' '.join(map(str, cmd))} exited {code}:\n{err[-3000:]}")
+    return wall, usage.ru_maxrss / 1e6, out
+
+
+# ---- children: measured inside their own process ---------------------------------------------------------------
+
+def child_export(ckpt: str, t: int, out: str) -> None:
+    start = time.perf_counter()
+    from oracle.export import HiddenSource, export_trace
+
+    imported = time.perf_counter()
+    export_trace(Path(ckpt), Path(out), token_ids(t), HiddenSource(seed=0))
+    print(json.dumps({"import_s": imported - start, "export_s": time.perf_counter() - imported}))
+
+
+def child_naive(ckpt: str, t: int) -> None:
+    """What a user would write: default-initialised official modules, load_state_dict, the whole embedding."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
+
+    from oracle.checkpoint import Checkpoint
+    from oracle.families.qwen3_5 import causal_mask, head_text_config
+    from oracle.inputs import hidden_from_seed
+
+    start = time.perf_counter()
+    cfg = Checkpoint(Path(ckpt)).config
+    text = head_text_config(cfg)
+    d = cfg.hidden_size
+    mods = torch.nn.ModuleDict({"pre_fc_norm_embedding": Qwen3_5RMSNorm(d), "pre_fc_norm_hidden": Qwen3_5RMSNorm(d),
+                                "fc": torch.nn.Linear(2 * d, d, bias=False), "norm": Qwen3_5RMSNorm(d),
+                                "layers": torch.nn.ModuleList([Qwen3_5DecoderLayer(text, 0)])})
+    index = json.loads((Path(ckpt) / "model.safetensors.index.json").read_text())["weight_map"]
+    shards = {index[n] for n in index if n.startswith("mtp.") or "embed_tokens" in n}
+    state = {}
+    for shard in sorted(shards):
+        state.update(load_file(Path(ckpt) / shard))
+    embed_table = state.pop("model.language_model.embed_tokens.weight").float()
+    mods.load_state_dict({k.removeprefix("mtp."): v.float() for k, v in state.items() if k.startswith("mtp.")})
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
+
+    rotary = Qwen3_5TextRotaryEmbedding(text)
+    ids = torch.from_numpy(token_ids(t))
+    with torch.inference_mode():
+        e = mods["pre_fc_norm_embedding"](embed_table[ids][None])
+        h = mods["pre_fc_norm_hidden"](torch.from_numpy(hidden_from_seed(0, t, d))[None])
+        fc = mods["fc"](torch.cat([e, h], -1))
+        layer = mods["layers"][0]
+        rope = rotary(fc, torch.arange(t)[None])
+        res1 = fc + layer.self_attn(layer.input_layernorm(fc), rope, causal_mask(t))[0]
+        out = mods["norm"](res1 + layer.mlp(layer.post_attention_layernorm(res1)))
+    print(json.dumps({"naive_s": time.perf_counter() - start, "check": float(out[0, 0, 0])}))
+
+
+def child_diff(ref: str, cand: str) -> None:
+    start = time.perf_counter()
+    from probe.diff import diff_traces
+
+    imported = time.perf_counter()
+    report = diff_traces(Path(ref), Path(cand))
+    print(json.dumps({"import_s": imported - start, "diff_s": time.perf_counter() - imported,
+                      "verdict": report.verdict.name}))
+
+
+def token_ids(t: int) -> np.ndarray:
+    return ((np.arange(t) * 1009 + 7) % 248320).astype(np.int64)
+
+
+# ---- floors ----------------------------------------------------------------------------------------------------
+
+def read_rate(path: Path) -> float:
+    """Sequential read rate (GB/s), page cache warm, into a reused buffer: best of 3."""
+    buf = bytearray(path.stat().st_size)
+    best = float("inf")
+    for _ in range(4):
+        start = time.perf_counter()
+        with open(path, "rb", buffering=0) as f:
+            f.readinto(buf)
+        best = min(best, time.perf_counter() - start)
+    return len(buf) / best / 1e9
+
+
+def head_linear_shapes() -> list[tuple[int, int]]:
+    d, q, kv, ff = 5120, 24 * 256, 4 * 256, 17408
+    return [(d, 2 * d), (2 * q, d), (kv, d), (kv, d), (d, q), (ff, d), (ff, d), (d, ff)]
+
+
+def gemm_rate(t: int) -> float:
+    """float32 GEMM rate (GFLOP/s) over the head's linear shapes with T rows: best of 3 per shape."""
+    import torch
+
+    total_flops, total_s = 0.0, 0.0
+    for out_f, in_f in head_linear_shapes():
+        w, x = torch.randn(out_f, in_f), torch.randn(t, in_f)
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            best = min(best, time.perf_counter() - start)
+        total_flops += 2.0 * t * out_f * in_f
+        total_s += best
+    return total_flops / total_s / 1e9
+
+
+def head_flops(t: int) -> float:
+    matmul = 2.0 * t * sum(o * i for o, i in head_linear_shapes())
+    attention = 2.0 * 2 * 24 * 256 * t * (t + 1) / 2  # QK^T and PV over the causal half
+    return matmul + attention
+
+
+# ---- measurements ----------------------------------------------------------------------------------------------
+
+def bench_export(ckpt: Path, work: Path, rate: float, gemm: dict[int, float], rows: list) -> None:
+    head_bytes = (ckpt / "model-00003-of-00003.safetensors").stat().st_size
+    for t in (169, 1024):
+        floor = head_bytes / rate / 1e9 + head_flops(t) / gemm[t] / 1e9
+        wall, rss, out = run_child([PY, __file__, "child-export", str(ckpt), str(t), str(work / f"ref{t}.h5")])
+        inner = json.loads(out)
+        target = TARGETS["export_1024"] if t == 1024 else TARGETS["export_169"]
+        rows.append((f"export in-process, T={t}", f"{inner['export_s']:.2f} s", f"floor {floor:.2f} s",
+                     f"{inner['export_s'] / floor:.2f}x", f"<= {target}x"))
+        rows.append((f"export peak RSS, T={t}", f"{rss:.2f} GB", f"head f32 {2 * head_bytes / 1e9:.2f} GB",
+                     f"{rss / (2 * head_bytes / 1e9):.2f}x", f"<= {TARGETS['export_rss']}x"))
+        cli_wall, _, _ = run_child([str(BIN / "mtp-oracle"), "export", str(ckpt), "--out", str(work / "cli.h5"),
+                                    "--tokens", ",".join(map(str, token_ids(t))), "--hidden-seed", "0", "-q"])
+        rows.append((f"export CLI wall, T={t}", f"{cli_wall:.2f} s", f"imports {inner['import_s']:.2f} s", "", ""))
+        naive_wall, naive_rss, naive_out = run_child([PY, __file__, "child-naive", str(ckpt), str(t)])
+        naive = json.loads(naive_out)["naive_s"]
+        rows.append((f"naive (default init + load_state_dict), T={t}", f"{naive:.2f} s", f"RSS {naive_rss:.2f} GB",
+                     f"ours {naive / inner['export_s']:.1f}x faster", ""))
+
+
+def synthetic_trace(path: Path, t: int, d: int, noise: float, seed: int) -> None:
+    from oracle.stages import STAGES
+    from oracle.trace import TraceInputs, write_trace
+
+    rng = np.random.default_rng(seed)
+    base = np.random.default_rng(0)
+    inputs = TraceInputs(token_ids=token_ids(t), positions=np.arange(t, dtype=np.int64),
+                         hidden=base.standard_normal((t, d), dtype=np.float32),
+                         embed=base.standard_normal((t, d), dtype=np.float32))
+    stages = {}
+    for stage in STAGES:
+        values = base.standard_normal((t, stage.width(d)), dtype=np.float32)
+        if noise:
+            values *= 1 + noise * rng.standard_normal(values.shape, dtype=np.float32)
+        stages[stage.name] = values
+    write_trace(path, inputs, stages, {"family": "qwen3_5", "checkpoint_digest": "synthetic"})
+
+
+def raw_read_rate(paths: list[Path]) -> float:
+    """h5py sequential read of every dataset of `paths`, in the files' own chunks (GB/s), warm: best of 2."""
+    import h5py
+
+    best, total = float("inf"), 0
+    for _ in range(3):
+        total, start = 0, time.perf_counter()
+        for path in paths:
+            with h5py.File(path, "r") as f:
+                for group in ("inputs", "stages"):
+                    for ds in f[group].values():
+                        step = ds.chunks[0] if ds.chunks else ds.shape[0]
+                        for a in range(0, ds.shape[0], step):
+                            total += ds[a:a + step].nbytes
+        best = min(best, time.perf_counter() - start)
+    return total / best / 1e9, total
+
+
+def bench_diff(work: Path, rows: list) -> None:
+    for t in (1024, 4096):
+        ref, cand = work / f"diff_ref{t}.h5", work / f"diff_cand{t}.h5"
+        synthetic_trace(ref, t, 5120, 0.0, 1)
+        synthetic_trace(cand, t, 5120, 1e-7, 2)
+        rate, nbytes = raw_read_rate([ref, cand])
+        wall, rss, out = run_child([PY, __file__, "child-diff", str(ref), str(cand)])
+        inner = json.loads(out)
+        diff_rate = nbytes / inner["diff_s"] / 1e9
+        rows.append((f"diff, D=5120 T={t} ({inner['verdict']})", f"{diff_rate:.2f} GB/s",
+                     f"raw h5py read {rate:.2f} GB/s", f"{diff_rate / rate:.2f}x", f">= {TARGETS['diff_rate']}x"))
+        rows.append((f"diff peak RSS, T={t}", f"{rss * 1000:.0f} MB", f"CLI-free child, wall {wall:.1f} s", "",
+                     f"<= {TARGETS['diff_rss_mb']} MB, flat"))
+        ref.unlink(), cand.unlink()
+
+
+def bench_cabi(ckpt: Path, work: Path, rows: list, t: int = 4) -> None:
+    from oracle.checkpoint import Checkpoint
+    from oracle.inputs import hidden_from_seed
+    from probe.adapters.cabi import build_library
+    from probe.adapters.cabi_worker import WEIGHT_TENSORS
+
+    ref = work / f"ref_cabi{t}.h5"
+    run_child([PY, __file__, "child-export", str(ckpt), str(t), str(ref)])
+    lib = build_library(ROOT / "fixtures" / "candidates" / "mtp_step.c", work)
+    loop = work / "bench_c_loop"
+    subprocess.run(["gcc", "-O2", "-std=c11", f"-I{ROOT / 'fixtures' / 'candidates'}", str(ROOT / "scripts" /
+                    "bench_c_loop.c"), str(ROOT / "fixtures" / "candidates" / "mtp_step.c"), "-o", str(loop), "-lm"],
+                   check=True)
+    c = Checkpoint(ckpt)
+    cfg, head = c.config, c.read_head()
+    with open(work / "weights.bin", "wb") as f:
+        for _, name in WEIGHT_TENSORS:
+            f.write(np.ascontiguousarray(head.tensors[name], dtype=np.float32).tobytes())
+    del head
+    ids = token_ids(t)
+    c.embedding_rows(ids).astype("<f4").tofile(work / "embed.bin")
+    hidden_from_seed(0, t, cfg.hidden_size).astype("<f4").tofile(work / "hidden.bin")
+    np.arange(t, dtype="<i4").tofile(work / "positions.bin")
+    args = [str(work), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            cfg.rotary_dim, cfg.intermediate_size, t, cfg.rms_norm_eps, cfg.rope_theta]
+    loop_wall, loop_rss, _ = run_child([str(loop), *map(str, args)])
+    probe_wall, probe_rss, out = run_child([str(BIN / "mtp-probe"), "run", str(ref), "--impl", f"c:{lib}",
+                                            "--checkpoint", str(ckpt)])
+    verdict = out.strip().splitlines()[-1].split(" |")[0]
+    rows.append((f"C ABI: mtp-probe run (T={t}, {verdict})", f"{probe_wall:.2f} s", f"plain C loop {loop_wall:.2f} s",
+                 f"{probe_wall / loop_wall:.2f}x", f"<= {TARGETS['cabi']}x"))
+    (work / "weights.bin").unlink()
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    import torch
+
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", type=Path, default=Path("/tmp/mtp-bench/q35_27b"))
+    parser.add_argument("--work", type=Path, default=Path("/tmp/mtp-bench/work"))
+    args = parser.parse_args()
+    if not (args.checkpoint / "model.safetensors.index.json").is_file():
+        subprocess.run([PY, str(ROOT / "scripts" / "make_realscale_checkpoint.py"), str(args.checkpoint)], check=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    shard = args.checkpoint / "model-00003-of-00003.safetensors"
+    rate = read_rate(shard)
+    gemm = {t: gemm_rate(t) for t in (169, 1024)}
+    rows = [("floor: sequential read, warm", f"{rate:.1f} GB/s", "", "", ""),
+            ("floor: f32 GEMM, head shapes", f"T=169 {gemm[169]:.0f}", f"T=1024 {gemm[1024]:.0f} GFLOP/s", "", "")]
+    bench_export(args.checkpoint, args.work, rate, gemm, rows)
+    bench_diff(args.work, rows)
+    bench_cabi(args.checkpoint, args.work, rows)
+    print(f"machine: {machine()}")
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    for r in rows:
+        print(" | ".join(cell.ljust(w) for cell, w in zip(r, widths)))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1].startswith("child-"):
+        {"child-export": lambda a: child_export(a[0], int(a[1]), a[2]),
+         "child-naive": lambda a: child_naive(a[0], int(a[1])),
+         "child-diff": lambda a: child_diff(a[0], a[1])}[sys.argv[1]](sys.argv[2:])
+    else:
+        main()
