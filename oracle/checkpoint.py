@@ -109,16 +109,18 @@ class Checkpoint:
         return np.frombuffer(self._maps[entry.file], dtype=_STORED_NUMPY[entry.dtype], count=count,
                              offset=entry.offset).reshape(entry.shape)
 
-    def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        """Rows start..stop of a 2-D tensor as float32 (e.g. a vocabulary chunk of lm_head), read alone."""
+    def stored_rows(self, name: str, start: int, stop: int) -> tuple[np.ndarray, str]:
+        """Rows start..stop of a 2-D tensor as stored, with its dtype ("BF16" comes as uint16 bit patterns): a
+        view of the mapped shard, so only those rows are ever read (e.g. a vocabulary chunk of lm_head)."""
         entry = self.entry(name)
         _check_shape(entry, None, self.config)
         if len(entry.shape) != 2 or not 0 <= start <= stop <= entry.shape[0]:
             raise CheckpointError(f"{name} has shape {list(entry.shape)}; rows {start}..{stop} are not in it.")
-        row_bytes = entry.nbytes // entry.shape[0]
-        with open(entry.file, "rb") as f:
-            raw = os.pread(f.fileno(), (stop - start) * row_bytes, entry.offset + start * row_bytes)
-        return _decode(raw, entry).reshape(stop - start, entry.shape[1])
+        return self._stored(entry)[start:stop], entry.dtype
+
+    def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows start..stop of a 2-D tensor as float32."""
+        return _widen(*self.stored_rows(name, start, stop))
 
     def read_head(self, widen: bool = True) -> HeadWeights:
         """Every `mtp.*` tensor of the head, shape-checked against config.json; all of them must be used.

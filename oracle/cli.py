@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from oracle.errors import MtpGroup
+from oracle.output import check_writable
 
 EXISTING_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
 EXISTING_FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
@@ -49,6 +50,48 @@ def export(obj, checkpoint, out, tokens, tokens_file, hidden_file, hidden_seed, 
     path = export_trace(checkpoint, out, ids, source, start_pos=start_pos, mode=mode,
                         command=obj["command"], log=log)
     click.echo(f"wrote {path}: {len(ids)} steps x 11 stages")
+
+
+@cli.command()
+@click.argument("checkpoint", type=EXISTING_DIR)
+@click.option("--k", type=int, default=4, show_default=True, help="Drafts per chain (speculation depth).")
+@click.option("--tokens", help="The sequence x_0..x_{N-1}, comma separated (NOT shifted: bridge step i reads x_{i+1}).")
+@click.option("--tokens-file", type=EXISTING_FILE, help="The sequence from a text file or a .npy int array.")
+@click.option("--hidden", "hidden_file", metavar="FILE",
+              help="H_0..H_{N-1} [N, D] float32, post-final-norm: FILE.npy, FILE.bin or FILE.h5:/dataset.")
+@click.option("--main-model", is_flag=True, help="H from the checkpoint's main model run over the sequence.")
+@click.option("--hidden-seed", type=int, help="Synthetic H (plumbing checks only; implies --target text).")
+@click.option("--target", type=click.Choice(["greedy", "text"]), help="Compare drafts with the main model's argmax "
+              "(greedy; default) or with the sequence's next tokens (text; a proxy).")
+@click.option("--chunk-rows", type=int, default=8192, show_default=True,
+              help="lm_head rows read (and held in float32) at a time.")
+@click.option("--json", "json_out", type=click.Path(path_type=Path), help="Write the measurement as JSON.")
+@click.option("--plot", type=click.Path(path_type=Path), help="Write a PNG of alpha_j and p_j by depth.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress messages.")
+@click.pass_obj
+def accept(obj, checkpoint, k, tokens, tokens_file, hidden_file, main_model, hidden_seed, target, chunk_rows,
+           json_out, plot, quiet) -> None:
+    """Measure the head's acceptance: conditional alpha_j and chain-break E[len] over k-draft chains."""
+    from oracle.accept import measure_acceptance
+    from oracle.accept_report import render_report, summary_line, write_json, write_plot
+    from oracle.export import HiddenSource
+    from oracle.inputs import token_ids_from_file, token_ids_from_text
+
+    _exactly_one({"--tokens": tokens, "--tokens-file": tokens_file})
+    _exactly_one({"--hidden": hidden_file, "--main-model": main_model or None, "--hidden-seed": hidden_seed})
+    for path, option in ((json_out, "--json"), (plot, "--plot")):
+        if path is not None:
+            check_writable(path, option)  # fail before the work, not after it
+    ids = token_ids_from_file(tokens_file) if tokens_file else token_ids_from_text(tokens, "--tokens")
+    log = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))
+    result = measure_acceptance(checkpoint, ids, HiddenSource(file=hidden_file, seed=hidden_seed,
+                                main_model=main_model), k=k, target=target, chunk_rows=chunk_rows, log=log)
+    click.echo(render_report(result))
+    if json_out is not None:
+        write_json(result, json_out, command=obj["command"])
+    if plot is not None:
+        write_plot(result, plot)
+    click.echo(summary_line(result))
 
 
 @cli.command()

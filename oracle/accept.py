@@ -1,0 +1,254 @@
+"""Acceptance of an MTP head for speculative decoding: conditional α_j and the chain-break E[accepted length].
+
+A head that matches the reference stage by stage is correctly transcribed; whether it is useful is measured here.
+Inputs: a sequence x_0..x_{N-1} and the main model's post-final-norm hidden H_0..H_{N-1}. Bridge step i is
+(x_{i+1}, H_i, position i), the step a trace records. After every bridge step i with i+1+k <= N-1 the head drafts
+a chain: draft 1 = argmax lm_head(out of bridge step i); draft j >= 2 from (embedding of draft j-1, the head's own
+previous out, position i+j-1). Draft j of chain i stands for x_{i+1+j}. The head's KV cache holds bridge steps
+0..i; a chain's own entries are dropped after it, as an engine rolls back rejected drafts.
+
+In deployment draft j is only checked when drafts 1..j-1 were accepted, so α_j is conditional and
+E[len] = 1 + Σ_j Π_{m<=j} α_m; the naive 1 + Σ_j p_j of unconditional hit rates is an upper bound.
+Both targets are teacher-forced on x: `greedy` (the main model's argmax, lm_head(H)) is exactly what greedy
+verification checks only when x is the main model's own greedy output; `text` (x itself) is a proxy.
+
+The cost is the lm_head (real scale 248320 x 5120): it is read in vocabulary chunks with a running argmax, one
+sweep per depth for all chains together, in float32 (the stored bf16 widened exactly; no bf16 screening).
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from oracle.checkpoint import Checkpoint, check_token_ids
+from oracle.errors import InputError
+from oracle.export import HiddenSource
+from oracle.families import qwen3_5
+from oracle.inputs import hidden_from_file, hidden_from_seed
+from oracle.lm_head import CHUNK_ROWS, LmHead, lm_head_of
+
+TARGETS = ("greedy", "text")
+CHAIN_BLOCK = 256  # chains per attention call: its scores take heads x block x (bridge + block * k) floats
+Head, Rotary = qwen3_5.MtpHead, qwen3_5.Qwen3_5TextRotaryEmbedding
+
+
+@dataclass(frozen=True)
+class AcceptMetrics:
+    """Per-depth counts over the chains; every rate derives from them."""
+
+    chains: int
+    hits: tuple[int, ...]  # chains whose draft j is right (p_j's numerator)
+    runs: tuple[int, ...]  # chains whose drafts 1..j are all right (α_j's numerator)
+
+    @property
+    def k(self) -> int:
+        return len(self.hits)
+
+    @property
+    def p(self) -> tuple[float, ...]:
+        return tuple(h / self.chains for h in self.hits)
+
+    @property
+    def alpha_den(self) -> tuple[int, ...]:
+        """α_j's denominator: chains whose drafts 1..j-1 are all right (all chains for j = 1)."""
+        return (self.chains, *self.runs[:-1])
+
+    @property
+    def alpha(self) -> tuple[float | None, ...]:
+        """α_j = P(draft j right | drafts 1..j-1 right); None where no chain got that far."""
+        return tuple(n / d if d else None for n, d in zip(self.runs, self.alpha_den))
+
+    @property
+    def e_len(self) -> float:
+        """1 + Σ_j Π_{m<=j} α_m, in exact fractions; an undefined α_j ends the sum (its term is 0 anyway)."""
+        total, product = Fraction(1), Fraction(1)
+        for num, den in zip(self.runs, self.alpha_den):
+            if den == 0:
+                break
+            product *= Fraction(num, den)
+            total += product
+        return float(total)
+
+    @property
+    def e_len_naive(self) -> float:
+        """1 + Σ_j p_j: an upper bound on E[len], blind to the conjunction of the earlier drafts."""
+        return float(1 + Fraction(sum(self.hits), self.chains))
+
+
+def acceptance_metrics(drafts: np.ndarray, targets: np.ndarray) -> AcceptMetrics:
+    """Counts behind p_j and α_j from [chains, k] tables of drafted and target token ids."""
+    if drafts.shape != targets.shape or drafts.ndim != 2 or drafts.size == 0:
+        raise ValueError(f"drafts {drafts.shape} and targets {targets.shape} must be the same non-empty [C, k]")
+    right = drafts == targets  # (C, k)
+    runs = np.logical_and.accumulate(right, axis=1)  # (C, k): drafts 1..j all right
+    return AcceptMetrics(chains=len(right), hits=tuple(int(v) for v in right.sum(axis=0)),
+                         runs=tuple(int(v) for v in runs.sum(axis=0)))
+
+
+@dataclass(frozen=True)
+class Bridge:
+    """Bridge steps 0..C-1 through the head: their outputs and the K/V they leave in its cache."""
+
+    out: torch.Tensor  # (C, D)
+    keys: torch.Tensor  # (1, kv_heads, C, head_dim), after k_norm and RoPE, as the cache holds them
+    values: torch.Tensor  # (1, kv_heads, C, head_dim)
+
+
+@torch.inference_mode()
+def bridge_pass(ckpt: Checkpoint, head: Head, rotary: Rotary, sequence: np.ndarray, hidden: np.ndarray,
+                chains: int) -> Bridge:
+    """Bridge steps i = 0..chains-1, (x_{i+1}, H_i, position i), as one causal pass."""
+    embed = torch.from_numpy(ckpt.embedding_rows(sequence[1:chains + 1]))[None]  # (C, D) -> (1, C, D)
+    h = torch.from_numpy(np.ascontiguousarray(hidden[:chains]))[None]  # (C, D) -> (1, C, D)
+    rope = rotary(embed, torch.arange(chains)[None])
+    cache = DynamicCache(config=head.text_config)  # the head's own cache
+    out = head(embed, h, rope, qwen3_5.causal_mask(chains), cache)["out"][0]  # (1, C, D) -> (C, D)
+    keys, values, _ = next(iter(cache))
+    return Bridge(out, keys, values)
+
+
+def chain_mask(first: int, n: int, depth: int) -> torch.Tensor:
+    """Additive mask (1, 1, n, first+n + n*(depth-1)) for chains first..first+n-1 at draft depth >= 2.
+
+    Keys: bridge steps 0..first+n-1, then n draft entries per depth 2..depth (chain order). Chain i sees bridge
+    steps 0..i and its own draft entries, never another chain's."""
+    chain = torch.arange(first, first + n)
+    sees_bridge = torch.arange(first + n)[None, :] <= chain[:, None]  # (n, first+n)
+    sees_own = torch.eye(n, dtype=torch.bool).repeat(1, depth - 1)  # (n, n) -> (n, n*(depth-1))
+    allowed = torch.cat([sees_bridge, sees_own], dim=1)
+    return torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
+
+
+def _draft_step(head: Head, rotary: Rotary, cache: DynamicCache, embed: torch.Tensor, prev_out: torch.Tensor,
+                first: int, depth: int) -> torch.Tensor:
+    """One draft step of chains first..first+n-1: chain i's query sits at position i + depth - 1."""
+    positions = torch.arange(first, first + len(embed))[None] + (depth - 1)  # (1, n)
+    rope = rotary(embed[None], positions)
+    mask = chain_mask(first, len(embed), depth)
+    return head(embed[None], prev_out[None], rope, mask, cache)["out"][0]  # (1, n, D) -> (n, D)
+
+
+@torch.inference_mode()
+def extend_chains(ckpt: Checkpoint, head: Head, rotary: Rotary, lm_head: LmHead, bridge: Bridge,
+                  first_drafts: np.ndarray, k: int, chain_block: int = CHAIN_BLOCK) -> np.ndarray:
+    """Drafts [C, k]: depth by depth, all chains (in blocks) through the head, then one lm_head sweep."""
+    chains = len(first_drafts)
+    drafts = np.empty((chains, k), dtype=np.int64)
+    drafts[:, 0] = first_drafts
+    blocks = [(a, min(a + chain_block, chains)) for a in range(0, chains, chain_block)]
+    # A block's cache starts as the bridge steps its chains may see; draft entries are appended, then dropped.
+    caches = [DynamicCache([(bridge.keys[:, :, :b], bridge.values[:, :, :b])], config=head.text_config)
+              for _, b in blocks]
+    out = bridge.out
+    for depth in range(2, k + 1):
+        embed = torch.from_numpy(ckpt.embedding_rows(drafts[:, depth - 2]))  # (C, D)
+        out = torch.cat([_draft_step(head, rotary, cache, embed[a:b], out[a:b], a, depth)
+                         for (a, b), cache in zip(blocks, caches)])
+        drafts[:, depth - 1] = lm_head.argmax(out.numpy())
+    return drafts
+
+
+def draft_chains(ckpt: Checkpoint, head: Head, rotary: Rotary, sequence: np.ndarray, hidden: np.ndarray, k: int,
+                 chunk_rows: int = CHUNK_ROWS, chain_block: int = CHAIN_BLOCK) -> np.ndarray:
+    """Drafts [C, k], C = N-1-k: row i is the chain drafted after bridge step i."""
+    lm_head = lm_head_of(ckpt, chunk_rows)
+    bridge = bridge_pass(ckpt, head, rotary, sequence, hidden, len(sequence) - 1 - k)
+    return extend_chains(ckpt, head, rotary, lm_head, bridge, lm_head.argmax(bridge.out.numpy()), k, chain_block)
+
+
+def target_table(sequence: np.ndarray, main_argmax: np.ndarray | None, k: int, target: str) -> np.ndarray:
+    """Targets [C, k] for draft j of chain i: x_{i+1+j} (text) or argmax lm_head(H_{i+j}) (greedy).
+
+    `main_argmax[m]` is the main model's argmax after x_0..x_{m+1}, i.e. of lm_head(H_{m+1})."""
+    chains = len(sequence) - 1 - k
+    at = np.arange(chains)[:, None] + np.arange(1, k + 1)[None, :]  # (C, k): i + j
+    return sequence[at + 1] if target == "text" else main_argmax[at - 1]
+
+
+@dataclass(frozen=True)
+class AcceptResult:
+    metrics: AcceptMetrics
+    target: str
+    sequence: np.ndarray  # x_0..x_{N-1}
+    drafts: np.ndarray  # [C, k]; row i is the chain drafted after bridge step i
+    targets: np.ndarray  # [C, k]
+    source: dict  # checkpoint, hidden source, lm_head tensor
+
+
+def measure_acceptance(checkpoint_dir: Path, sequence: np.ndarray, hidden: HiddenSource, k: int = 4,
+                       target: str | None = None, head_weights: dict[str, np.ndarray] | None = None,
+                       chunk_rows: int = CHUNK_ROWS, log: Callable[[str], None] = lambda msg: None) -> AcceptResult:
+    """Draft a k-chain after every bridge step of `sequence` and score the chains against `target`.
+
+    `target` None means greedy, or text when H is synthetic (`hidden.seed`). `head_weights` replaces the
+    checkpoint's `mtp.*` tensors (e.g. a random head as a baseline)."""
+    sequence = np.asarray(sequence, dtype=np.int64)
+    _check_k(k, len(sequence))
+    ckpt = Checkpoint(checkpoint_dir)
+    check_token_ids(sequence, ckpt.config.vocab_size)
+    lm_head = lm_head_of(ckpt, chunk_rows)
+    target = _resolved_target(target, hidden)
+    h = _hidden_of(ckpt, hidden, sequence, log)
+    head, rotary = qwen3_5.build_head(ckpt.config, _head_tensors(ckpt, head_weights))
+    chains = len(sequence) - 1 - k
+    log(f"drafting {chains} chains of k={k} (N={len(sequence)} tokens); lm_head {lm_head.name} in chunks of "
+        f"{chunk_rows} rows")
+    bridge = bridge_pass(ckpt, head, rotary, sequence, h, chains)
+    # One sweep scores the first drafts and, for greedy, the main model's own argmax at positions 1..N-2.
+    rows = [bridge.out.numpy()] + ([h[1:-1]] if target == "greedy" else [])
+    scored = lm_head.argmax(np.concatenate(rows))
+    drafts = extend_chains(ckpt, head, rotary, lm_head, bridge, scored[:chains], k)
+    targets = target_table(sequence, scored[chains:], k, target)
+    source = {"checkpoint": str(ckpt.path), "hidden": hidden.describe(), "lm_head": lm_head.name,
+              "head": "checkpoint mtp.*" if head_weights is None else "weights given by the caller"}
+    return AcceptResult(acceptance_metrics(drafts, targets), target, sequence, drafts, targets, source)
+
+
+def _head_tensors(ckpt: Checkpoint, given: dict[str, np.ndarray] | None) -> dict[str, torch.Tensor]:
+    if given is None:
+        return qwen3_5.torch_weights(ckpt.read_head(widen=False))  # bf16 stays bf16, widened exactly in use
+    return {name: torch.from_numpy(np.asarray(arr, dtype=np.float32)) for name, arr in given.items()}
+
+
+def _check_k(k: int, num_tokens: int) -> None:
+    if k < 1:
+        raise InputError(f"--k {k}: a chain has at least one draft; use --k 1 or more (the seed measured k=4).")
+    if num_tokens < k + 2:
+        raise InputError(f"the sequence has {num_tokens} tokens, too short for k={k}: the chain after bridge step "
+                         f"i needs x_0..x_(i+1+k), so even one chain needs N >= k + 2 = {k + 2} tokens. Pass a "
+                         f"longer --tokens/--tokens-file (about 100+ tokens for a useful estimate) or a smaller --k.")
+
+
+def _resolved_target(target: str | None, hidden: HiddenSource) -> str:
+    synthetic = hidden.seed is not None
+    if target is None:
+        return "text" if synthetic else "greedy"
+    if target not in TARGETS:
+        raise InputError(f"--target {target!r}: use one of {', '.join(TARGETS)}.")
+    if target == "greedy" and synthetic:
+        raise InputError("--target greedy compares each draft with the main model's own argmax, lm_head(H); with "
+                         "--hidden-seed H is synthetic, so there is no main model to agree with. Pass the main "
+                         "model's hidden (--hidden FILE or --main-model), or use --target text.")
+    return target
+
+
+def _hidden_of(ckpt: Checkpoint, source: HiddenSource, sequence: np.ndarray,
+               log: Callable[[str], None]) -> np.ndarray:
+    """H [N, D] for x_0..x_{N-1}: from a file, a seed, or the checkpoint's main model run over the sequence."""
+    given = [source.file is not None, source.seed is not None, source.main_model]
+    if sum(given) != 1 or source.first_token is not None:
+        raise InputError("give exactly one of --hidden FILE, --hidden-seed N or --main-model (hidden=HiddenSource"
+                         "(file=... | seed=... | main_model=True)); accept reads H for the whole sequence x_0.., so "
+                         "first_token does not apply.")
+    n, d = len(sequence), ckpt.config.hidden_size
+    if source.file is not None:
+        return hidden_from_file(source.file, n, d)
+    if source.seed is not None:
+        return hidden_from_seed(source.seed, n, d)
+    log("running the main model over x_0..x_(N-1) for H (post-final-norm)")
+    return qwen3_5.main_model_hidden(qwen3_5.load_main_model(ckpt), sequence)
