@@ -11,6 +11,9 @@ Definitions (a = actual/candidate row, e = expected/oracle row, both upcast to f
                   so a row fails iff n_mismatch > 0
     rel_l2      = ||a - e|| / ||e||,   cosine = a·e / (||a|| ||e||)
 
+`compare_chunk` does the same for every row of a [rows, width] chunk, vectorised; rows within tolerance then skip
+the per-row statistics and worst elements (None / ()), which only a failing or inspected row needs.
+
 A NaN or Inf on either side never passes. Status, checked in this order: `shape`, `dtype` (the candidate row
 must be float32), `unwritten` (an element still holds the poison pattern, or the row is all zeros where the
 reference row is not), `nonfinite` (a NaN/Inf the candidate computed), `values` (out of tolerance), `ok`.
@@ -48,8 +51,8 @@ class StageDiff:
     budget_used: float
     rel_l2: float
     cosine: float
-    expected_stats: RowStats
-    actual_stats: RowStats
+    expected_stats: RowStats | None  # None: a row within tolerance compared by compare_chunk
+    actual_stats: RowStats | None
     tol: Tol
     worst: tuple[tuple[int, float, float], ...]  # (index, oracle, candidate), largest |difference| first
 
@@ -99,6 +102,46 @@ def compare_rows(actual: np.ndarray, expected: np.ndarray, tol: Tol) -> StageDif
     return StageDiff(status, int(a.size), n_mismatch, n_poison, max_abs, index, max_rel, budget,
                      _ratio(float(np.linalg.norm(a - e)), float(np.linalg.norm(e))),
                      _cosine(a, e), _stats(e), _stats(a), tol, _worst(rank, a, e))
+
+
+def compare_chunk(actual: np.ndarray, expected: np.ndarray, tol: Tol) -> list[StageDiff]:
+    """compare_rows for each row of [rows, width] float32 arrays, vectorised over the rows.
+
+    Same statuses and metrics; rows that are not `ok` are handed to compare_rows for their statistics and worst
+    elements, so a failing row reads the same whichever function compared it."""
+    if actual.shape != expected.shape or actual.dtype != np.float32 or actual.ndim != 2:
+        return [compare_rows(a, e, tol) for a, e in zip(actual, expected)]
+    d = np.subtract(actual, expected, dtype=np.float64)  # (rows, width) float64 differences
+    np.abs(d, out=d)
+    index = d.argmax(axis=1)  # a NaN difference counts as the largest
+    max_abs = d[np.arange(len(d)), index]
+    e_max = np.maximum(expected.max(axis=1), -expected.min(axis=1)).astype(np.float64)
+    max_rel = _ratios(max_abs, e_max)
+    budget = np.minimum(_ratios(max_rel, tol.rtol), _ratios(max_abs, tol.atol))
+    aa, ee = (np.einsum("ij,ij->i", x, x, dtype=np.float64) for x in (actual, expected))
+    dd = np.einsum("ij,ij->i", d, d)
+    # A NaN/Inf on either side (poison included) makes max_abs non-finite; an all-zero row is unwritten.
+    ok = np.isfinite(max_abs) & np.isfinite(e_max) & (budget < 1) & ~((aa == 0) & (ee > 0))
+    rel_l2 = _ratios(np.sqrt(dd), np.sqrt(ee))
+    cosine = _cosines(aa, ee, dd)
+    width = expected.shape[1]
+    return [StageDiff("ok", width, 0, 0, float(max_abs[i]), int(index[i]), float(max_rel[i]), float(budget[i]),
+                      float(rel_l2[i]), float(cosine[i]), None, None, tol, ())
+            if ok[i] else compare_rows(actual[i], expected[i], tol) for i in range(len(d))]
+
+
+def _ratios(values: np.ndarray, limits: np.ndarray | float) -> np.ndarray:
+    """_ratio elementwise: 0 where the value is 0, inf where only the limit is 0."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.where(values == 0, 0.0, values / limits)
+    return np.where((values != 0) & (np.asarray(limits) == 0), np.inf, out)
+
+
+def _cosines(aa: np.ndarray, ee: np.ndarray, dd: np.ndarray) -> np.ndarray:
+    """_cosine per row from |a|², |e|² and |a−e|² (a·e = (|a|² + |e|² − |a−e|²) / 2)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cos = (aa + ee - dd) / 2 / np.sqrt(aa * ee)
+    return np.where((aa == 0) & (ee == 0), 1.0, np.where((aa == 0) | (ee == 0), np.nan, cos))
 
 
 def _status(n_poison: int, a: np.ndarray, e: np.ndarray, finite: bool, budget: float) -> str:

@@ -293,7 +293,9 @@ def _row_json(cell: Cell) -> dict:
             "worst": [{"index": i, "oracle": _num(e), "candidate": _num(a)} for i, e, a in d.worst]}
 
 
-def _stats_json(s: RowStats) -> dict:
+def _stats_json(s: RowStats | None) -> dict | None:
+    if s is None:  # a row within tolerance: statistics are computed only for failing or inspected rows
+        return None
     return {"mean": _num(s.mean), "std": _num(s.std), "absmax": _num(s.absmax), "n_nonfinite": s.n_nonfinite}
 
 

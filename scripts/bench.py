@@ -6,7 +6,8 @@ Generates the Qwen3.5-27B-shaped checkpoint (scripts/make_realscale_checkpoint.p
 one table: export (T=169, T=1024) against the floor (bytes to read / measured read rate + matmul FLOPs / measured
 float32 GEMM rate) and against the naive approach; diff throughput and peak RSS at D=5120 for T=1024 and 4096
 against a raw h5py read of the same files; and the C ABI driver against the same C step in a plain C loop.
-Every process is a child measured with wait4 (wall time, peak RSS). The machine is noisy: read ratios, not times.
+Every measurement runs in a child measured with wait4 (wall time, peak RSS); the parent only orchestrates and stays
+small, because a child's peak RSS starts from its parent's at fork. The machine is noisy: read ratios, not times.
 """
 
 import argparse
@@ -100,6 +101,42 @@ def child_diff(ref: str, cand: str) -> None:
     report = diff_traces(Path(ref), Path(cand))
     print(json.dumps({"import_s": imported - start, "diff_s": time.perf_counter() - imported,
                       "verdict": report.verdict.name}))
+
+
+def child_floors(shard: str) -> None:
+    print(json.dumps({"read_gbps": read_rate(Path(shard)), "gemm": {t: gemm_rate(t) for t in (169, 1024)}}))
+
+
+def child_synth(path: str, t: int, noise: float, seed: int) -> None:
+    synthetic_trace(Path(path), t, 5120, noise, seed)
+
+
+def child_rawread(*paths: str) -> None:
+    rate, nbytes = raw_read_rate([Path(p) for p in paths])
+    print(json.dumps({"gbps": rate, "bytes": nbytes}))
+
+
+def child_cabi_prep(ckpt: str, work: str, t: int) -> None:
+    """weights.bin (float32, mtp_weights field order) and the inputs for the plain C loop."""
+    from oracle.checkpoint import Checkpoint
+    from oracle.inputs import hidden_from_seed
+    from probe.adapters.cabi_worker import WEIGHT_TENSORS
+
+    c, out = Checkpoint(Path(ckpt)), Path(work)
+    head = c.read_head()
+    with open(out / "weights.bin", "wb") as f:
+        for _, name in WEIGHT_TENSORS:
+            f.write(np.ascontiguousarray(head.tensors[name], dtype=np.float32).tobytes())
+    ids = token_ids(t)
+    c.embedding_rows(ids).astype("<f4").tofile(out / "embed.bin")
+    hidden_from_seed(0, t, c.config.hidden_size).astype("<f4").tofile(out / "hidden.bin")
+    np.arange(t, dtype="<i4").tofile(out / "positions.bin")
+    np.save(out / "embed.npy", c.embedding_rows(ids))  # the worker's inputs, as the adapter writes them
+    np.save(out / "hidden.npy", hidden_from_seed(0, t, c.config.hidden_size))
+    np.save(out / "positions.npy", np.arange(t, dtype=np.int64))
+    cfg = c.config
+    print(json.dumps([cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                      cfg.rotary_dim, cfg.intermediate_size, t, cfg.rms_norm_eps, cfg.rope_theta]))
 
 
 def token_ids(t: int) -> np.ndarray:
@@ -209,24 +246,22 @@ def raw_read_rate(paths: list[Path]) -> float:
 def bench_diff(work: Path, rows: list) -> None:
     for t in (1024, 4096):
         ref, cand = work / f"diff_ref{t}.h5", work / f"diff_cand{t}.h5"
-        synthetic_trace(ref, t, 5120, 0.0, 1)
-        synthetic_trace(cand, t, 5120, 1e-7, 2)
-        rate, nbytes = raw_read_rate([ref, cand])
+        run_child([PY, __file__, "child-synth", str(ref), str(t), "0", "1"])
+        run_child([PY, __file__, "child-synth", str(cand), str(t), "1e-7", "2"])
+        raw = json.loads(run_child([PY, __file__, "child-rawread", str(ref), str(cand)])[2])
+        rate, nbytes = raw["gbps"], raw["bytes"]
         wall, rss, out = run_child([PY, __file__, "child-diff", str(ref), str(cand)])
         inner = json.loads(out)
         diff_rate = nbytes / inner["diff_s"] / 1e9
         rows.append((f"diff, D=5120 T={t} ({inner['verdict']})", f"{diff_rate:.2f} GB/s",
                      f"raw h5py read {rate:.2f} GB/s", f"{diff_rate / rate:.2f}x", f">= {TARGETS['diff_rate']}x"))
-        rows.append((f"diff peak RSS, T={t}", f"{rss * 1000:.0f} MB", f"CLI-free child, wall {wall:.1f} s", "",
-                     f"<= {TARGETS['diff_rss_mb']} MB, flat"))
+        rows.append((f"diff peak RSS, T={t}", f"{rss * 1000:.0f} MB", f"diff {inner['diff_s']:.2f} s, "
+                     f"imports {inner['import_s']:.2f} s", "", f"<= {TARGETS['diff_rss_mb']} MB, flat"))
         ref.unlink(), cand.unlink()
 
 
 def bench_cabi(ckpt: Path, work: Path, rows: list, t: int = 4) -> None:
-    from oracle.checkpoint import Checkpoint
-    from oracle.inputs import hidden_from_seed
     from probe.adapters.cabi import build_library
-    from probe.adapters.cabi_worker import WEIGHT_TENSORS
 
     ref = work / f"ref_cabi{t}.h5"
     run_child([PY, __file__, "child-export", str(ckpt), str(t), str(ref)])
@@ -235,25 +270,24 @@ def bench_cabi(ckpt: Path, work: Path, rows: list, t: int = 4) -> None:
     subprocess.run(["gcc", "-O2", "-std=c11", f"-I{ROOT / 'fixtures' / 'candidates'}", str(ROOT / "scripts" /
                     "bench_c_loop.c"), str(ROOT / "fixtures" / "candidates" / "mtp_step.c"), "-o", str(loop), "-lm"],
                    check=True)
-    c = Checkpoint(ckpt)
-    cfg, head = c.config, c.read_head()
-    with open(work / "weights.bin", "wb") as f:
-        for _, name in WEIGHT_TENSORS:
-            f.write(np.ascontiguousarray(head.tensors[name], dtype=np.float32).tobytes())
-    del head
-    ids = token_ids(t)
-    c.embedding_rows(ids).astype("<f4").tofile(work / "embed.bin")
-    hidden_from_seed(0, t, cfg.hidden_size).astype("<f4").tofile(work / "hidden.bin")
-    np.arange(t, dtype="<i4").tofile(work / "positions.bin")
-    args = [str(work), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-            cfg.rotary_dim, cfg.intermediate_size, t, cfg.rms_norm_eps, cfg.rope_theta]
-    loop_wall, loop_rss, _ = run_child([str(loop), *map(str, args)])
-    probe_wall, probe_rss, out = run_child([str(BIN / "mtp-probe"), "run", str(ref), "--impl", f"c:{lib}",
-                                            "--checkpoint", str(ckpt)])
+    args = json.loads(run_child([PY, __file__, "child-cabi-prep", str(ckpt), str(work), str(t)])[2])
+    loop_wall, _, loop_out = run_child([str(loop), str(work), *map(str, args)])
+    loop_steps = float(loop_out.split()[1])
+    probe_wall, _, out = run_child([str(BIN / "mtp-probe"), "run", str(ref), "--impl", f"c:{lib}",
+                                    "--checkpoint", str(ckpt)])
     verdict = out.strip().splitlines()[-1].split(" |")[0]
-    rows.append((f"C ABI: mtp-probe run (T={t}, {verdict})", f"{probe_wall:.2f} s", f"plain C loop {loop_wall:.2f} s",
-                 f"{probe_wall / loop_wall:.2f}x", f"<= {TARGETS['cabi']}x"))
-    (work / "weights.bin").unlink()
+    (work / "progress.txt").unlink(missing_ok=True)
+    worker_wall, _, _ = run_child([PY, "-m", "probe.adapters.cabi_worker", str(lib), str(ckpt), str(work)])
+    phases = dict(line.split("\t") for line in (work / "progress.txt").read_text().splitlines())
+    worker_steps = float(phases["destroy"]) - float(phases["step 0"])
+    rows.append((f"C ABI: mtp-probe run, whole command (T={t}, {verdict})", f"{probe_wall:.2f} s",
+                 f"plain C loop {loop_wall:.2f} s", f"{probe_wall / loop_wall:.2f}x", f"<= {TARGETS['cabi']}x"))
+    rows.append((f"C ABI: worker alone (load, steps, save)", f"{worker_wall:.2f} s", f"load {float(phases['create']):.2f}"
+                 f" s", f"{worker_wall / loop_wall:.2f}x", ""))
+    rows.append((f"C ABI: step loop, ctypes driver vs C", f"{worker_steps:.3f} s", f"plain C loop {loop_steps:.3f} s",
+                 f"{worker_steps / loop_steps:.3f}x", f"<= {TARGETS['cabi']}x"))
+    for name in ("weights.bin", "embed.bin", "hidden.bin", "positions.bin"):
+        (work / name).unlink()
 
 
 def machine() -> str:
@@ -268,18 +302,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", type=Path, default=Path("/tmp/mtp-bench/q35_27b"))
     parser.add_argument("--work", type=Path, default=Path("/tmp/mtp-bench/work"))
+    parser.add_argument("--only", choices=("export", "diff", "cabi"), help="Run one part (floors always run).")
     args = parser.parse_args()
     if not (args.checkpoint / "model.safetensors.index.json").is_file():
         subprocess.run([PY, str(ROOT / "scripts" / "make_realscale_checkpoint.py"), str(args.checkpoint)], check=True)
     args.work.mkdir(parents=True, exist_ok=True)
     shard = args.checkpoint / "model-00003-of-00003.safetensors"
-    rate = read_rate(shard)
-    gemm = {t: gemm_rate(t) for t in (169, 1024)}
+    floors = json.loads(run_child([PY, __file__, "child-floors", str(shard)])[2])
+    rate, gemm = floors["read_gbps"], {int(t): v for t, v in floors["gemm"].items()}
     rows = [("floor: sequential read, warm", f"{rate:.1f} GB/s", "", "", ""),
             ("floor: f32 GEMM, head shapes", f"T=169 {gemm[169]:.0f}", f"T=1024 {gemm[1024]:.0f} GFLOP/s", "", "")]
-    bench_export(args.checkpoint, args.work, rate, gemm, rows)
-    bench_diff(args.work, rows)
-    bench_cabi(args.checkpoint, args.work, rows)
+    if args.only in (None, "export"):
+        bench_export(args.checkpoint, args.work, rate, gemm, rows)
+    if args.only in (None, "diff"):
+        bench_diff(args.work, rows)
+    if args.only in (None, "cabi"):
+        bench_cabi(args.checkpoint, args.work, rows)
     print(f"machine: {machine()}")
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     for r in rows:
@@ -289,6 +327,10 @@ def main() -> None:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1].startswith("child-"):
         {"child-export": lambda a: child_export(a[0], int(a[1]), a[2]),
+         "child-floors": lambda a: child_floors(a[0]),
+         "child-synth": lambda a: child_synth(a[0], int(a[1]), float(a[2]), int(a[3])),
+         "child-rawread": lambda a: child_rawread(*a),
+         "child-cabi-prep": lambda a: child_cabi_prep(a[0], a[1], int(a[2])),
          "child-naive": lambda a: child_naive(a[0], int(a[1])),
          "child-diff": lambda a: child_diff(a[0], a[1])}[sys.argv[1]](sys.argv[2:])
     else:

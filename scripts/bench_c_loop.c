@@ -4,10 +4,13 @@
  *
  * WORK_DIR holds weights.bin (the 15 head tensors as float32, in mtp_weights field order), embed.bin and
  * hidden.bin (float32 [T, D]) and positions.bin (int32 [T]), written by bench.py. Like the probe, it reads the
- * weights, creates a context, runs T steps capturing all ten stages into [T, width] buffers, and destroys it. */
+ * weights, creates a context, runs T steps capturing all ten stages into [T, width] buffers, and destroys it.
+ * It prints the step loop's own time (steps_s) next to the process's wall time that bench.py measures. */
+#define _POSIX_C_SOURCE 199309L /* clock_gettime under -std=c11 */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "mtp_probe.h"
 
@@ -42,13 +45,16 @@ int main(int argc, char **argv) {
     for (int s = 0; s < 10; s++) stage[s] = calloc(T * D * (s == 2 ? 2 : 1), sizeof(float));
     void *ctx = NULL;
     if (mtp_create(&cfg, &w, &ctx) != MTP_OK) { fprintf(stderr, "mtp_create failed\n"); return 1; }
+    struct timespec a, b;
+    clock_gettime(CLOCK_MONOTONIC, &a);
     for (size_t t = 0; t < T; t++) {
         mtp_trace tr;
         float **f = (float **)&tr;
         for (int s = 0; s < 10; s++) f[s] = stage[s] + t * D * (s == 2 ? 2 : 1);
         if (mtp_step(ctx, pos[t], embed + t * D, hidden + t * D, out + t * D, &tr) != MTP_OK) return 1;
     }
+    clock_gettime(CLOCK_MONOTONIC, &b);
     mtp_destroy(ctx);
-    printf("%g\n", out[0]);
+    printf("steps_s %.6f check %g\n", (double)(b.tv_sec - a.tv_sec) + (b.tv_nsec - a.tv_nsec) * 1e-9, out[0]);
     return 0;
 }

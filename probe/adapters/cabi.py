@@ -151,7 +151,7 @@ def _signal_name(number: int) -> str:
 def _phase_description(progress: Path) -> str:
     """Where the worker was, from the last phase it announced before dying."""
     phases = progress.read_text().splitlines() if progress.is_file() else []
-    phase = phases[-1] if phases else ""
+    phase = phases[-1].split("\t")[0] if phases else ""
     if phase.startswith("step "):
         return f"in {phase} (the mtp_step call for token row {phase.split()[1]})"
     return {"load": "while loading the library or the checkpoint (before mtp_create)",

@@ -14,6 +14,7 @@ import ctypes
 import json
 import os
 import sys
+import time
 from ctypes import POINTER, byref, c_double, c_int, c_int32, c_uint32, c_void_p
 from pathlib import Path
 
@@ -111,13 +112,16 @@ def return_code_message(function: str, code: int, where: str) -> str:
 
 
 class Progress:
-    """Appends each phase to progress.txt with one unbuffered write, so it survives a crash in the next call."""
+    """Appends each phase to progress.txt with one unbuffered write, so it survives a crash in the next call.
+    Each line is `<phase>\t<seconds since start>`: the parent names the phase a crash happened in, and
+    scripts/bench.py reads the times (load, step loop) to measure the driver's own overhead."""
 
     def __init__(self, path: Path):
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._start = time.perf_counter()
 
     def __call__(self, phase: str) -> None:
-        os.write(self._fd, f"{phase}\n".encode())
+        os.write(self._fd, f"{phase}\t{time.perf_counter() - self._start:.6f}\n".encode())
 
 
 def run_steps(lib: ctypes.CDLL, ctx: c_void_p, work: Path, buffers: dict[str, np.ndarray], progress: Progress):

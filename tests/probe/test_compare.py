@@ -111,3 +111,32 @@ def test_zero_tolerance_means_exact_equality():
 def test_worst_elements_are_ordered_by_difference():
     d = compare_rows(f32(0, 0.3, 0.1, 0.2, 0, 0, 0.4), np.zeros(7, np.float32) + f32(1, 0, 0, 0, 0, 0, 0), DEFAULT)
     assert [i for i, _, _ in d.worst] == [0, 6, 1, 3, 2]
+
+
+def test_compare_chunk_agrees_with_compare_rows_row_by_row():
+    """The vectorised chunk path and the per-row path give the same status and metrics on every kind of row."""
+    from probe.compare import compare_chunk
+    from probe.poison import poison
+
+    rng = np.random.default_rng(3)
+    expected = rng.standard_normal((9, 300)).astype(np.float32)
+    actual = expected.copy()
+    actual[1] *= np.float32(1 + 3e-5)  # within tolerance
+    actual[2] *= np.float32(1.01)  # out of tolerance
+    actual[3, 7] = np.nan  # a computed NaN
+    actual[4] = poison(300)  # never written
+    actual[5] = 0.0  # a zero-initialised row
+    actual[6, 0] = np.inf
+    expected[7] = 0.0  # zero reference, candidate not
+    actual[8] = expected[8]
+    tol = DEFAULT
+    for row, chunked in enumerate(compare_chunk(actual, expected, tol)):
+        single = compare_rows(actual[row], expected[row], tol)
+        assert chunked.status == single.status, row
+        for field in ("n_total", "n_mismatch", "n_poison", "max_abs_index"):
+            assert getattr(chunked, field) == getattr(single, field), (row, field)
+        for field in ("max_abs", "max_rel", "budget_used", "rel_l2", "cosine"):
+            np.testing.assert_allclose(getattr(chunked, field), getattr(single, field), rtol=1e-12,
+                                       err_msg=f"row {row} {field}")
+        if single.status != "ok":
+            assert repr(chunked) == repr(single)  # failing rows carry the full detail (repr: NaN != NaN)

@@ -128,12 +128,12 @@ def test_stage_tolerance_override(tmp_path, ref_data):
 
 def test_fail_fast_stops_after_the_first_divergent_chunk(tmp_path):
     
-    inputs, stages = synthetic(160, 1024)  # 128 rows per chunk: two chunks
+    inputs, stages = synthetic(640, 1024)  # reads of 4 x 128 rows (READ_CHUNKS): two reads
     ref = write_h5(tmp_path / "ref.h5", inputs, stages)
     cand = write_h5(tmp_path / "c.h5", inputs, perturbed_from(stages, "h", lambda r: r + 1))
     full, fast = diff_traces(ref, cand), diff_traces(ref, cand, fail_fast=True)
-    assert full.compared_tokens == 160 and fast.compared_tokens == 128
+    assert full.compared_tokens == 640 and fast.compared_tokens == 512
     assert (fast.first.stage, fast.first.token) == (full.first.stage, full.first.token) == ("h", 0)
-    assert fast.verdict.name == "diverged" and len(fast.cells) == 11 * 128
+    assert fast.verdict.name == "diverged" and len(fast.cells) == 11 * 512
     result = diff_cli(ref, cand, "--fail-fast")
-    assert result.exit_code == 1 and "stopped after 128 of 160 tokens" in result.output
+    assert result.exit_code == 1 and "stopped after 512 of 640 tokens" in result.output
