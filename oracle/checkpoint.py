@@ -40,7 +40,7 @@ class TensorEntry:
 class HeadWeights:
     tensors: dict[str, np.ndarray]  # checkpoint name -> array (float32, or as stored: see dtypes)
     dtypes: dict[str, str]  # checkpoint name -> "F32", "F16" or "BF16" (held as uint16 bit patterns)
-    digest: str  # sha256 over (name, dtype, shape, stored bytes) of every head tensor, in name order
+    digest: str | None  # Checkpoint.head_digest(); None when read_head(digest=False)
 
 
 class Checkpoint:
@@ -122,29 +122,40 @@ class Checkpoint:
         """Rows start..stop of a 2-D tensor as float32."""
         return _widen(*self.stored_rows(name, start, stop))
 
-    def read_head(self, widen: bool = True) -> HeadWeights:
+    def read_head(self, widen: bool = True, digest: bool = True) -> HeadWeights:
         """Every `mtp.*` tensor of the head, shape-checked against config.json; all of them must be used.
 
         float32 when `widen`; otherwise as stored (HeadWeights.dtypes says how: bf16 comes as uint16 bit patterns),
-        mapped from the shard without a copy: half the memory of float32 for a bf16 head. The digest covers the
-        stored bytes either way."""
+        mapped from the shard without a copy: half the memory of float32 for a bf16 head. With `digest=False` the
+        digest is left to the caller (head_digest, e.g. in a thread while the head runs)."""
+        tensors, dtypes = {}, {}
+        for name, entry in self._head_entries().items():
+            stored = self._stored(entry)
+            tensors[name] = _widen(stored, entry.dtype) if widen else stored
+            dtypes[name] = "F32" if widen else entry.dtype
+        return HeadWeights(tensors=tensors, dtypes=dtypes, digest=self.head_digest() if digest else None)
+
+    def head_digest(self) -> str:
+        """sha256 over (name, dtype, shape, stored bytes) of every head tensor, in name order."""
+        digest = hashlib.sha256()
+        for name, entry in self._head_entries().items():
+            digest.update(f"{name}|{entry.dtype}|{list(entry.shape)}|".encode())
+            digest.update(self._stored(entry))  # hashlib releases the GIL on large buffers
+        return "sha256:" + digest.hexdigest()
+
+    def _head_entries(self) -> dict[str, TensorEntry]:
+        """The head's tensor entries in name order, shape-checked; a tensor the head would not use is an error."""
         expected = head_tensor_shapes(self.config)
         unused = sorted(n for n in self._shard_of if n.startswith("mtp.") and n not in expected)
         if unused:
             raise CheckpointError(f"{self.path}: the head has tensors the dense Qwen3.5 head does not use: "
                                   f"{', '.join(unused[:5])}{' …' if len(unused) > 5 else ''} "
                                   f"(a MoE or multi-layer head?). Refusing to ignore them.")
-        digest = hashlib.sha256()
-        tensors, dtypes = {}, {}
+        entries = {}
         for name in sorted(expected):
-            entry = self.entry(name)
-            _check_shape(entry, expected[name], self.config)
-            stored = self._stored(entry)
-            digest.update(f"{name}|{entry.dtype}|{list(entry.shape)}|".encode())
-            digest.update(stored)
-            tensors[name] = _widen(stored, entry.dtype) if widen else stored
-            dtypes[name] = "F32" if widen else entry.dtype
-        return HeadWeights(tensors=tensors, dtypes=dtypes, digest="sha256:" + digest.hexdigest())
+            entries[name] = self.entry(name)
+            _check_shape(entries[name], expected[name], self.config)
+        return entries
 
     def main_model_prefix(self) -> str:
         """`model.language_model.` (VLM release) or `model.` (text-only), whichever holds the embedding."""
