@@ -17,3 +17,6 @@ gcc -O2 -std=c11 -shared -fPIC -DMTP_MUTANT_CONCAT_SWAP -Ifixtures/candidates fi
 .venv/bin/mtp-probe diff out/ref.h5 out/cand_c.h5 | tail -1
 # Before trusting a verdict on your engine: the probe catches every known mutant on itself.
 .venv/bin/mtp-probe selftest 2>/dev/null | tail -1
+# What the head is worth: conditional acceptance on a tiny trained model and held-out text.
+.venv/bin/mtp-oracle accept fixtures/qwen3_5_trained --tokens-file fixtures/qwen3_5_trained/heldout_tokens.txt \
+    --main-model -q | tail -1
