@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from oracle.errors import MtpGroup
+from oracle.stages import STAGE_NAMES
 from oracle.output import check_writable
 
 EXISTING_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
@@ -49,7 +50,7 @@ def export(obj, checkpoint, out, tokens, tokens_file, hidden_file, hidden_seed, 
     log = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))
     path = export_trace(checkpoint, out, ids, source, start_pos=start_pos, mode=mode,
                         command=obj["command"], log=log)
-    click.echo(f"wrote {path}: {len(ids)} steps x 11 stages")
+    click.echo(f"wrote {path}: {len(ids)} steps x {len(STAGE_NAMES)} stages")
 
 
 @cli.command()
