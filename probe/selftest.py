@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from oracle.trace import read_trace, write_trace
+from oracle.trace import TraceInputs, read_trace, write_trace
 from probe.adapters.cabi import CAbiAdapter, build_library
 from probe.diff import DiffReport
 from probe.errors import ProbeError
@@ -98,8 +98,6 @@ def run_selftest(reference: Path | None = None, checkpoint: Path | None = None, 
 
 def first_step_reference(reference: Path, out: Path) -> Path:
     """A T=1 reference cut from step 0 of `reference` (valid: step 0 depends on nothing later)."""
-    from oracle.trace import TraceInputs
-
     with read_trace(reference) as ref:
         inputs = ref.inputs()
         stages = {n: ref.stage_rows(n, 0, 1) for n in ref.stages}

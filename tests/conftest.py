@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.helpers import TINY, TINY_REF, TINY_SHARDED, load_script, run_cli  # noqa: F401  (re-exported)
+from tests.helpers import load_script
 
 
 @pytest.fixture(scope="session")

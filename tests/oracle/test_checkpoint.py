@@ -44,8 +44,9 @@ def test_embedding_rows_read_only_the_rows_asked_for(monkeypatch):
     ckpt = Checkpoint(TINY)
     ids = np.array([5, 17, 5, 511], dtype=np.int64)
     reads = []
-    real_pread = os.pread
-    monkeypatch.setattr(os, "pread", lambda fd, n, off: reads.append(n) or real_pread(fd, n, off))
+    real_preadv = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: reads.append(sum(len(b) for b in bufs))
+                        or real_preadv(fd, bufs, off))
     rows = ckpt.embedding_rows(ids)
     table = ckpt.read("model.language_model.embed_tokens.weight")
     np.testing.assert_array_equal(rows, table[ids])
