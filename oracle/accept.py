@@ -154,11 +154,16 @@ def extend_chains(ckpt: Checkpoint, head: Head, rotary: Rotary, lm_head: LmHead,
 
 
 def draft_chains(ckpt: Checkpoint, head: Head, rotary: Rotary, sequence: np.ndarray, hidden: np.ndarray, k: int,
-                 chunk_rows: int = CHUNK_ROWS, chain_block: int = CHAIN_BLOCK) -> np.ndarray:
-    """Drafts [C, k], C = N-1-k: row i is the chain drafted after bridge step i."""
+                 chunk_rows: int = CHUNK_ROWS, chain_block: int = CHAIN_BLOCK,
+                 also_score: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Drafts [C, k], C = N-1-k: row i is the chain drafted after bridge step i; and the lm_head argmax of the
+    `also_score` rows [R, D], which ride along the first vocabulary sweep (empty when not given)."""
     lm_head = lm_head_of(ckpt, chunk_rows)
-    bridge = bridge_pass(ckpt, head, rotary, sequence, hidden, len(sequence) - 1 - k)
-    return extend_chains(ckpt, head, rotary, lm_head, bridge, lm_head.argmax(bridge.out.numpy()), k, chain_block)
+    chains = len(sequence) - 1 - k
+    bridge = bridge_pass(ckpt, head, rotary, sequence, hidden, chains)
+    extra = [] if also_score is None else [np.asarray(also_score, dtype=np.float32)]
+    scored = lm_head.argmax(np.concatenate([bridge.out.numpy(), *extra]))
+    return extend_chains(ckpt, head, rotary, lm_head, bridge, scored[:chains], k, chain_block), scored[chains:]
 
 
 def target_table(sequence: np.ndarray, main_argmax: np.ndarray | None, k: int, target: str) -> np.ndarray:
@@ -198,12 +203,10 @@ def measure_acceptance(checkpoint_dir: Path, sequence: np.ndarray, hidden: Hidde
     chains = len(sequence) - 1 - k
     log(f"drafting {chains} chains of k={k} (N={len(sequence)} tokens); lm_head {lm_head.name} in chunks of "
         f"{chunk_rows} rows")
-    bridge = bridge_pass(ckpt, head, rotary, sequence, h, chains)
-    # One sweep scores the first drafts and, for greedy, the main model's own argmax at positions 1..N-2.
-    rows = [bridge.out.numpy()] + ([h[1:-1]] if target == "greedy" else [])
-    scored = lm_head.argmax(np.concatenate(rows))
-    drafts = extend_chains(ckpt, head, rotary, lm_head, bridge, scored[:chains], k)
-    targets = target_table(sequence, scored[chains:], k, target)
+    # For greedy, the main model's own argmax at positions 1..N-2 rides along the first drafts' lm_head sweep.
+    drafts, main_argmax = draft_chains(ckpt, head, rotary, sequence, h, k, chunk_rows,
+                                       also_score=h[1:-1] if target == "greedy" else None)
+    targets = target_table(sequence, main_argmax, k, target)
     source = {"checkpoint": str(ckpt.path), "hidden": hidden.describe(), "lm_head": lm_head.name,
               "head": "checkpoint mtp.*" if head_weights is None else "weights given by the caller"}
     return AcceptResult(acceptance_metrics(drafts, targets), target, sequence, drafts, targets, source)

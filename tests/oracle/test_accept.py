@@ -129,7 +129,7 @@ def test_draft_1_is_the_argmax_of_lm_head_on_the_trace_out(model):
     ckpt, head, rotary, x, h, lm = model
     k = 3
     chains = len(x) - 1 - k
-    drafts = draft_chains(ckpt, head, rotary, x, h, k, chunk_rows=40)  # uneven chunks: 96 and 512 rows
+    drafts = draft_chains(ckpt, head, rotary, x, h, k, chunk_rows=40)[0]  # uneven chunks: 96 and 512 rows
     steps = TraceInputs(token_ids=x[1:chains + 1], positions=np.arange(chains), hidden=h[:chains],
                         embed=ckpt.embedding_rows(x[1:chains + 1]))
     out = qwen3_5.run_batched(head, rotary, steps)["out"]
@@ -143,18 +143,18 @@ def test_batched_chains_equal_a_stepwise_run_of_the_head(model):
     ckpt, head, rotary, x, h, lm = model
     k = 4
     chains = len(x) - 1 - k
-    drafts = draft_chains(ckpt, head, rotary, x, h, k, chunk_rows=40, chain_block=5)  # several blocks
+    drafts = draft_chains(ckpt, head, rotary, x, h, k, chunk_rows=40, chain_block=5)[0]  # several blocks
     assert (drafts[:, 1:] != drafts[:, :1]).any()  # not a degenerate constant chain
     for i in sorted({0, 1, 4, 5, chains // 2, chains - 1}):  # block edges, middle, last
         assert drafts[i].tolist() == stepwise_chain(ckpt, head, rotary, lm, x, h, i, k), f"chain {i}"
-    assert (draft_chains(ckpt, head, rotary, x, h, k) == drafts).all()  # one block = several blocks
+    assert (draft_chains(ckpt, head, rotary, x, h, k)[0] == drafts).all()  # one block = several blocks
 
 
 def test_the_stepwise_comparison_sees_a_wrong_mask_or_position(model, monkeypatch):
     """Twins: chains that see later bridge steps, or drafts one position off, draft differently."""
     ckpt, head, rotary, x, h, lm = model
     k = 4
-    drafts = draft_chains(ckpt, head, rotary, x, h, k)
+    drafts = draft_chains(ckpt, head, rotary, x, h, k)[0]
     chains = range(0, len(x) - 1 - k, 4)
     assert any(drafts[i].tolist() != stepwise_chain(ckpt, head, rotary, lm, x, h, i, k, shift=1) for i in chains)
     right_mask = accept.chain_mask
@@ -163,7 +163,7 @@ def test_the_stepwise_comparison_sees_a_wrong_mask_or_position(model, monkeypatc
         return torch.zeros_like(right_mask(first, n, depth))  # every chain sees every bridge step and draft
 
     monkeypatch.setattr(accept, "chain_mask", leaky)
-    assert (draft_chains(ckpt, head, rotary, x, h, k)[:, 1:] != drafts[:, 1:]).any()
+    assert (draft_chains(ckpt, head, rotary, x, h, k)[0][:, 1:] != drafts[:, 1:]).any()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -295,3 +295,20 @@ def test_missing_lm_head_exits_2_unless_the_config_ties_it_to_the_embedding(tmp_
     save_file(tensors, copied / "model.safetensors", metadata={"format": "pt"})
     runs = [accept_cli(d, "--tokens", tokens_arg(40), "--main-model") for d in (tied_dir, copied)]
     assert runs[0].exit_code == runs[1].exit_code == 0 and runs[0].stdout == runs[1].stdout
+
+
+def test_targets_are_the_main_models_argmax_and_the_next_tokens():
+    """greedy: draft j of chain i against argmax(lm_head @ H_{i+j}); text: against x_{i+1+j} (computed here
+    from the whole lm_head, independently of the chunked sweep the first drafts share)."""
+    trained = FIXTURES / "qwen3_5_trained"
+    x = token_ids_from_file(trained / "heldout_tokens.txt")[:40]
+    h = qwen3_5.main_model_hidden(qwen3_5.load_main_model(Checkpoint(trained)), x)
+    logits = h.astype(np.float64) @ Checkpoint(trained).read("lm_head.weight").astype(np.float64).T  # (N, V)
+    k = 3
+    i, j = np.meshgrid(np.arange(len(x) - 1 - k), np.arange(1, k + 1), indexing="ij")  # (C, k) each
+    greedy = accept.target_table(x, logits.argmax(axis=1)[1:-1], k, "greedy")
+    np.testing.assert_array_equal(greedy, logits.argmax(axis=1)[i + j])
+    np.testing.assert_array_equal(accept.target_table(x, None, k, "text"), x[i + 1 + j])
+    result = measure_acceptance(trained, x, HiddenSource(main_model=True), k=k, chunk_rows=17)
+    np.testing.assert_array_equal(result.targets, logits.argmax(axis=1)[i + j])
+    assert not np.array_equal(result.targets, logits.argmax(axis=1)[i + j - 1])  # an off-by-one would show
