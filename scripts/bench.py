@@ -24,7 +24,6 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 BIN = Path(PY).parent
-HEAD_BYTES_BF16 = 849_400_000  # approximate; measured from the shard below
 TARGETS = {"export_rss": 1.3, "export_1024": 1.5, "export_169": 2.5, "diff_rate": 0.5, "diff_rss_mb": 300,
            "cabi": 1.10}
 
