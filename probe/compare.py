@@ -11,8 +11,9 @@ Definitions (a = actual/candidate row, e = expected/oracle row, both upcast to f
                   so a row fails iff n_mismatch > 0
     rel_l2      = ||a - e|| / ||e||,   cosine = a·e / (||a|| ||e||)
 
-`compare_chunk` does the same for every row of a [rows, width] chunk, vectorised; rows within tolerance then skip
-the per-row statistics and worst elements (None / ()), which only a failing or inspected row needs.
+`compare_block` does the same for a block of consecutive rows of one stage and returns columns (`StageRows`), with
+the sums from probe/rowdiff.py (a compiled kernel); only rows chosen for full detail get the statistics and worst
+elements, from `compare_rows`. A diff over thousands of tokens therefore builds no Python object per row.
 
 A NaN or Inf on either side never passes. Status, checked in this order: `shape`, `dtype` (the candidate row
 must be float32), `unwritten` (an element still holds the poison pattern, or the row is all zeros where the
@@ -20,10 +21,12 @@ reference row is not), `nonfinite` (a NaN/Inf the candidate computed), `values` 
 """
 
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 
 from probe.poison import is_poison
+from probe.rowdiff import row_sums
 from probe.tolerance import Tol
 
 INVALID_STATUSES = frozenset({"shape", "dtype", "unwritten"})  # a failed self-check: the row is no evidence
@@ -51,7 +54,7 @@ class StageDiff:
     budget_used: float
     rel_l2: float
     cosine: float
-    expected_stats: RowStats | None  # None: a row within tolerance compared by compare_chunk
+    expected_stats: RowStats | None  # None: a row whose full detail was not kept (StageRows.diff)
     actual_stats: RowStats | None
     tol: Tol
     worst: tuple[tuple[int, float, float], ...]  # (index, oracle, candidate), largest |difference| first
@@ -104,30 +107,112 @@ def compare_rows(actual: np.ndarray, expected: np.ndarray, tol: Tol) -> StageDif
                      _cosine(a, e), _stats(e), _stats(a), tol, _worst(rank, a, e))
 
 
-def compare_chunk(actual: np.ndarray, expected: np.ndarray, tol: Tol) -> list[StageDiff]:
-    """compare_rows for each row of [rows, width] float32 arrays, vectorised over the rows.
+STATUSES = ("ok", "values", "nonfinite", "unwritten", "shape", "dtype")  # StageRows.status holds indices
+_CODE = {name: code for code, name in enumerate(STATUSES)}
 
-    Same statuses and metrics; rows that are not `ok` are handed to compare_rows for their statistics and worst
-    elements, so a failing row reads the same whichever function compared it."""
-    if actual.shape != expected.shape or actual.dtype != np.float32 or actual.ndim != 2:
-        return [compare_rows(a, e, tol) for a, e in zip(actual, expected)]
-    d = np.subtract(actual, expected, dtype=np.float64)  # (rows, width) float64 differences
-    np.abs(d, out=d)
-    index = d.argmax(axis=1)  # a NaN difference counts as the largest
-    max_abs = d[np.arange(len(d)), index]
-    e_max = np.maximum(expected.max(axis=1), -expected.min(axis=1)).astype(np.float64)
-    max_rel = _ratios(max_abs, e_max)
-    budget = np.minimum(_ratios(max_rel, tol.rtol), _ratios(max_abs, tol.atol))
-    aa, ee = (np.einsum("ij,ij->i", x, x, dtype=np.float64) for x in (actual, expected))
-    dd = np.einsum("ij,ij->i", d, d)
-    # A NaN/Inf on either side (poison included) makes max_abs non-finite; an all-zero row is unwritten.
-    ok = np.isfinite(max_abs) & np.isfinite(e_max) & (budget < 1) & ~((aa == 0) & (ee > 0))
-    rel_l2 = _ratios(np.sqrt(dd), np.sqrt(ee))
-    cosine = _cosines(aa, ee, dd)
-    width = expected.shape[1]
-    return [StageDiff("ok", width, 0, 0, float(max_abs[i]), int(index[i]), float(max_rel[i]), float(budget[i]),
-                      float(rel_l2[i]), float(cosine[i]), None, None, tol, ())
-            if ok[i] else compare_rows(actual[i], expected[i], tol) for i in range(len(d))]
+
+@cache
+def _status_table(names: frozenset[str]) -> np.ndarray:
+    """Indexed by a status code: whether that status is one of `names`."""
+    return np.array([name in names for name in STATUSES])
+
+
+@dataclass(frozen=True, eq=False)
+class StageRows:
+    """One stage's comparison for consecutive token rows start, start+1, …: one column entry per row.
+
+    The columns hold what StageDiff holds for every row; `detail` maps a token to its full StageDiff (statistics
+    and worst elements), kept only for the rows that need it (the diff chooses them)."""
+
+    stage: str
+    start: int
+    width: int
+    tol: Tol
+    status: np.ndarray  # int8 index into STATUSES
+    n_mismatch: np.ndarray
+    n_poison: np.ndarray
+    max_abs: np.ndarray
+    max_abs_index: np.ndarray
+    max_rel: np.ndarray
+    budget_used: np.ndarray
+    rel_l2: np.ndarray
+    cosine: np.ndarray
+    detail: dict[int, StageDiff]
+
+    def __len__(self) -> int:
+        return len(self.status)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return np.arange(self.start, self.start + len(self))
+
+    def has_status(self, names) -> np.ndarray:
+        """Boolean mask of the rows whose status is one of `names`."""
+        return _status_table(frozenset(names))[self.status]
+
+    def diff(self, token: int) -> StageDiff:
+        """Row `token` as a StageDiff: its full detail when kept, else the columns (no statistics, no worst)."""
+        if token in self.detail:
+            return self.detail[token]
+        i = token - self.start
+        if not 0 <= i < len(self):
+            raise IndexError(f"stage {self.stage}: token {token} is not in rows {self.start}..{self.start + len(self) - 1}")
+        return StageDiff(STATUSES[self.status[i]], self.width, int(self.n_mismatch[i]), int(self.n_poison[i]),
+                         float(self.max_abs[i]), int(self.max_abs_index[i]), float(self.max_rel[i]),
+                         float(self.budget_used[i]), float(self.rel_l2[i]), float(self.cosine[i]), None, None,
+                         self.tol, ())
+
+    def add_detail(self, token: int, actual: np.ndarray, expected: np.ndarray) -> None:
+        """Keep row `token`'s full detail (compare_rows of its candidate and oracle rows)."""
+        self.detail[token] = compare_rows(actual, expected, self.tol)
+
+
+def compare_block(stage: str, start: int, actual: np.ndarray, expected: np.ndarray, tol: Tol) -> StageRows:
+    """compare_rows for each row of two float32 [rows, width] arrays (token `start` first), as columns.
+
+    Same statuses and metrics as compare_rows; the oracle side must be finite (the diff checks `oracle_finite`)."""
+    if actual.shape != expected.shape or actual.ndim != 2 or actual.dtype != np.float32:
+        raise ValueError(f"compare_block needs two float32 arrays of one [rows, width] shape, got {actual.dtype} "
+                         f"{actual.shape} and {expected.dtype} {expected.shape}")
+    return rows_from_sums(stage, start, expected.shape[1], row_sums(actual, expected, tol), tol)
+
+
+def oracle_finite(sums: np.ndarray) -> np.ndarray:
+    """Rows whose oracle side is finite (sum of squares finite: float32 squares cannot overflow a double)."""
+    return np.isfinite(sums["ee"])
+
+
+def rows_from_sums(stage: str, start: int, width: int, sums: np.ndarray, tol: Tol) -> StageRows:
+    """The StageRows columns from probe/rowdiff.py's per-row sums (compare_rows' definitions, vectorised)."""
+    aa, ee, max_abs = sums["aa"], sums["ee"], sums["max_abs"]
+    finite = np.isfinite(aa) & np.isfinite(ee)
+    max_rel = _ratios(max_abs, sums["e_max"])
+    budget = np.where(finite, np.minimum(_ratios(max_rel, tol.rtol), _ratios(max_abs, tol.atol)), np.inf)
+    unwritten = (sums["n_poison"] > 0) | ((aa == 0) & (ee != 0))  # poison left, or an all-zero row
+    status = np.where(unwritten, _CODE["unwritten"], np.where(~finite, _CODE["nonfinite"],
+                                                               np.where(budget < 1, _CODE["ok"], _CODE["values"])))
+    return StageRows(stage, start, width, tol, status.astype(np.int8), sums["n_mismatch"].copy(),
+                     sums["n_poison"].copy(), max_abs.copy(), sums["index"].copy(), max_rel, budget,
+                     _ratios(np.sqrt(sums["dd"]), np.sqrt(ee)), _cosines(aa, ee, sums["ae"]), {})
+
+
+def not_compared_rows(stage: str, num_rows: int, width: int, status: str, tol: Tol) -> StageRows:
+    """Rows of a stage whose layout (shape or dtype) could not be compared at all."""
+    nan, zero = np.full(num_rows, _NAN), np.zeros(num_rows, dtype=np.int64)
+    return StageRows(stage, 0, width, tol, np.full(num_rows, _CODE[status], dtype=np.int8), zero, zero, nan,
+                     np.full(num_rows, -1), nan, np.full(num_rows, np.inf), nan, nan, {})
+
+
+def join_rows(parts: list[StageRows]) -> StageRows:
+    """Consecutive blocks of one stage as one StageRows."""
+    first = parts[0]
+    columns = {f: np.concatenate([getattr(p, f) for p in parts]) for f in _COLUMNS}
+    return StageRows(first.stage, first.start, first.width, first.tol, **columns,
+                     detail={t: d for p in parts for t, d in p.detail.items()})
+
+
+_COLUMNS = ("status", "n_mismatch", "n_poison", "max_abs", "max_abs_index", "max_rel", "budget_used", "rel_l2",
+            "cosine")
 
 
 def _ratios(values: np.ndarray, limits: np.ndarray | float) -> np.ndarray:
@@ -137,11 +222,12 @@ def _ratios(values: np.ndarray, limits: np.ndarray | float) -> np.ndarray:
     return np.where((values != 0) & (np.asarray(limits) == 0), np.inf, out)
 
 
-def _cosines(aa: np.ndarray, ee: np.ndarray, dd: np.ndarray) -> np.ndarray:
-    """_cosine per row from |a|², |e|² and |a−e|² (a·e = (|a|² + |e|² − |a−e|²) / 2)."""
+def _cosines(aa: np.ndarray, ee: np.ndarray, ae: np.ndarray) -> np.ndarray:
+    """_cosine per row from |a|², |e|² and a·e."""
+    norms = np.sqrt(aa) * np.sqrt(ee)
     with np.errstate(divide="ignore", invalid="ignore"):
-        cos = (aa + ee - dd) / 2 / np.sqrt(aa * ee)
-    return np.where((aa == 0) & (ee == 0), 1.0, np.where((aa == 0) | (ee == 0), np.nan, cos))
+        cos = ae / norms
+    return np.where((aa == 0) & (ee == 0), 1.0, np.where((aa == 0) | (ee == 0) | ~np.isfinite(norms), np.nan, cos))
 
 
 def _status(n_poison: int, a: np.ndarray, e: np.ndarray, finite: bool, budget: float) -> str:

@@ -2,23 +2,30 @@
 
 Both traces are read in token-row chunks (oracle.trace.rows_per_chunk of the widest compared stage), all stages of
 one chunk before the next, so memory does not grow with T and `--fail-fast` stops with the earliest divergent
-token fully localised. The result is data (`DiffReport`); probe/report.py renders it.
+token fully localised. Each (stage, chunk) is compared as a block (probe/compare.py: columns, no Python object per
+row) and full detail is kept only for the rows a report shows: each stage's first divergent row and its worst row.
+The result is data (`DiffReport`); probe/report.py renders it.
 """
 
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-from oracle.stages import STAGE_BY_NAME, STAGE_NAMES, stage_index
+from oracle.stages import STAGE_BY_NAME, STAGE_NAMES
 from oracle.trace import rows_per_chunk
 
 from probe.adapters.trace_file import TraceSource, open_candidate, open_reference
-from probe.compare import Cell, compare_chunk, compare_rows, not_compared
+from probe.compare import (DIVERGENT_STATUSES, Cell, StageRows, join_rows, not_compared_rows, oracle_finite,
+                           rows_from_sums)
 from probe.errors import ReferenceTraceError
-from probe.evidence import Verdict, decide, is_evidential
+from probe.evidence import Verdict, cell_at, decide
 from probe.localize import first_divergence, first_divergence_per_token
+from probe.rowdiff import row_sums
 from probe.selfcheck import (Issue, check_reference, coverage_issues, expected_shape, input_issues, layout_problem,
                              unwritten_issues)
 from probe.tolerance import Tol, tol_table
@@ -36,7 +43,7 @@ class DiffReport:
     captured: tuple[str, ...]  # stages the candidate holds, in STAGES order
     inputs_recorded: tuple[str, ...]  # candidate inputs that were checked against the reference
     tols: dict[str, Tol]
-    cells: tuple[Cell, ...]  # STAGES order, then token order
+    rows: dict[str, StageRows]  # per captured stage, STAGES order: compared rows, or all rows of a bad layout
     issues: tuple[Issue, ...]  # failed self-checks; any makes the verdict invalid
     verdict: Verdict
     first: Cell | None  # the first divergence: earliest token, then first stage
@@ -46,6 +53,18 @@ class DiffReport:
     @property
     def not_captured(self) -> tuple[str, ...]:
         return tuple(n for n in STAGE_NAMES if n not in self.captured)
+
+    def cell(self, stage: str, token: int) -> Cell | None:
+        """The comparison of (stage, token), or None when it was not made."""
+        rows = self.rows.get(stage)
+        if rows is None or not rows.start <= token < rows.start + len(rows):
+            return None
+        return cell_at(rows, token)
+
+    @cached_property
+    def cells(self) -> tuple[Cell, ...]:
+        """Every comparison as a Cell, STAGES order then token order (built on first use: T x stages objects)."""
+        return tuple(self.cell(name, int(t)) for name, rows in self.rows.items() for t in rows.tokens)
 
 
 def diff_traces(ref_path: Path, cand_path: Path, tols: dict[str, Tol] | None = None,
@@ -64,7 +83,7 @@ def diff_traces(ref_path: Path, cand_path: Path, tols: dict[str, Tol] | None = N
 def diff_sources(ref: TraceSource, cand: TraceSource, tols: dict[str, Tol], fail_fast: bool = False) -> DiffReport:
     """`diff_traces` on opened sources (a checked reference and a candidate)."""
     issues = coverage_issues(cand) + input_issues(ref, cand)
-    cells: list[Cell] = []
+    rows: dict[str, StageRows] = {}
     comparable = []
     for name in cand.stages:
         problem = layout_problem(cand, name, expected_shape(ref, name))
@@ -73,33 +92,46 @@ def diff_sources(ref: TraceSource, cand: TraceSource, tols: dict[str, Tol], fail
             continue
         status, message = problem
         issues.append(Issue(status, name, tuple(range(ref.num_tokens)), message))
-        width = expected_shape(ref, name)[1]
-        cells += [Cell(name, t, not_compared(status, width, tols[name]), False) for t in range(ref.num_tokens)]
+        rows[name] = not_compared_rows(name, ref.num_tokens, expected_shape(ref, name)[1], status, tols[name])
     stop_now = fail_fast and bool(issues)
-    compared, compared_tokens = ([], 0) if stop_now else _compare_stages(ref, cand, comparable, tols, fail_fast)
-    cells = sorted(cells + compared, key=lambda c: (stage_index(c.stage), c.token))
-    issues += unwritten_issues(cells)
+    compared, compared_tokens = ({}, 0) if stop_now else _compare_stages(ref, cand, comparable, tols, fail_fast)
+    rows = {name: (rows | compared)[name] for name in STAGE_NAMES if name in rows or name in compared}
+    issues += unwritten_issues(rows.values())
+    first = first_divergence(rows.values())  # its row holds full detail (_compare_block)
     return DiffReport(str(ref.path), str(cand.path), cand.kind, ref.num_tokens, ref.hidden_size, cand.stages,
-                      cand.recorded_inputs, tols, tuple(cells), tuple(issues),
-                      decide(cells, [i.message for i in issues], cand.stages), first_divergence(cells),
-                      first_divergence_per_token(cells), compared_tokens)
+                      cand.recorded_inputs, tols, rows, tuple(issues),
+                      decide(rows.values(), [i.message for i in issues], cand.stages),
+                      first, first_divergence_per_token(rows.values()), compared_tokens)
 
 
 def _compare_stages(ref: TraceSource, cand: TraceSource, names: Sequence[str], tols: dict[str, Tol],
-                    fail_fast: bool) -> tuple[list[Cell], int]:
+                    fail_fast: bool) -> tuple[dict[str, StageRows], int]:
     total = ref.num_tokens
     if not names:
-        return [], total
+        return {}, total
     step = read_rows(ref.hidden_size, total, names)
-    cells: list[Cell] = []
-    worst: dict[str, float] = {}  # per stage, the largest budget seen so far (its row gets full detail)
-    for start in range(0, total, step):
-        stop = min(start + step, total)
-        chunk = [cell for name in names for cell in _compare_chunk(ref, cand, name, start, stop, tols[name], worst)]
-        cells += chunk
-        if fail_fast and not all(cell.diff for cell in chunk):
-            return cells, stop
-    return cells, total
+    blocks = [(name, start, min(start + step, total)) for start in range(0, total, step) for name in names]
+    stages = {name: _StageProgress() for name in names}
+    stop, chunk_ok = total, True
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtp-probe-rowdiff") as pool:
+        pending = None  # the previous block, its arrays and its sums being computed on the pool's thread
+        for block in blocks + [None]:
+            current = None
+            if block is not None:  # read this block while the previous one is compared
+                name, start, end = block
+                actual, expected = cand.stage_rows(name, start, end), ref.stage_rows(name, start, end)
+                current = (block, actual, expected, pool.submit(row_sums, actual, expected, tols[name]))
+            if pending is not None:
+                (name, start, end), actual, expected, sums = pending
+                chunk_ok &= stages[name].add(_compare_block(ref.path, name, start, actual, expected,
+                                                            sums.result(), tols[name], stages[name]))
+                if name == names[-1]:  # every stage of this chunk compared
+                    if fail_fast and not chunk_ok:
+                        stop = end
+                        break
+                    chunk_ok = True
+            pending = current
+    return {name: join_rows(progress.blocks) for name, progress in stages.items()}, stop
 
 
 def read_rows(hidden_size: int, num_tokens: int, names: Sequence[str]) -> int:
@@ -108,16 +140,35 @@ def read_rows(hidden_size: int, num_tokens: int, names: Sequence[str]) -> int:
     return READ_CHUNKS * min(rows_per_chunk(STAGE_BY_NAME[n].width(hidden_size), num_tokens) for n in names)
 
 
-def _compare_chunk(ref: TraceSource, cand: TraceSource, name: str, start: int, stop: int, tol: Tol,
-                   worst: dict[str, float]) -> list[Cell]:
-    expected = ref.stage_rows(name, start, stop)
-    if not np.isfinite(expected.max()) or not np.isfinite(expected.min()):  # NaN/Inf propagate through both
-        raise ReferenceTraceError(f"reference {ref.path}: stage {name} holds NaN/Inf in rows {start}..{stop - 1}, "
-                                  f"so it cannot serve as the truth. Regenerate it with mtp-oracle export.")
-    actual = cand.stage_rows(name, start, stop)
-    diffs = compare_chunk(actual, expected, tol)
-    i = max(range(len(diffs)), key=lambda r: diffs[r].budget_used)
-    if diffs[i].budget_used > worst.get(name, -1.0):  # a new worst row for this stage: give it full detail (-v)
-        worst[name] = diffs[i].budget_used
-        diffs[i] = compare_rows(actual[i], expected[i], tol)
-    return [Cell(name, start + i, diff, is_evidential(name, start + i, diff)) for i, diff in enumerate(diffs)]
+class _StageProgress:
+    """One stage's blocks so far, and what decides which rows keep full detail."""
+
+    def __init__(self) -> None:
+        self.blocks: list[StageRows] = []
+        self.worst_budget = -1.0
+        self.diverged = False
+
+    def add(self, block: StageRows) -> bool:
+        """Append `block`; True when every row in it is ok."""
+        self.blocks.append(block)
+        self.worst_budget = max(self.worst_budget, float(block.budget_used.max(initial=-1.0)))
+        self.diverged = self.diverged or bool(block.has_status(DIVERGENT_STATUSES).any())
+        return bool(block.has_status({"ok"}).all())
+
+
+def _compare_block(ref_path: Path, name: str, start: int, actual: np.ndarray, expected: np.ndarray,
+                   sums: np.ndarray, tol: Tol, progress: _StageProgress) -> StageRows:
+    """The rows of stage `name` from token `start`, from their sums, keeping full detail for the rows a report
+    shows: the stage's first divergent row, and a row worse than any before it (the stage's worst row, in the end)."""
+    bad = np.flatnonzero(~oracle_finite(sums))
+    if bad.size:  # NaN/Inf would propagate through both sides
+        raise ReferenceTraceError(f"reference {ref_path}: stage {name} holds NaN/Inf in row {start + bad[0]}, so it "
+                                  f"cannot serve as the truth. Regenerate it with mtp-oracle export.")
+    block = rows_from_sums(name, start, expected.shape[1], sums, tol)
+    divergent = np.flatnonzero(block.has_status(DIVERGENT_STATUSES))
+    if divergent.size and not progress.diverged:
+        block.add_detail(start + int(divergent[0]), actual[divergent[0]], expected[divergent[0]])
+    worst = int(np.argmax(block.budget_used))
+    if block.budget_used[worst] > progress.worst_budget:
+        block.add_detail(start + worst, actual[worst], expected[worst])
+    return block

@@ -8,21 +8,27 @@ from typing import Iterable
 
 from oracle.stages import stage_index
 
-from probe.compare import DIVERGENT_STATUSES, Cell
+from probe.compare import DIVERGENT_STATUSES, Cell, StageRows
+from probe.evidence import cell_at
 
 
-def first_divergence(cells: Iterable[Cell]) -> Cell | None:
-    """The divergent cell with the smallest (token, stage index), or None when nothing diverged."""
-    divergent = (c for c in cells if c.diff.status in DIVERGENT_STATUSES)
-    return min(divergent, key=lambda c: (c.token, stage_index(c.stage)), default=None)
+def first_divergence(rows: Iterable[StageRows]) -> Cell | None:
+    """The divergent row with the smallest (token, stage index), as a Cell; None when nothing diverged."""
+    firsts = []
+    for r in rows:
+        tokens = r.tokens[r.has_status(DIVERGENT_STATUSES)]
+        if tokens.size:
+            firsts.append((int(tokens[0]), stage_index(r.stage), r))
+    if not firsts:
+        return None
+    token, _, r = min(firsts, key=lambda f: f[:2])
+    return cell_at(r, token)
 
 
-def first_divergence_per_token(cells: Iterable[Cell]) -> dict[int, str]:
+def first_divergence_per_token(rows: Iterable[StageRows]) -> dict[int, str]:
     """For each token with a divergence, its first divergent stage in STAGES order."""
     first: dict[int, str] = {}
-    for cell in cells:
-        if cell.diff.status in DIVERGENT_STATUSES:
-            known = first.get(cell.token)
-            if known is None or stage_index(cell.stage) < stage_index(known):
-                first[cell.token] = cell.stage
+    for r in sorted(rows, key=lambda r: stage_index(r.stage)):
+        for token in r.tokens[r.has_status(DIVERGENT_STATUSES)].tolist():
+            first.setdefault(token, r.stage)
     return dict(sorted(first.items()))

@@ -10,6 +10,7 @@ from oracle.output import atomic_output
 
 from probe.compare import INVALID_STATUSES
 from probe.diff import DiffReport
+from probe.evidence import evidential_rows
 from probe.report import coverage_text
 
 _FLOOR, _CEIL = 1e-3, 1e3  # colour range of the budget; 1 (the limit) sits in the middle
@@ -50,13 +51,12 @@ def write_heatmap(report: DiffReport, path: Path) -> None:
 def _grids(report: DiffReport) -> tuple[np.ndarray, np.ndarray]:
     budget = np.full((len(STAGE_NAMES), report.num_tokens), np.nan)
     marks = np.full(budget.shape, "", dtype=object)
-    for cell in report.cells:
-        at = stage_index(cell.stage), cell.token
-        if cell.diff.status in INVALID_STATUSES:
-            marks[at] = "invalid"
-        elif cell.diff.status == "nonfinite":
-            marks[at] = "nonfinite"
-        else:
-            budget[at] = cell.diff.budget_used
-            marks[at] = "" if cell.evidential else "blind"
+    for name, rows in report.rows.items():
+        at, tokens = stage_index(name), rows.tokens
+        invalid, nonfinite = rows.has_status(INVALID_STATUSES), rows.has_status({"nonfinite"})
+        valued = ~invalid & ~nonfinite
+        marks[at, tokens[invalid]] = "invalid"
+        marks[at, tokens[nonfinite]] = "nonfinite"
+        budget[at, tokens[valued]] = rows.budget_used[valued]
+        marks[at, tokens[valued & ~evidential_rows(rows)]] = "blind"
     return budget, marks

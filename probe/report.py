@@ -12,9 +12,11 @@ from oracle.output import atomic_output
 from oracle.stages import STAGE_NAMES, stage_index
 
 from probe.adapters.trace_file import CHECKED_INPUTS
-from probe.compare import DIVERGENT_STATUSES, INVALID_STATUSES, Cell, RowStats, StageDiff
+import numpy as np
+
+from probe.compare import DIVERGENT_STATUSES, INVALID_STATUSES, STATUSES, Cell, RowStats, StageDiff, StageRows
 from probe.diff import DiffReport
-from probe.evidence import ATTENTION, POSITION_NOTE, QK_NOTE, qk_evidenced
+from probe.evidence import ATTENTION, POSITION_NOTE, QK_NOTE, cell_at, evidential_rows, qk_evidenced
 from probe.selfcheck import Issue
 
 MAX_RULE = "pass iff max_rel < rtol or max_abs < atol, max_rel = max|a-e| / max|e| per (stage, token) row"
@@ -96,17 +98,16 @@ def _inputs_text(report: DiffReport) -> str:
 
 
 def _table(report: DiffReport) -> str:
-    grid = {(c.stage, c.token): c for c in report.cells}
     lines = ["budget used per (token, stage)", "token " + "".join(f"{n:>{_COL}}" for n in STAGE_NAMES)]
     previous = -1
     for token in _tokens_shown(report):
         if token > previous + 1:
             lines.append(f"  ... tokens {previous + 1}-{token - 1} not shown (see the max row)")
-        lines.append(f"t{token:<5}" + "".join(f"{_grid_text(report, grid, n, token):>{_COL}}" for n in STAGE_NAMES))
+        lines.append(f"t{token:<5}" + "".join(f"{_grid_text(report, n, token):>{_COL}}" for n in STAGE_NAMES))
         previous = token
     if previous < report.num_tokens - 1:
         lines.append(f"  ... tokens {previous + 1}-{report.num_tokens - 1} not shown (see the max row)")
-    worst = [_worst_cell(c for c in report.cells if c.stage == n) for n in STAGE_NAMES]
+    worst = [_worst_cell(report.rows[n]) if n in report.rows else None for n in STAGE_NAMES]
     lines.append("max   " + "".join(f"{_cell_text(c) if c else '-':>{_COL}}" for c in worst))
     return "\n".join(lines)
 
@@ -120,10 +121,10 @@ def _tokens_shown(report: DiffReport) -> list[int]:
     return sorted(set(range(16)) | set(range(total - 8, total)) | must)
 
 
-def _grid_text(report: DiffReport, grid: dict, stage: str, token: int) -> str:
+def _grid_text(report: DiffReport, stage: str, token: int) -> str:
     if stage not in report.captured:
         return "-"
-    cell = grid.get((stage, token))
+    cell = report.cell(stage, token)
     return _cell_text(cell) if cell else "."
 
 
@@ -145,11 +146,15 @@ def _budget_short(budget: float) -> str:
     return f"{budget:.0f}" if budget < 1000 else f"{budget:.0e}"
 
 
-def _worst_cell(cells) -> Cell | None:
-    def severity(cell: Cell) -> tuple[int, float]:
-        rank = 2 if cell.diff.status in INVALID_STATUSES else 1 if cell.diff.status == "nonfinite" else 0
-        return rank, cell.diff.budget_used
-    return max(cells, key=severity, default=None)
+def _worst_cell(rows: StageRows, valid_only: bool = False) -> Cell | None:
+    """The stage's most severe row: invalid, then computed NaN/Inf, then the largest budget (first on ties)."""
+    invalid = rows.has_status(INVALID_STATUSES)
+    rank = np.where(invalid, 2, np.where(rows.has_status({"nonfinite"}), 1, 0))
+    candidates = np.flatnonzero(~invalid) if valid_only else np.arange(len(rows))
+    if not candidates.size:
+        return None
+    order = np.lexsort((-rows.budget_used[candidates], -rank[candidates]))  # rank first, then budget; stable
+    return cell_at(rows, rows.start + int(candidates[order[0]]))
 
 
 def _issues(report: DiffReport) -> str:
@@ -235,7 +240,7 @@ def _side_by_side(d: StageDiff) -> list[str]:
 def _worst_per_stage(report: DiffReport) -> str:
     lines = ["worst row of every compared stage (-v):"]
     for name in report.captured:
-        cell = _worst_cell(c for c in report.cells if c.stage == name and c.diff.status not in INVALID_STATUSES)
+        cell = _worst_cell(report.rows[name], valid_only=True)
         if cell:
             d = cell.diff
             lines.append(f"{name} token {cell.token}: {d.status}, budget {budget_text(d.budget_used)}, "
@@ -245,8 +250,9 @@ def _worst_per_stage(report: DiffReport) -> str:
 
 
 def _evidence(report: DiffReport) -> str:
-    qk = [c.token for c in report.cells if c.stage == ATTENTION and c.evidential]
-    witnessed = (f"q/k path evidenced by {ATTENTION} at t={_ranges(tuple(qk))}" if qk_evidenced(report.cells)
+    attention = report.rows.get(ATTENTION)
+    qk = attention.tokens[evidential_rows(attention)].tolist() if attention is not None else []
+    witnessed = (f"q/k path evidenced by {ATTENTION} at t={_ranges(tuple(qk))}" if qk_evidenced(report.rows.values())
                  else f"q/k path NOT evidenced: no {ATTENTION} comparison at t >= 1")
     lines = ["evidence:", f"  - {QK_NOTE}; {witnessed}", f"  - {POSITION_NOTE}",
              f"  - inputs: {_inputs_text(report)}"]
@@ -274,7 +280,7 @@ def report_json(report: DiffReport) -> dict:
         "first_divergence_per_token": [{"token": t, "stage": s} for t, s in report.first_per_token.items()],
         "issues": [{"kind": i.kind, "where": i.where, "tokens": list(i.tokens), "message": i.message}
                    for i in report.issues],
-        "rows": [_row_json(c) for c in report.cells],
+        "rows": [row for rows in report.rows.values() for row in _rows_json(rows)],
     }
 
 
@@ -283,22 +289,39 @@ def write_json(report: DiffReport, path: Path) -> None:
         tmp.write_text(json.dumps(report_json(report), indent=1, allow_nan=False) + "\n")
 
 
-def _row_json(cell: Cell) -> dict:
+def _rows_json(rows: StageRows) -> list[dict]:
+    """One JSON row per token; statistics and worst elements only where the full detail was kept ("detailed")."""
+    columns = {name: getattr(rows, name).tolist() for name in _JSON_COLUMNS}
+    evidential = evidential_rows(rows).tolist()
+    status = [STATUSES[code] for code in rows.status.tolist()]
+    out = []
+    for i, token in enumerate(rows.tokens.tolist()):
+        if token in rows.detail:
+            out.append(_detailed_row_json(cell_at(rows, token)))
+            continue
+        out.append({"stage": rows.stage, "token": token, "status": status[i], "evidential": evidential[i],
+                    "n_total": rows.width, **{name: _num(values[i]) for name, values in columns.items()},
+                    "detailed": False, "expected_stats": None, "actual_stats": None, "worst": []})
+    return out
+
+
+_JSON_COLUMNS = ("n_mismatch", "n_poison", "max_abs", "max_abs_index", "max_rel", "budget_used", "rel_l2", "cosine")
+
+
+def _detailed_row_json(cell: Cell) -> dict:
     d = cell.diff
     return {"stage": cell.stage, "token": cell.token, "status": d.status, "evidential": cell.evidential,
-            "n_total": d.n_total, "n_mismatch": d.n_mismatch, "n_poison": d.n_poison, "max_abs": _num(d.max_abs),
-            "max_abs_index": d.max_abs_index, "max_rel": _num(d.max_rel), "budget_used": _num(d.budget_used),
-            "rel_l2": _num(d.rel_l2), "cosine": _num(d.cosine), "expected_stats": _stats_json(d.expected_stats),
-            "actual_stats": _stats_json(d.actual_stats),
+            "n_total": d.n_total, **{name: _num(getattr(d, name)) for name in _JSON_COLUMNS}, "detailed": True,
+            "expected_stats": _stats_json(d.expected_stats), "actual_stats": _stats_json(d.actual_stats),
             "worst": [{"index": i, "oracle": _num(e), "candidate": _num(a)} for i, e, a in d.worst]}
 
 
 def _stats_json(s: RowStats | None) -> dict | None:
-    if s is None:  # a row within tolerance: statistics are computed only for failing or inspected rows
+    if s is None:
         return None
     return {"mean": _num(s.mean), "std": _num(s.std), "absmax": _num(s.absmax), "n_nonfinite": s.n_nonfinite}
 
 
-def _num(x: float) -> float | str:
+def _num(x: float | int) -> float | int | str:
     # Strict JSON has no NaN/Infinity; non-finite values are written as the strings float() reads back.
     return x if math.isfinite(x) else str(x)

@@ -2,7 +2,7 @@
 
 They hold for every source: the reference is complete; the candidate captures something; each captured stage has
 the reference's shape and is float32; recorded inputs equal the reference's (token ids and positions exactly,
-hidden bit for bit); every compared row was written (`unwritten` rows, found by compare_rows).
+hidden bit for bit); every compared row was written (`unwritten` rows, found by probe/compare.py).
 """
 
 from dataclasses import dataclass
@@ -14,7 +14,7 @@ from oracle.stages import STAGE_BY_NAME, STAGE_NAMES
 from oracle.trace import rows_per_chunk
 
 from probe.adapters.trace_file import CHECKED_INPUTS, TraceSource
-from probe.compare import Cell
+from probe.compare import StageRows
 from probe.errors import ReferenceTraceError
 from probe.poison import POISON_BITS
 
@@ -104,19 +104,20 @@ def _input_issue(ref: TraceSource, cand: TraceSource, name: str) -> Issue | None
                  f"reference's inputs (/inputs of {ref.path}).")
 
 
-def unwritten_issues(cells: Iterable[Cell]) -> list[Issue]:
+def unwritten_issues(rows: Iterable[StageRows]) -> list[Issue]:
     """One issue per stage and cause (poison left, all-zero row) naming every unwritten token."""
-    groups: dict[tuple[str, bool], list[int]] = {}
-    for cell in cells:
-        if cell.diff.status == "unwritten":
-            groups.setdefault((cell.stage, cell.diff.n_poison > 0), []).append(cell.token)
     issues = []
-    for (stage, poisoned), tokens in sorted(groups.items(), key=lambda item: STAGE_NAMES.index(item[0][0])):
-        cause = (f"still hold the poison pattern 0x{POISON_BITS:08X}" if poisoned
-                 else "are all zeros where the reference is not (a zero-initialised buffer?)")
-        issues.append(Issue("unwritten", stage, tuple(tokens),
-                            f"stage {stage}: {len(tokens)} row(s) {cause}: never written. Check the row offset "
-                            f"the engine writes step t to (row t of [T, width])."))
+    for r in sorted(rows, key=lambda r: STAGE_NAMES.index(r.stage)):
+        unwritten = r.has_status({"unwritten"})
+        for poisoned in (True, False):
+            tokens = tuple(r.tokens[unwritten & ((r.n_poison > 0) == poisoned)].tolist())
+            if not tokens:
+                continue
+            cause = (f"still hold the poison pattern 0x{POISON_BITS:08X}" if poisoned
+                     else "are all zeros where the reference is not (a zero-initialised buffer?)")
+            issues.append(Issue("unwritten", r.stage, tokens,
+                                f"stage {r.stage}: {len(tokens)} row(s) {cause}: never written. Check the row offset "
+                                f"the engine writes step t to (row t of [T, width])."))
     return issues
 
 

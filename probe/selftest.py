@@ -150,7 +150,7 @@ def _first(report: DiffReport) -> str:
 
 
 def _t0_matches(report: DiffReport) -> bool:
-    return all(bool(c.diff) for c in report.cells if c.token == 0)
+    return all(bool(rows.diff(0)) for rows in report.rows.values() if len(rows))
 
 
 def render_table(rows: list[Row]) -> str:

@@ -113,13 +113,11 @@ def test_worst_elements_are_ordered_by_difference():
     assert [i for i, _, _ in d.worst] == [0, 6, 1, 3, 2]
 
 
-def test_compare_chunk_agrees_with_compare_rows_row_by_row():
-    """The vectorised chunk path and the per-row path give the same status and metrics on every kind of row."""
-    from probe.compare import compare_chunk
+def _rows_of_every_kind() -> tuple[np.ndarray, np.ndarray]:
     from probe.poison import poison
 
     rng = np.random.default_rng(3)
-    expected = rng.standard_normal((9, 300)).astype(np.float32)
+    expected = rng.standard_normal((10, 300)).astype(np.float32)
     actual = expected.copy()
     actual[1] *= np.float32(1 + 3e-5)  # within tolerance
     actual[2] *= np.float32(1.01)  # out of tolerance
@@ -129,14 +127,40 @@ def test_compare_chunk_agrees_with_compare_rows_row_by_row():
     actual[6, 0] = np.inf
     expected[7] = 0.0  # zero reference, candidate not
     actual[8] = expected[8]
-    tol = DEFAULT
-    for row, chunked in enumerate(compare_chunk(actual, expected, tol)):
-        single = compare_rows(actual[row], expected[row], tol)
-        assert chunked.status == single.status, row
-        for field in ("n_total", "n_mismatch", "n_poison", "max_abs_index"):
-            assert getattr(chunked, field) == getattr(single, field), (row, field)
-        for field in ("max_abs", "max_rel", "budget_used", "rel_l2", "cosine"):
-            np.testing.assert_allclose(getattr(chunked, field), getattr(single, field), rtol=1e-12,
-                                       err_msg=f"row {row} {field}")
-        if single.status != "ok":
-            assert repr(chunked) == repr(single)  # failing rows carry the full detail (repr: NaN != NaN)
+    actual[9, [40, 200]] = expected[9, [40, 200]] + 1  # two equal greatest differences: the first index counts
+    return actual, expected
+
+
+def test_compare_block_agrees_with_compare_rows_row_by_row():
+    """The block path (columns from the compiled kernel) and the per-row path give the same status and metrics on
+    every kind of row, and a row given full detail reads exactly as compare_rows."""
+    from probe.compare import compare_block
+
+    actual, expected = _rows_of_every_kind()
+    for tol in (DEFAULT, Tol(0.0, 0.0, "exact")):
+        block = compare_block("fc", 5, actual, expected, tol)
+        assert list(block.tokens) == list(range(5, 15))
+        for row in range(len(expected)):
+            single, columns = compare_rows(actual[row], expected[row], tol), block.diff(5 + row)
+            assert columns.status == single.status, row
+            for field in ("n_total", "n_mismatch", "n_poison", "max_abs_index"):
+                assert getattr(columns, field) == getattr(single, field), (row, field)
+            for field in ("max_abs", "max_rel", "budget_used", "rel_l2", "cosine"):
+                np.testing.assert_allclose(getattr(columns, field), getattr(single, field), rtol=1e-12, atol=1e-15,
+                                           err_msg=f"row {row} {field}")
+            assert columns.expected_stats is None and columns.worst == ()
+            block.add_detail(5 + row, actual[row], expected[row])
+            assert repr(block.diff(5 + row)) == repr(single)  # repr: NaN != NaN
+
+
+def test_compare_block_statuses_and_their_twins():
+    """Each status comes from its own cause: removing the cause turns the row ok."""
+    from probe.compare import compare_block
+
+    actual, expected = _rows_of_every_kind()
+    block = compare_block("fc", 0, actual, expected, DEFAULT)
+    statuses = [block.diff(t).status for t in range(10)]
+    assert statuses == ["ok", "ok", "values", "nonfinite", "unwritten", "unwritten", "nonfinite", "values", "ok",
+                        "values"]
+    fixed = compare_block("fc", 0, expected.copy(), expected, DEFAULT)
+    assert [fixed.diff(t).status for t in range(10)] == ["ok"] * 10
