@@ -30,6 +30,7 @@ interrupted write never leaves a file that looks finished.
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,6 +125,7 @@ class TraceReader:
     def __init__(self, path: Path):
         self.path = Path(path)
         self._file = _open_hdf5(self.path)
+        self._layouts: dict[str, _PlainRows | None] = {}  # per dataset path, found on first read
         try:
             self.attrs = self._guard("the root attributes", lambda: _read_root_attrs(self._file, self.path))
             self.num_tokens = int(self.attrs["num_tokens"])
@@ -162,22 +164,41 @@ class TraceReader:
         # Looked up per read on purpose: a kept Dataset keeps its HDF5 chunk cache (measured: +240 MB in a diff).
         return self._file[path]
 
+    def _rows(self, path: str, start: int, stop: int | None, out: np.ndarray | None) -> np.ndarray:
+        """Rows start..stop of a dataset (into `out` if given): straight from the file when it is stored plainly,
+        else by h5py (which also converts to `out`'s dtype)."""
+        if path not in self._layouts:
+            self._layouts[path] = _PlainRows.of(self._dataset(path))
+        layout = self._layouts[path]
+        if layout is not None and (out is None or out.dtype == layout.dtype):
+            return layout.read(self._file.id.get_vfd_handle(), start, stop, out, self.path, path)
+        if out is None:
+            return self._dataset(path)[start:stop]
+        self._dataset(path).read_direct(out, np.s_[start:stop])
+        return out
+
+    def read_route(self, path: str) -> str:
+        """How rows of `path` are read: "direct" (plain storage, os.preadv) or "h5py" (anything else)."""
+        return self._guard(path, lambda: "h5py" if _PlainRows.of(self._dataset(path)) is None else "direct")
+
     def stage_shape(self, name: str) -> tuple[int, ...]:
         return self._guard(f"/stages/{name}", lambda: tuple(self._dataset(f"stages/{name}").shape))
 
     def stage_dtype(self, name: str) -> np.dtype:
         return self._guard(f"/stages/{name}", lambda: self._dataset(f"stages/{name}").dtype)
 
-    def stage_rows(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """Rows start..stop of /stages/<name>, as stored."""
-        return self._guard(f"/stages/{name} rows {start}..{stop}", lambda: self._dataset(f"stages/{name}")[start:stop])
+    def stage_rows(self, name: str, start: int = 0, stop: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows start..stop of /stages/<name>, as stored; or into `out` (C-contiguous, the rows' shape), converted
+        to its dtype, so that a long read loop reuses one buffer instead of faulting in fresh pages for each read."""
+        return self._guard(f"/stages/{name} rows {start}..{stop}",
+                           lambda: self._rows(f"stages/{name}", start, stop, out))
 
     @property
     def has_inputs(self) -> bool:
         return self._guard("/inputs", lambda: all(f"inputs/{n}" in self._file for n in INPUT_NAMES))
 
     def input_rows(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
-        return self._guard(f"/inputs/{name} rows {start}..{stop}", lambda: self._dataset(f"inputs/{name}")[start:stop])
+        return self._guard(f"/inputs/{name} rows {start}..{stop}", lambda: self._rows(f"inputs/{name}", start, stop, None))
 
     def inputs(self) -> TraceInputs:
         """All of /inputs, shape-checked against num_tokens and hidden_size."""
@@ -190,6 +211,75 @@ class TraceReader:
                 raise TraceFormatError(f"{self.path}: /inputs/{name} has shape {arrays[name].shape}, "
                                        f"expected {shape} from num_tokens={t}, hidden_size={d}.")
         return TraceInputs(**arrays)
+
+
+class _PlainRows:
+    """Where the rows of a plainly stored dataset lie in the file, so they can be read with os.preadv.
+
+    h5py reads a chunk at a time with Python between chunks and takes the GIL back for each, which makes reading
+    a few times slower than the disk cache allows and stalls any other thread. "Plain": a little-endian numeric
+    dataset with no filters (no compression, no checksum), contiguous or chunked in whole rows, every chunk
+    written (an unwritten chunk reads as the fill value, which only HDF5 knows). Every other dataset is read by
+    h5py; both routes give the same values (tests/oracle/test_trace_read.py).
+    """
+
+    def __init__(self, dtype: np.dtype, shape: tuple[int, ...], extents: list[tuple[int, int, int]]):
+        self.dtype, self.shape = dtype, shape
+        self.extents = extents  # (first row, rows, byte offset) in row order, adjacent pieces merged
+
+    @staticmethod
+    def of(ds: h5py.Dataset) -> "_PlainRows | None":
+        """The plain layout of `ds`, or None when h5py must read it."""
+        dcpl = ds.id.get_create_plist()
+        if (ds.ndim == 0 or ds.dtype.kind not in "fiu" or ds.dtype.byteorder == ">" or np.little_endian is False
+                or dcpl.get_nfilters() or dcpl.get_external_count()):
+            return None
+        row_bytes = ds.dtype.itemsize * int(np.prod(ds.shape[1:], dtype=np.int64))
+        layout = dcpl.get_layout()
+        if layout == h5py.h5d.CONTIGUOUS:
+            offset = ds.id.get_offset()
+            return None if offset is None else _PlainRows(ds.dtype, ds.shape, [(0, ds.shape[0], offset)])
+        if layout != h5py.h5d.CHUNKED or tuple(ds.chunks[1:]) != tuple(ds.shape[1:]):
+            return None
+        chunk_rows, chunks = ds.chunks[0], []
+        for i in range(ds.id.get_num_chunks()):
+            info = ds.id.get_chunk_info(i)
+            chunks.append((info.chunk_offset[0], info.filter_mask, info.byte_offset, info.size))
+        chunks.sort()
+        expected_rows = list(range(0, ds.shape[0], chunk_rows))
+        if [c[0] for c in chunks] != expected_rows or any(mask or size != chunk_rows * row_bytes
+                                                          for _, mask, _, size in chunks):
+            return None  # a chunk never written, or stored differently
+        extents: list[tuple[int, int, int]] = []
+        for first, _, offset, _ in chunks:
+            last = extents[-1] if extents else None
+            if last and last[2] + last[1] * row_bytes == offset:  # the next chunk follows in the file
+                extents[-1] = (last[0], last[1] + chunk_rows, last[2])
+            else:
+                extents.append((first, chunk_rows, offset))
+        return _PlainRows(ds.dtype, ds.shape, extents)
+
+    def read(self, fd: int, start: int, stop: int | None, out: np.ndarray | None, path: Path,
+             name: str) -> np.ndarray:
+        start, stop, _ = slice(start, stop).indices(self.shape[0])
+        shape = (max(stop - start, 0),) + tuple(self.shape[1:])
+        if out is None:
+            out = np.empty(shape, dtype=self.dtype.newbyteorder("="))
+        elif out.shape != shape or not out.flags.c_contiguous:
+            raise ValueError(f"out has shape {out.shape}, rows {start}..{stop} of /{name} need a C-contiguous {shape}")
+        buffer = memoryview(out.reshape(-1).view(np.uint8))
+        row_bytes = out.itemsize * int(np.prod(self.shape[1:], dtype=np.int64))
+        for first, rows, offset in self.extents:
+            lo, hi = max(start, first), min(stop, first + rows)
+            if lo >= hi:
+                continue
+            want = (hi - lo) * row_bytes
+            got = os.preadv(fd, [buffer[(lo - start) * row_bytes:(hi - start) * row_bytes]],
+                            offset + (lo - first) * row_bytes)
+            if got != want:
+                raise TraceFormatError(f"{path} is truncated: /{name} rows {lo}..{hi - 1} end past the end of the "
+                                       f"file. Write the file again.")
+        return out
 
 
 def read_trace(path: Path) -> TraceReader:

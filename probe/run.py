@@ -123,8 +123,8 @@ class ArraySource:
     def stage_dtype(self, name: str) -> np.dtype:
         return self._stages[name].dtype
 
-    def stage_rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        return self._stages[name][start:stop]
+    def stage_rows(self, name: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        return self._stages[name][start:stop]  # already in memory: no copy into `out`
 
     def describe(self, name: str) -> str:
         return f"{self.path} stage {name}"

@@ -1,7 +1,8 @@
 """Reading a trace someone already wrote: an `mtp-trace/1` HDF5 file, or a raw directory an engine dumped.
 
 Both sit behind one small interface, `TraceSource`: the stages present, their shape and dtype as stored, and
-row-range reads (memory bounded by the range), plus the inputs the producer recorded, if any. A source converts
+row-range reads (memory bounded by the range; `out=` lends a buffer to read into, which a source may use or
+ignore: the rows are what it returns), plus the inputs the producer recorded, if any. A source converts
 layout to the oracle's (native float32 rows) and does nothing else: checks live in probe/selfcheck.py.
 
 Raw directory layout (for engines that do not write HDF5):
@@ -39,7 +40,7 @@ class TraceSource(Protocol):
 
     def stage_shape(self, name: str) -> tuple[int, ...]: ...
     def stage_dtype(self, name: str) -> np.dtype: ...
-    def stage_rows(self, name: str, start: int, stop: int) -> np.ndarray: ...
+    def stage_rows(self, name: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray: ...
     def input_shape(self, name: str) -> tuple[int, ...]: ...
     def input_rows(self, name: str, start: int, stop: int) -> np.ndarray: ...
     def describe(self, name: str) -> str: ...
@@ -95,8 +96,8 @@ class Hdf5Trace(_Closing):
     def stage_dtype(self, name: str) -> np.dtype:
         return self._reader.stage_dtype(name)
 
-    def stage_rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        return _native_float32(self._reader.stage_rows(name, start, stop))
+    def stage_rows(self, name: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        return _native_float32(self._reader.stage_rows(name, start, stop, out))
 
     def input_shape(self, name: str) -> tuple[int, ...]:
         # As declared by the root attributes (oracle.trace checks /inputs against them); reads verify the rest.
@@ -154,8 +155,16 @@ class RawDirTrace(_Closing):
     def stage_dtype(self, name: str) -> np.dtype:
         return np.dtype(np.float32)  # raw files are float32 by definition; a wider dtype shows as a wrong size
 
-    def stage_rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        return self._rows(name, start, stop)
+    def stage_rows(self, name: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        if out is None or out.dtype != np.dtype("<f4"):  # (a big-endian host converts through _rows)
+            return self._rows(name, start, stop)
+        with open(self._file(name), "rb") as f:
+            f.seek(start * self._width(name) * 4)
+            got = f.readinto(memoryview(out).cast("B"))
+        if got != out.nbytes:
+            raise TraceFormatError(f"{self._file(name)} ends before row {stop - 1}: was it rewritten while being "
+                                   f"read? Run the diff again.")
+        return out
 
     def input_shape(self, name: str) -> tuple[int, ...]:
         return self._ids[name].shape if name in _JSON_INPUTS else self._shape(name)

@@ -6,6 +6,7 @@ import sys
 import numpy as np
 import pytest
 
+from oracle.errors import TraceFormatError
 from oracle.stages import STAGE_BY_NAME, STAGE_NAMES
 from oracle.trace import rows_per_chunk
 from probe.adapters import trace_file
@@ -26,9 +27,9 @@ class RecordingSource:
     def __getattr__(self, name):
         return getattr(self._source, name)
 
-    def stage_rows(self, name, start, stop):
+    def stage_rows(self, name, start, stop, out=None):
         self.requests.append((name, start, stop))
-        return self._source.stage_rows(name, start, stop)
+        return self._source.stage_rows(name, start, stop, out)
 
     def input_rows(self, name, start, stop):
         self.requests.append((f"inputs/{name}", start, stop))
@@ -77,8 +78,13 @@ def test_raw_rows_are_read_at_their_offset(tmp_path, ref_data):
     with open_candidate(raw, 8, 64) as source:
         assert source.stages == tuple(STAGE_NAMES) and source.kind == "raw dir"
         assert np.array_equal(source.stage_rows("fc_in", 3, 6), stages["fc_in"][3:6])
+        out = np.full((3, 128), np.nan, dtype=np.float32)
+        assert source.stage_rows("fc_in", 3, 6, out) is out and np.array_equal(out, stages["fc_in"][3:6])
         assert np.array_equal(source.input_rows("hidden", 5, 8), inputs.hidden[5:8])
         assert source.recorded_inputs == ("token_ids", "positions", "hidden")
+        (raw / "fc_in.bin").write_bytes((raw / "fc_in.bin").read_bytes()[:-8])  # cut while open: not zeros
+        with pytest.raises(TraceFormatError, match="ends before row 7"):
+            source.stage_rows("fc_in", 6, 8, np.empty((2, 128), dtype=np.float32))
 
 
 def test_hdf5_source_matches_the_reference_reader(ref_data):
