@@ -11,9 +11,9 @@
  *   n_mismatch       elements with d_i >= max(atol, rtol·e_max) or NaN, and d_i != 0
  *   n_poison         elements of a holding the poison bits 0x7FDEAD00 (probe/poison.py)
  *
- * Pass 1 (every row) is one vectorised sweep; pass 2 (scalar) runs only for rows that need it: a non-finite
- * element somewhere, or max_abs at or over the mismatch limit. A within-tolerance row never needs it, so the
- * counts cost nothing on the common path. Rows whose oracle side is non-finite are refused by the caller, so
+ * Pass 1 (every row) is one vectorised sweep. Pass 2 runs only for rows that need it: a count of mismatches
+ * when max_abs is at or over the limit, or a scalar sweep for a row with a non-finite element. A
+ * within-tolerance row never needs it, so the counts cost nothing on the common path. Rows whose oracle side is non-finite are refused by the caller, so
  * e_max there is unspecified.
  *
  * Built by setuptools as the optional extension probe._rowdiff (pyproject.toml) and loaded with ctypes; it holds
@@ -46,9 +46,18 @@ typedef struct {  /* one row; field order and types match ROW_SUMS in probe/rowd
 #define HAVE_AVX2_COPY 1
 #endif
 
-/* Pass 2: the counts, and for a row holding a NaN difference the NaN-first maximum. */
-static void row_pass2(const float *a, const float *e, int64_t n, double rtol, double atol, row_sums *out) {
-    double limit = rtol * out->e_max > atol ? rtol * out->e_max : atol;
+/* Pass 2 for a finite row at or over the limit: the mismatch count only (a loop the compiler vectorises). */
+static int64_t count_mismatches(const float *a, const float *e, int64_t n, double limit) {
+    int64_t count = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double d = fabs((double)a[i] - (double)e[i]);
+        count += (d >= limit) & (d != 0.0);
+    }
+    return count;
+}
+
+/* Pass 2 for a row holding NaN/Inf: the counts, and the maximum with NaN ranked first (pass 1 skips NaN). */
+static void nonfinite_pass2(const float *a, const float *e, int64_t n, double limit, row_sums *out) {
     int64_t n_mismatch = 0, n_poison = 0, index = 0;
     double best = -1.0, max_abs = 0.0;  /* best: the rank (NaN -> +inf) of the maximum so far */
     for (int64_t i = 0; i < n; i++) {
@@ -62,7 +71,7 @@ static void row_pass2(const float *a, const float *e, int64_t n, double rtol, do
     }
     out->n_mismatch = n_mismatch;
     out->n_poison = n_poison;
-    out->index = index;  /* the same as pass 1's unless a difference is NaN, which pass 1 skips */
+    out->index = index;
     out->max_abs = max_abs;
 }
 
@@ -87,7 +96,9 @@ void mtp_rowdiff(const float *a, const float *e, int64_t rows, int64_t width, do
         int finite = isfinite(o->aa) && isfinite(o->ee);  /* squares of float32 values cannot overflow a double */
         o->n_mismatch = 0;
         o->n_poison = 0;  /* the poison pattern is a NaN: only a non-finite row can hold it */
-        if (!finite || (o->max_abs >= limit && o->max_abs != 0.0))
-            row_pass2(ar, er, width, rtol, atol, o);
+        if (!finite)
+            nonfinite_pass2(ar, er, width, limit, o);
+        else if (o->max_abs >= limit && o->max_abs != 0.0)
+            o->n_mismatch = count_mismatches(ar, er, width, limit);
     }
 }

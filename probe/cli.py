@@ -11,6 +11,7 @@ from oracle.output import check_writable
 
 from probe.diff import DiffReport, diff_traces
 from probe.report import render_text, summary_line, write_json
+from probe.rowdiff import kernel_note
 from probe.run import SPEC_HELP, adapter_from_spec, checkpoint_for, run_and_diff
 from probe.tolerance import DEFAULT, PROFILES, Tol, tol_table
 
@@ -105,6 +106,8 @@ def _tols(profile: str, rtol, atol, stage_tol, json_path, plot_path) -> dict[str
 
 
 def _render(report: DiffReport, json_path: Path | None, plot_path: Path | None, verbose: bool) -> int:
+    if kernel_note():
+        click.echo(kernel_note(), err=True)
     if json_path:
         write_json(report, json_path)
     if plot_path:

@@ -112,37 +112,45 @@ def _compare_stages(ref: TraceSource, cand: TraceSource, names: Sequence[str], t
     step = read_rows(ref.hidden_size, total, names)
     blocks = [(name, start, min(start + step, total)) for start in range(0, total, step) for name in names]
     stages = {name: _StageProgress() for name in names}
-    widest = max(STAGE_BY_NAME[n].width(ref.hidden_size) for n in names)
-    # Two (candidate, oracle) buffer pairs, reused: block k is read into pair k % 2 while block k - 1's pair is
-    # compared. Fresh arrays per read would fault in new pages every time (measured: a fifth of the diff's time).
-    buffers = [[np.empty(step * widest, dtype=np.float32) for _ in range(2)] for _ in range(2)]
     stop, chunk_ok = total, True
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtp-probe-rowdiff") as pool:
-        pending = None  # the previous block, its arrays and its sums being computed on the pool's thread
-        for k, block in enumerate(blocks + [None]):
-            current = None
-            if block is not None:  # read this block while the previous one is compared
-                name, start, end = block
-                shape = (end - start, STAGE_BY_NAME[name].width(ref.hidden_size))
-                into = [b[:shape[0] * shape[1]].reshape(shape) for b in buffers[k % 2]]
-                actual, expected = cand.stage_rows(name, start, end, into[0]), ref.stage_rows(name, start, end, into[1])
-                current = (block, actual, expected, pool.submit(row_sums, actual, expected, tols[name]))
-            if pending is not None:
-                (name, start, end), actual, expected, sums = pending
-                chunk_ok &= stages[name].add(_compare_block(ref.path, name, start, actual, expected,
-                                                            sums.result(), tols[name], stages[name]))
-                if name == names[-1]:  # every stage of this chunk compared
-                    if fail_fast and not chunk_ok:
-                        stop = end
-                        break
-                    chunk_ok = True
-            pending = current
+    for (name, start, end), actual, expected, sums in _read_and_sum(ref, cand, blocks, tols):
+        block = _compare_block(ref.path, name, start, actual, expected, sums, tols[name], stages[name])
+        chunk_ok &= stages[name].add(block)
+        if name == names[-1]:  # every stage of this chunk compared
+            if fail_fast and not chunk_ok:
+                stop = end
+                break
+            chunk_ok = True
     return {name: join_rows(progress.blocks) for name, progress in stages.items()}, stop
 
 
+def _read_and_sum(ref: TraceSource, cand: TraceSource, blocks: list[tuple[str, int, int]], tols: dict[str, Tol]):
+    """Yield (block, candidate rows, oracle rows, row sums) for each (stage, start, stop) block, in order.
+
+    The sums of block k are computed on a second thread while block k + 1 is read (the compiled kernel and
+    os.preadv both release the GIL). Rows are read into two reused buffer pairs, so a block's arrays are valid
+    only until the next block is asked for; fresh arrays for every read would fault in new pages each time
+    (measured: a fifth of the diff's time)."""
+    widest = max(STAGE_BY_NAME[name].width(ref.hidden_size) for name, _, _ in blocks)
+    rows = max(stop - start for _, start, stop in blocks)
+    pairs = [[np.empty(rows * widest, dtype=np.float32) for _ in range(2)] for _ in range(2)]
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtp-probe-rowdiff") as pool:
+        pending = None
+        for k, (name, start, stop) in enumerate(blocks):
+            shape = (stop - start, STAGE_BY_NAME[name].width(ref.hidden_size))
+            into = [buffer[:shape[0] * shape[1]].reshape(shape) for buffer in pairs[k % 2]]
+            actual, expected = cand.stage_rows(name, start, stop, into[0]), ref.stage_rows(name, start, stop, into[1])
+            current = ((name, start, stop), actual, expected, pool.submit(row_sums, actual, expected, tols[name]))
+            if pending is not None:
+                yield *pending[:3], pending[3].result()
+            pending = current
+        if pending is not None:
+            yield *pending[:3], pending[3].result()
+
+
 def read_rows(hidden_size: int, num_tokens: int, names: Sequence[str]) -> int:
-    """Token rows per read: READ_CHUNKS HDF5 chunks of the widest stage (4 MiB), few enough h5py calls to keep
-    their overhead small and memory bounded whatever T."""
+    """Token rows per read: READ_CHUNKS HDF5 chunks of the widest stage (4 MiB), few enough reads to keep their
+    fixed cost small and memory bounded whatever T."""
     return READ_CHUNKS * min(rows_per_chunk(STAGE_BY_NAME[n].width(hidden_size), num_tokens) for n in names)
 
 

@@ -1,5 +1,7 @@
 """The compiled row kernel (probe/_rowdiff.c) against its specification, probe.rowdiff.row_sums_numpy."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -72,3 +74,30 @@ def test_kernel_counts_mismatches_and_poison():
     assert sums["n_poison"].tolist() == [0, 0, 0, 0, 300] + [0] * 7
     assert sums["n_mismatch"][[0, 1, 8, 9]].tolist() == [0, 0, 1, 300]
     assert sums["index"][[3, 8, 9, 10, 11]].tolist() == [150, 299, 0, 100, 100]
+
+
+def test_without_the_kernel_the_diff_reads_the_same_and_says_so(monkeypatch, tmp_path):
+    """An install without a C compiler compares rows with numpy: same verdict and rows, and a note on stderr."""
+    from click.testing import CliRunner
+
+    from probe.cli import cli
+    from tests.helpers import TINY_REF
+    from tests.probe.tracekit import load_trace, write_h5
+
+    inputs, stages = load_trace(TINY_REF)
+    stages["mlp"][3:] *= np.float32(1.001)
+    cand = write_h5(tmp_path / "cand.h5", inputs, stages)
+    runs = {}
+    for route in ("kernel", "numpy"):
+        if route == "numpy":
+            monkeypatch.setattr(rowdiff, "_kernel", lambda: None)
+        result = CliRunner().invoke(cli, ["diff", str(TINY_REF), str(cand), "--json", str(tmp_path / f"{route}.json")])
+        runs[route] = result
+        assert result.exit_code == 1, result.output
+    assert "not built" not in runs["kernel"].stderr and "not built" in runs["numpy"].stderr
+    assert runs["kernel"].stdout == runs["numpy"].stdout
+    kernel, spec = (json.loads((tmp_path / f"{r}.json").read_text())["rows"] for r in ("kernel", "numpy"))
+    def exact(rows):
+        return [(r["stage"], r["token"], r["status"], r["max_abs_index"], r["n_mismatch"], r["max_abs"]) for r in rows]
+
+    assert exact(kernel) == exact(spec) and len(kernel) == 11 * 8
