@@ -187,7 +187,8 @@ class TraceReader:
     def stage_dtype(self, name: str) -> np.dtype:
         return self._guard(f"/stages/{name}", lambda: self._dataset(f"stages/{name}").dtype)
 
-    def stage_rows(self, name: str, start: int = 0, stop: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
+    def stage_rows(self, name: str, start: int = 0, stop: int | None = None,
+                   out: np.ndarray | None = None) -> np.ndarray:
         """Rows start..stop of /stages/<name>, as stored; or into `out` (C-contiguous, the rows' shape), converted
         to its dtype, so that a long read loop reuses one buffer instead of faulting in fresh pages for each read."""
         return self._guard(f"/stages/{name} rows {start}..{stop}",
@@ -198,7 +199,8 @@ class TraceReader:
         return self._guard("/inputs", lambda: all(f"inputs/{n}" in self._file for n in INPUT_NAMES))
 
     def input_rows(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
-        return self._guard(f"/inputs/{name} rows {start}..{stop}", lambda: self._rows(f"inputs/{name}", start, stop, None))
+        return self._guard(f"/inputs/{name} rows {start}..{stop}",
+                           lambda: self._rows(f"inputs/{name}", start, stop, None))
 
     def inputs(self) -> TraceInputs:
         """All of /inputs, shape-checked against num_tokens and hidden_size."""
@@ -231,7 +233,7 @@ class _PlainRows:
     def of(ds: h5py.Dataset) -> "_PlainRows | None":
         """The plain layout of `ds`, or None when h5py must read it."""
         dcpl = ds.id.get_create_plist()
-        if (ds.ndim == 0 or ds.dtype.kind not in "fiu" or ds.dtype.byteorder == ">" or np.little_endian is False
+        if (ds.ndim == 0 or ds.dtype.kind not in "fiu" or ds.dtype.byteorder == ">" or not np.little_endian
                 or dcpl.get_nfilters() or dcpl.get_external_count()):
             return None
         row_bytes = ds.dtype.itemsize * int(np.prod(ds.shape[1:], dtype=np.int64))
@@ -241,11 +243,13 @@ class _PlainRows:
             return None if offset is None else _PlainRows(ds.dtype, ds.shape, [(0, ds.shape[0], offset)])
         if layout != h5py.h5d.CHUNKED or tuple(ds.chunks[1:]) != tuple(ds.shape[1:]):
             return None
-        chunk_rows, chunks = ds.chunks[0], []
-        for i in range(ds.id.get_num_chunks()):
-            info = ds.id.get_chunk_info(i)
-            chunks.append((info.chunk_offset[0], info.filter_mask, info.byte_offset, info.size))
-        chunks.sort()
+        infos: list = []
+        if hasattr(ds.id, "chunk_iter"):  # one pass over the chunk index (HDF5 >= 1.14)
+            ds.id.chunk_iter(infos.append)
+        else:
+            infos = [ds.id.get_chunk_info(i) for i in range(ds.id.get_num_chunks())]
+        chunks = sorted((info.chunk_offset[0], info.filter_mask, info.byte_offset, info.size) for info in infos)
+        chunk_rows = ds.chunks[0]
         expected_rows = list(range(0, ds.shape[0], chunk_rows))
         if [c[0] for c in chunks] != expected_rows or any(mask or size != chunk_rows * row_bytes
                                                           for _, mask, _, size in chunks):

@@ -1,4 +1,5 @@
-"""Comparing one (stage, token) row of a candidate with the oracle: pure data in, a `StageDiff` out.
+"""Comparing a candidate's (stage, token) rows with the oracle's: pure data in, a `StageDiff` (one row) or
+`StageRows` (a block of rows, as columns) out.
 
 Definitions (a = actual/candidate row, e = expected/oracle row, both upcast to float64, i over the row):
 
@@ -156,7 +157,8 @@ class StageRows:
             return self.detail[token]
         i = token - self.start
         if not 0 <= i < len(self):
-            raise IndexError(f"stage {self.stage}: token {token} is not in rows {self.start}..{self.start + len(self) - 1}")
+            raise IndexError(f"stage {self.stage}: token {token} is outside rows {self.start}.."
+                             f"{self.start + len(self) - 1}")
         return StageDiff(STATUSES[self.status[i]], self.width, int(self.n_mismatch[i]), int(self.n_poison[i]),
                          float(self.max_abs[i]), int(self.max_abs_index[i]), float(self.max_rel[i]),
                          float(self.budget_used[i]), float(self.rel_l2[i]), float(self.cosine[i]), None, None,
