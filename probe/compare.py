@@ -169,6 +169,18 @@ class StageRows:
         self.detail[token] = compare_rows(actual, expected, self.tol)
 
 
+def most_severe(rows: StageRows, valid_only: bool = False) -> tuple[int, tuple[int, float]] | None:
+    """(row index, severity) of the most severe row: invalid first, then computed NaN/Inf, then the largest budget
+    (the first row on ties); `valid_only` skips invalid rows. None when no row qualifies."""
+    invalid = rows.has_status(INVALID_STATUSES)
+    rank = np.where(invalid, 2, np.where(rows.has_status({"nonfinite"}), 1, 0))
+    candidates = np.flatnonzero(~invalid) if valid_only else np.arange(len(rows))
+    if not candidates.size:
+        return None
+    i = int(candidates[np.lexsort((-rows.budget_used[candidates], -rank[candidates]))[0]])
+    return i, (int(rank[i]), float(rows.budget_used[i]))
+
+
 def compare_block(stage: str, start: int, actual: np.ndarray, expected: np.ndarray, tol: Tol) -> StageRows:
     """compare_rows for each row of two float32 [rows, width] arrays (token `start` first), as columns.
 

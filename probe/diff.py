@@ -20,8 +20,8 @@ from oracle.stages import STAGE_BY_NAME, STAGE_NAMES
 from oracle.trace import rows_per_chunk
 
 from probe.adapters.trace_file import TraceSource, open_candidate, open_reference
-from probe.compare import (DIVERGENT_STATUSES, Cell, StageRows, join_rows, not_compared_rows, oracle_finite,
-                           rows_from_sums)
+from probe.compare import (DIVERGENT_STATUSES, Cell, StageRows, join_rows, most_severe, not_compared_rows,
+                           oracle_finite, rows_from_sums)
 from probe.errors import ReferenceTraceError
 from probe.evidence import Verdict, cell_at, decide
 from probe.localize import first_divergence, first_divergence_per_token
@@ -159,13 +159,14 @@ class _StageProgress:
 
     def __init__(self) -> None:
         self.blocks: list[StageRows] = []
-        self.worst_budget = -1.0
+        self.worst: tuple[int, float] = (-1, -1.0)  # severity of the worst valid row so far (most_severe)
         self.diverged = False
 
     def add(self, block: StageRows) -> bool:
         """Append `block`; True when every row in it is ok."""
         self.blocks.append(block)
-        self.worst_budget = max(self.worst_budget, float(block.budget_used.max(initial=-1.0)))
+        worst = most_severe(block, valid_only=True)
+        self.worst = max(self.worst, worst[1]) if worst else self.worst
         self.diverged = self.diverged or bool(block.has_status(DIVERGENT_STATUSES).any())
         return bool(block.has_status({"ok"}).all())
 
@@ -173,7 +174,8 @@ class _StageProgress:
 def _compare_block(ref_path: Path, name: str, start: int, actual: np.ndarray, expected: np.ndarray,
                    sums: np.ndarray, tol: Tol, progress: _StageProgress) -> StageRows:
     """The rows of stage `name` from token `start`, from their sums, keeping full detail for the rows a report
-    shows: the stage's first divergent row, and a row worse than any before it (the stage's worst row, in the end)."""
+    shows: the stage's first divergent row, and a valid row worse than any before it (so, in the end, the stage's
+    worst valid row, which `-v` shows side by side)."""
     bad = np.flatnonzero(~oracle_finite(sums))
     if bad.size:  # NaN/Inf would propagate through both sides
         raise ReferenceTraceError(f"reference {ref_path}: stage {name} holds NaN/Inf in row {start + bad[0]}, so it "
@@ -182,7 +184,7 @@ def _compare_block(ref_path: Path, name: str, start: int, actual: np.ndarray, ex
     divergent = np.flatnonzero(block.has_status(DIVERGENT_STATUSES))
     if divergent.size and not progress.diverged:
         block.add_detail(start + int(divergent[0]), actual[divergent[0]], expected[divergent[0]])
-    worst = int(np.argmax(block.budget_used))
-    if block.budget_used[worst] > progress.worst_budget:
-        block.add_detail(start + worst, actual[worst], expected[worst])
+    worst = most_severe(block, valid_only=True)
+    if worst and worst[1] > progress.worst:
+        block.add_detail(start + worst[0], actual[worst[0]], expected[worst[0]])
     return block

@@ -12,9 +12,9 @@ from oracle.output import atomic_output
 from oracle.stages import STAGE_NAMES, stage_index
 
 from probe.adapters.trace_file import CHECKED_INPUTS
-import numpy as np
 
-from probe.compare import DIVERGENT_STATUSES, INVALID_STATUSES, STATUSES, Cell, RowStats, StageDiff, StageRows
+from probe.compare import (DIVERGENT_STATUSES, INVALID_STATUSES, STATUSES, Cell, RowStats, StageDiff, StageRows,
+                           most_severe)
 from probe.diff import DiffReport
 from probe.evidence import ATTENTION, POSITION_NOTE, QK_NOTE, cell_at, evidential_rows, qk_evidenced
 from probe.selfcheck import Issue
@@ -147,14 +147,8 @@ def _budget_short(budget: float) -> str:
 
 
 def _worst_cell(rows: StageRows, valid_only: bool = False) -> Cell | None:
-    """The stage's most severe row: invalid, then computed NaN/Inf, then the largest budget (first on ties)."""
-    invalid = rows.has_status(INVALID_STATUSES)
-    rank = np.where(invalid, 2, np.where(rows.has_status({"nonfinite"}), 1, 0))
-    candidates = np.flatnonzero(~invalid) if valid_only else np.arange(len(rows))
-    if not candidates.size:
-        return None
-    order = np.lexsort((-rows.budget_used[candidates], -rank[candidates]))  # rank first, then budget; stable
-    return cell_at(rows, rows.start + int(candidates[order[0]]))
+    worst = most_severe(rows, valid_only)
+    return cell_at(rows, rows.start + worst[0]) if worst else None
 
 
 def _issues(report: DiffReport) -> str:
@@ -264,6 +258,22 @@ def _evidence(report: DiffReport) -> str:
 
 def report_json(report: DiffReport) -> dict:
     """The JSON report: verdict, first divergence, issues, tolerances and one row per (stage, token)."""
+    return _report_head(report) | {"rows": list(_all_rows_json(report))}
+
+
+def write_json(report: DiffReport, path: Path) -> None:
+    """report_json, written row by row: memory stays flat however many (stage, token) rows there are."""
+    with atomic_output(path, "--json") as tmp, tmp.open("w") as f:
+        f.write("{\n")
+        for key, value in _report_head(report).items():
+            f.write(f" {json.dumps(key)}: {json.dumps(value, allow_nan=False)},\n")
+        f.write(' "rows": [')
+        for i, row in enumerate(_all_rows_json(report)):
+            f.write(("," if i else "") + "\n  " + json.dumps(row, allow_nan=False))
+        f.write("\n ]\n}\n")
+
+
+def _report_head(report: DiffReport) -> dict:
     first = report.first
     return {
         "schema": "mtp-probe-diff/1", "verdict": report.verdict.name, "exit_code": report.verdict.exit_code,
@@ -280,29 +290,26 @@ def report_json(report: DiffReport) -> dict:
         "first_divergence_per_token": [{"token": t, "stage": s} for t, s in report.first_per_token.items()],
         "issues": [{"kind": i.kind, "where": i.where, "tokens": list(i.tokens), "message": i.message}
                    for i in report.issues],
-        "rows": [row for rows in report.rows.values() for row in _rows_json(rows)],
     }
 
 
-def write_json(report: DiffReport, path: Path) -> None:
-    with atomic_output(path, "--json") as tmp:
-        tmp.write_text(json.dumps(report_json(report), indent=1, allow_nan=False) + "\n")
+def _all_rows_json(report: DiffReport):
+    for rows in report.rows.values():
+        yield from _rows_json(rows)
 
 
-def _rows_json(rows: StageRows) -> list[dict]:
+def _rows_json(rows: StageRows):
     """One JSON row per token; statistics and worst elements only where the full detail was kept ("detailed")."""
     columns = {name: getattr(rows, name).tolist() for name in _JSON_COLUMNS}
     evidential = evidential_rows(rows).tolist()
     status = [STATUSES[code] for code in rows.status.tolist()]
-    out = []
     for i, token in enumerate(rows.tokens.tolist()):
         if token in rows.detail:
-            out.append(_detailed_row_json(cell_at(rows, token)))
+            yield _detailed_row_json(cell_at(rows, token))
             continue
-        out.append({"stage": rows.stage, "token": token, "status": status[i], "evidential": evidential[i],
-                    "n_total": rows.width, **{name: _num(values[i]) for name, values in columns.items()},
-                    "detailed": False, "expected_stats": None, "actual_stats": None, "worst": []})
-    return out
+        yield {"stage": rows.stage, "token": token, "status": status[i], "evidential": evidential[i],
+               "n_total": rows.width, **{name: _num(values[i]) for name, values in columns.items()},
+               "detailed": False, "expected_stats": None, "actual_stats": None, "worst": []}
 
 
 _JSON_COLUMNS = ("n_mismatch", "n_poison", "max_abs", "max_abs_index", "max_rel", "budget_used", "rel_l2", "cosine")

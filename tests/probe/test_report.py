@@ -30,6 +30,11 @@ def test_json_report_fields(tmp_path, ref_data):
         assert key in row
     t0_attn = next(r for r in report["rows"] if (r["stage"], r["token"]) == ("attn", 0))
     assert t0_attn["evidential"] is False
+    # Full detail (statistics, worst elements) for each stage's first divergent row and its worst row only.
+    detailed = [r for r in report["rows"] if r["detailed"]]
+    assert {r["stage"] for r in detailed} == set(STAGE_NAMES) and ("ah", 0) in {(r["stage"], r["token"]) for r in detailed}
+    assert all(r["expected_stats"] and r["worst"] for r in detailed)
+    assert all(r["expected_stats"] is None and r["worst"] == [] for r in report["rows"] if not r["detailed"])
     assert report["tolerances"]["fc"] == {"rtol": 1e-4, "atol": 1e-5, "why": report["tolerances"]["fc"]["why"]}
     assert any("absolute positions are not evidenced" in note for note in report["evidence_notes"])
 
@@ -38,6 +43,16 @@ def test_json_of_a_pass_has_no_first_divergence(tmp_path):
     diff_cli(TINY_REF, TINY_REF, "--json", tmp_path / "r.json")
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["verdict"] == "pass" and report["first_divergence"] is None and report["issues"] == []
+
+
+def test_the_streamed_json_file_holds_report_json(tmp_path, ref_data):
+    """write_json writes row by row (flat memory); the file parses to exactly report_json's document."""
+    from probe.report import report_json, write_json
+
+    inputs, stages = ref_data
+    report = diff_traces(TINY_REF, write_h5(tmp_path / "c.h5", inputs, perturbed_from(stages, "mlp", lambda r: r + 1)))
+    write_json(report, tmp_path / "r.json")
+    assert json.loads((tmp_path / "r.json").read_text()) == report_json(report)
 
 
 def test_nonfinite_values_are_strict_json(tmp_path, ref_data):
@@ -70,6 +85,20 @@ def test_verbose_shows_the_worst_elements_side_by_side(tmp_path, ref_data):
     index, oracle, candidate, gap = line.split()
     assert float(oracle) == np.float32(stages["res1"][4, 17]) and float(candidate) == cand["res1"][4, 17]
     assert "first divergent stage: res1 at token 4" in last_line(loud)
+
+
+def test_verbose_shows_a_stage_worst_valid_row_even_after_unwritten_rows(tmp_path, ref_data):
+    """Unwritten rows (budget inf) come first in stage fc; its worst valid row (token 6) still has full detail."""
+    from probe.poison import poison
+
+    inputs, stages = ref_data
+    cand = copy_stages(stages)
+    cand["fc"][0:2] = poison((2, 64))
+    cand["fc"][6, 3] += 0.25
+    loud = diff_cli(TINY_REF, write_h5(tmp_path / "c.h5", inputs, cand), "-v")
+    assert loud.exit_code == 2
+    block = loud.output.split("fc token 6: values")[1].split("\n\n")[0]
+    assert "worst elements" in block and block.splitlines()[2].split()[0] == "3"
 
 
 def test_table_has_one_row_per_token_and_one_column_per_stage(tmp_path, ref_data):
