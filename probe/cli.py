@@ -76,7 +76,8 @@ def run(ctx, ref, spec, checkpoint, out, profile, rtol, atol, stage_tol, json_pa
     adapter = adapter_from_spec(spec, checkpoint_for(ref, checkpoint))
     result = run_and_diff(ref, adapter, tols, out=out, fail_fast=fail_fast,
                           command=shlex.join(["mtp-probe", *sys.argv[1:]]))
-    click.echo(f"ran {result.adapter} ({'deterministic' if result.deterministic else 'NOT deterministic: two runs may differ'})"
+    determinism = "deterministic" if result.deterministic else "NOT deterministic: two runs may differ"
+    click.echo(f"ran {result.adapter} ({determinism})"
                + (f"; candidate trace written to {result.written}" if result.written else ""))
     ctx.exit(_render(result.report, json_path, plot_path, verbose))
 

@@ -32,7 +32,8 @@ def test_json_report_fields(tmp_path, ref_data):
     assert t0_attn["evidential"] is False
     # Full detail (statistics, worst elements) for each stage's first divergent row and its worst row only.
     detailed = [r for r in report["rows"] if r["detailed"]]
-    assert {r["stage"] for r in detailed} == set(STAGE_NAMES) and ("ah", 0) in {(r["stage"], r["token"]) for r in detailed}
+    assert {r["stage"] for r in detailed} == set(STAGE_NAMES)
+    assert ("ah", 0) in {(r["stage"], r["token"]) for r in detailed}
     assert all(r["expected_stats"] and r["worst"] for r in detailed)
     assert all(r["expected_stats"] is None and r["worst"] == [] for r in report["rows"] if not r["detailed"])
     assert report["tolerances"]["fc"] == {"rtol": 1e-4, "atol": 1e-5, "why": report["tolerances"]["fc"]["why"]}
