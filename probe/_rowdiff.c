@@ -75,6 +75,12 @@ static void nonfinite_pass2(const float *a, const float *e, int64_t n, double li
     out->max_abs = max_abs;
 }
 
+/* What probe/rowdiff.py checks before trusting this library: a stale build (the source changed, `pip install -e .`
+ * not rerun) or another struct layout is not used. */
+#define ROWDIFF_VERSION 1
+int mtp_rowdiff_version(void) { return ROWDIFF_VERSION; }
+int mtp_rowdiff_struct_bytes(void) { return (int)sizeof(row_sums); }
+
 int mtp_rowdiff_vector_bytes(void) {
 #ifdef HAVE_AVX2_COPY
     if (__builtin_cpu_supports("avx2")) return 32;

@@ -23,6 +23,7 @@ import numpy as np
 from probe.poison import is_poison
 from probe.tolerance import Tol
 
+KERNEL_VERSION = 1  # = ROWDIFF_VERSION in _rowdiff.c; bump both when the kernel's meaning changes
 ROW_SUMS = np.dtype([("max_abs", "f8"), ("e_max", "f8"), ("aa", "f8"), ("ee", "f8"), ("dd", "f8"), ("ae", "f8"),
                      ("index", "i8"), ("n_mismatch", "i8"), ("n_poison", "i8")])  # = row_sums in _rowdiff.c
 
@@ -60,31 +61,37 @@ def row_sums_numpy(actual: np.ndarray, expected: np.ndarray, tol: Tol) -> np.nda
 
 def kernel_note() -> str | None:
     """None when the compiled kernel is in use, else a one-line note for the user."""
-    if _kernel() is not None:
+    lib, why = _library()
+    if lib is not None:
         return None
-    return ("note: the compiled diff kernel (probe._rowdiff) is not built, so rows are compared with numpy, "
-            "several times slower; install a C compiler and run `pip install -e .` again to build it")
+    return (f"note: the compiled diff kernel (probe._rowdiff) {why}, so rows are compared with numpy, several "
+            f"times slower; run `pip install -e .` again (with a C compiler) to build it")
 
 
 def vector_bytes() -> int:
-    """The SIMD width the kernel runs with (16: SSE2/NEON, 32: AVX2); 0 when it is not built."""
-    lib = _library()
+    """The SIMD width the kernel runs with (16: SSE2/NEON, 32: AVX2); 0 when it is not in use."""
+    lib, _ = _library()
     return int(lib.mtp_rowdiff_vector_bytes()) if lib is not None else 0
 
 
 @cache
-def _library() -> ctypes.CDLL | None:
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    """The built kernel, or None and why it is not used (not built; a stale build after the source changed)."""
     spec = importlib.util.find_spec("probe._rowdiff")  # the built extension's path (not imported: no PyInit)
     if spec is None or spec.origin is None:
-        return None
+        return None, "is not built"
     lib = ctypes.CDLL(spec.origin)
+    found = (lib.mtp_rowdiff_version(), lib.mtp_rowdiff_struct_bytes()) if hasattr(lib, "mtp_rowdiff_version") \
+        else (0, 0)
+    if found != (KERNEL_VERSION, ROW_SUMS.itemsize):
+        return None, (f"is stale (version {found[0]} with {found[1]}-byte rows; this code needs version "
+                      f"{KERNEL_VERSION} with {ROW_SUMS.itemsize}-byte rows)")
     lib.mtp_rowdiff.restype = None
     lib.mtp_rowdiff.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_double,
                                 ctypes.c_double, ctypes.c_void_p]
-    lib.mtp_rowdiff_vector_bytes.restype = ctypes.c_int
-    return lib
+    return lib, ""
 
 
 def _kernel():
-    lib = _library()
+    lib, _ = _library()
     return lib.mtp_rowdiff if lib is not None else None

@@ -90,7 +90,7 @@ def test_without_the_kernel_the_diff_reads_the_same_and_says_so(monkeypatch, tmp
     runs = {}
     for route in ("kernel", "numpy"):
         if route == "numpy":
-            monkeypatch.setattr(rowdiff, "_kernel", lambda: None)
+            monkeypatch.setattr(rowdiff, "_library", lambda: (None, "is not built"))
         result = CliRunner().invoke(cli, ["diff", str(TINY_REF), str(cand), "--json", str(tmp_path / f"{route}.json")])
         runs[route] = result
         assert result.exit_code == 1, result.output
@@ -101,3 +101,18 @@ def test_without_the_kernel_the_diff_reads_the_same_and_says_so(monkeypatch, tmp
         return [(r["stage"], r["token"], r["status"], r["max_abs_index"], r["n_mismatch"], r["max_abs"]) for r in rows]
 
     assert exact(kernel) == exact(spec) and len(kernel) == 11 * 8
+
+
+def test_a_stale_kernel_is_not_used(monkeypatch):
+    """A build older than the source (another version or row layout) falls back to numpy and says why."""
+    monkeypatch.setattr(rowdiff, "KERNEL_VERSION", rowdiff.KERNEL_VERSION + 1)
+    rowdiff._library.cache_clear()
+    try:
+        assert "is stale" in rowdiff.kernel_note() and rowdiff.vector_bytes() == 0
+        actual, expected = rows_of_every_kind(300)
+        assert disagreements(rowdiff.row_sums(actual, expected, DEFAULT),
+                             rowdiff.row_sums_numpy(actual, expected, DEFAULT)) == []
+    finally:
+        monkeypatch.undo()
+        rowdiff._library.cache_clear()
+    assert rowdiff.kernel_note() is None  # twin: the current build is used
