@@ -7,7 +7,6 @@ row) and full detail is kept only for the rows a report shows: each stage's firs
 The result is data (`DiffReport`); probe/report.py renders it.
 """
 
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property

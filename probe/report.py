@@ -13,8 +13,7 @@ from oracle.stages import STAGE_NAMES, stage_index
 
 from probe.adapters.trace_file import CHECKED_INPUTS
 
-from probe.compare import (DIVERGENT_STATUSES, INVALID_STATUSES, STATUSES, Cell, RowStats, StageDiff, StageRows,
-                           most_severe)
+from probe.compare import DIVERGENT_STATUSES, STATUSES, Cell, RowStats, StageDiff, StageRows, most_severe
 from probe.diff import DiffReport
 from probe.evidence import ATTENTION, POSITION_NOTE, QK_NOTE, cell_at, evidential_rows, qk_evidenced
 from probe.selfcheck import Issue

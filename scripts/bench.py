@@ -312,9 +312,9 @@ def bench_cabi(ckpt: Path, work: Path, rows: list, t: int = 4) -> None:
     medians = [float(np.median(x)) for x in (runs["probe"], [w for w, _ in runs["loop"]])]
     rows.append(("C ABI: the same, medians of the 5 runs", f"{medians[0]:.2f} s", f"plain C loop {medians[1]:.2f} s",
                  f"{medians[0] / medians[1]:.2f}x", ""))
-    rows.append((f"C ABI: worker alone (load, steps, save)", f"{worker_wall:.2f} s", f"load {load:.2f} s",
+    rows.append(("C ABI: worker alone (load, steps, save)", f"{worker_wall:.2f} s", f"load {load:.2f} s",
                  f"{worker_wall / loop_wall:.2f}x", ""))
-    rows.append((f"C ABI: step loop, ctypes driver vs C", f"{worker_steps:.3f} s", f"plain C loop {loop_steps:.3f} s",
+    rows.append(("C ABI: step loop, ctypes driver vs C", f"{worker_steps:.3f} s", f"plain C loop {loop_steps:.3f} s",
                  f"{worker_steps / loop_steps:.3f}x", f"<= {TARGETS['cabi']}x"))
     for name in ("weights.bin", "embed.bin", "hidden.bin", "positions.bin"):
         (work / name).unlink()

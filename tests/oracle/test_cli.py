@@ -1,7 +1,6 @@
 """mtp-oracle as a user runs it: export/inspect, the stored-trace drift check, and bad input -> exit 2."""
 
 import json
-import os
 import re
 import shutil
 import signal

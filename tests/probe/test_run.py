@@ -1,9 +1,7 @@
 """`mtp-probe run`: an implementation driven on the reference's inputs, with the diff's verdicts and exit codes."""
 
 import json
-import shutil
 
-import numpy as np
 import pytest
 
 from oracle.trace import read_trace
