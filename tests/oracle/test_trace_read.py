@@ -76,6 +76,14 @@ def test_a_chunk_never_written_reads_as_the_fill_value_through_h5py(tmp_path):
     assert (rows[2:] == -7.0).all()
 
 
+def test_a_contiguous_dataset_never_written_reads_as_the_fill_value(tmp_path):
+    with h5py.File(tmp_path / "t.h5", "w") as f:
+        f.attrs.update(schema=SCHEMA, num_tokens=T, hidden_size=D)
+        f.create_dataset("stages/e", shape=(T, D), dtype=np.float32, fillvalue=3.0)  # no storage allocated
+    with read_trace(tmp_path / "t.h5") as tr:
+        assert tr.read_route("stages/e") == "h5py" and (tr.stage_rows("e", 2, 5) == 3.0).all()
+
+
 def test_a_file_cut_short_while_open_is_reported_not_read_as_zeros(tmp_path):
     write(tmp_path / "t.h5", chunks=(3, D))
     with read_trace(tmp_path / "t.h5") as tr:

@@ -100,3 +100,24 @@ def test_probe_imports_neither_torch_transformers_nor_matplotlib():
             "bad = [m for m in ('transformers', 'torch', 'matplotlib') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_an_hdf5_chunk_never_written_is_reported_unwritten(tmp_path, ref_data):
+    """A candidate whose engine never wrote the last rows' chunk reads as zeros (HDF5's fill value, through h5py),
+    which the probe reports as unwritten rows, not as values; twin: the same rows written pass."""
+    import h5py
+
+    from tests.probe.tracekit import diff_cli, last_line
+
+    inputs, stages = ref_data
+    for written in (4, 8):
+        path = write_h5(tmp_path / f"c{written}.h5", inputs, stages)
+        with h5py.File(path, "a") as f:
+            del f["stages/fc"]
+            f.create_dataset("stages/fc", shape=(8, 64), dtype=np.float32, chunks=(2, 64))[:written] = \
+                stages["fc"][:written]
+        result = diff_cli(TINY_REF, path)
+        if written == 4:
+            assert result.exit_code == 2 and "INVALID | unwritten rows: fc at token(s) 4-7" in last_line(result)
+        else:
+            assert result.exit_code == 0, last_line(result)
