@@ -96,7 +96,7 @@ def diff_sources(ref: TraceSource, cand: TraceSource, tols: dict[str, Tol], fail
     compared, compared_tokens = ({}, 0) if stop_now else _compare_stages(ref, cand, comparable, tols, fail_fast)
     rows = {name: (rows | compared)[name] for name in STAGE_NAMES if name in rows or name in compared}
     issues += unwritten_issues(rows.values())
-    first = first_divergence(rows.values())  # its row holds full detail (_compare_block)
+    first = first_divergence(rows.values())  # its row holds full detail (_StageProgress)
     return DiffReport(str(ref.path), str(cand.path), cand.kind, ref.num_tokens, ref.hidden_size, cand.stages,
                       cand.recorded_inputs, tols, rows, tuple(issues),
                       decide(rows.values(), [i.message for i in issues], cand.stages),
@@ -113,8 +113,8 @@ def _compare_stages(ref: TraceSource, cand: TraceSource, names: Sequence[str], t
     stages = {name: _StageProgress() for name in names}
     stop, chunk_ok = total, True
     for (name, start, end), actual, expected, sums in _read_and_sum(ref, cand, blocks, tols):
-        block = _compare_block(ref.path, name, start, actual, expected, sums, tols[name], stages[name])
-        chunk_ok &= stages[name].add(block)
+        block = _block_rows(ref.path, name, start, expected.shape[1], sums, tols[name])
+        chunk_ok &= stages[name].add(block, actual, expected)
         if name == names[-1]:  # every stage of this chunk compared
             if fail_fast and not chunk_ok:
                 stop = end
@@ -154,36 +154,37 @@ def read_rows(hidden_size: int, num_tokens: int, names: Sequence[str]) -> int:
 
 
 class _StageProgress:
-    """One stage's blocks so far, and what decides which rows keep full detail."""
+    """One stage's blocks so far, and which of their rows keep full detail: the stage's first divergent row, and a
+    valid row worse than any before it (so, in the end, the stage's worst valid row, which `-v` shows)."""
 
     def __init__(self) -> None:
         self.blocks: list[StageRows] = []
         self.worst: tuple[int, float] = (-1, -1.0)  # severity of the worst valid row so far (most_severe)
         self.diverged = False
 
-    def add(self, block: StageRows) -> bool:
-        """Append `block`; True when every row in it is ok."""
-        self.blocks.append(block)
+    def add(self, block: StageRows, actual: np.ndarray, expected: np.ndarray) -> bool:
+        """Append `block` (rows of `actual` against `expected`), keeping the detail it earns; True when every row
+        in it is ok."""
+        divergent = np.flatnonzero(block.has_status(DIVERGENT_STATUSES))
+        if divergent.size and not self.diverged:
+            self._detail(block, int(divergent[0]), actual, expected)
+            self.diverged = True
         worst = most_severe(block, valid_only=True)
-        self.worst = max(self.worst, worst[1]) if worst else self.worst
-        self.diverged = self.diverged or bool(block.has_status(DIVERGENT_STATUSES).any())
+        if worst and worst[1] > self.worst:
+            self._detail(block, worst[0], actual, expected)
+            self.worst = worst[1]
+        self.blocks.append(block)
         return bool(block.has_status({"ok"}).all())
 
+    @staticmethod
+    def _detail(block: StageRows, i: int, actual: np.ndarray, expected: np.ndarray) -> None:
+        block.add_detail(block.start + i, actual[i], expected[i])
 
-def _compare_block(ref_path: Path, name: str, start: int, actual: np.ndarray, expected: np.ndarray,
-                   sums: np.ndarray, tol: Tol, progress: _StageProgress) -> StageRows:
-    """The rows of stage `name` from token `start`, from their sums, keeping full detail for the rows a report
-    shows: the stage's first divergent row, and a valid row worse than any before it (so, in the end, the stage's
-    worst valid row, which `-v` shows side by side)."""
+
+def _block_rows(ref_path: Path, name: str, start: int, width: int, sums: np.ndarray, tol: Tol) -> StageRows:
+    """The rows of stage `name` from token `start`, from their sums; a non-finite oracle row is refused."""
     bad = np.flatnonzero(~oracle_finite(sums))
     if bad.size:  # NaN/Inf would propagate through both sides
         raise ReferenceTraceError(f"reference {ref_path}: stage {name} holds NaN/Inf in row {start + bad[0]}, so it "
                                   f"cannot serve as the truth. Regenerate it with mtp-oracle export.")
-    block = rows_from_sums(name, start, expected.shape[1], sums, tol)
-    divergent = np.flatnonzero(block.has_status(DIVERGENT_STATUSES))
-    if divergent.size and not progress.diverged:
-        block.add_detail(start + int(divergent[0]), actual[divergent[0]], expected[divergent[0]])
-    worst = most_severe(block, valid_only=True)
-    if worst and worst[1] > progress.worst:
-        block.add_detail(start + worst[0], actual[worst[0]], expected[worst[0]])
-    return block
+    return rows_from_sums(name, start, width, sums, tol)
