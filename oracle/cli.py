@@ -104,6 +104,27 @@ def inspect(trace) -> None:
     click.echo(render_inspection(trace))
 
 
+@cli.command()
+@click.argument("ref", type=EXISTING_FILE)
+@click.option("--out-dir", type=click.Path(path_type=Path), required=True,
+              help="Directory to write inputs.json, hidden.bin and embed.bin into (created if missing).")
+def inputs(ref, out_dir) -> None:
+    """Write REF's step inputs as the raw files an engine harness reads (for engines that dump their stages).
+
+    \b
+    Examples:
+      mtp-oracle inputs ref.h5 --out-dir engine_inputs
+      my_engine --inputs engine_inputs --dump dump && cp engine_inputs/{inputs.json,hidden.bin} dump/ \\
+          && mtp-probe diff ref.h5 dump
+    """
+    from oracle.dump_inputs import dump_inputs
+
+    written = dump_inputs(ref, out_dir)
+    click.echo(f"wrote {', '.join(str(p) for p in written)}: step i reads token_ids[i], positions[i], row i of "
+               f"hidden.bin and embed.bin (little-endian float32 [T, D]). Dump the stages to another directory "
+               f"(<stage>.bin); copy inputs.json and hidden.bin beside them so the probe checks them.")
+
+
 def _exactly_one(options: dict) -> None:
     given = [name for name, value in options.items() if value is not None]
     if len(given) != 1:
