@@ -2,8 +2,12 @@
 
 Library code raises `MtpError` subclasses; `MtpGroup` (the click group of both CLIs) turns them into
 "Error: <message>" and exit code 2, so an input problem is never mistaken for a divergence (exit 1). Anything else
-is a bug and keeps its traceback. Every message says what is wrong, where (file, tensor, row) and what to do.
+is a bug: its traceback and exit code 4. An interrupt exits 128 + signal (130 for Ctrl-C). Every message says what is wrong, where (file, tensor, row) and what to do.
 """
+
+import signal
+import sys
+import traceback
 
 import click
 
@@ -28,15 +32,59 @@ class OutputError(MtpError):
     """The output path cannot be written."""
 
 
+EXIT_INTERNAL = 4  # a bug in mtp-probe itself: never 1, which means "diverged"
+_INTERNAL_NOTE = "internal error: this is a bug in mtp-probe; please report it with the traceback above."
+
+
 class UserError(click.ClickException):
     exit_code = 2
 
 
 class MtpGroup(click.Group):
-    """A click group whose commands report MtpError as a message with exit code 2."""
+    """The click group of both CLIs: exit 2 for an MtpError, 4 (with its traceback) for any other exception,
+    128 + signal for an interrupt. Nothing else may exit 1: it is the "diverged" verdict.
+
+    click's standalone mode would turn KeyboardInterrupt (and click.Abort, EOFError) into exit 1 and let other
+    exceptions escape as Python's exit 1, so both are caught here first: in `invoke` (the command) and in `main`
+    (whatever happens around it, e.g. while parsing)."""
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except MtpError as err:
             raise UserError(str(err)) from None
+        except (click.exceptions.Exit, click.ClickException):
+            raise
+        except (KeyboardInterrupt, click.Abort):
+            _echo_interrupted(signal.SIGINT)
+            ctx.exit(128 + signal.SIGINT)
+        except Exception:  # a bug of ours, not an input problem: say so, with the traceback
+            traceback.print_exc()
+            click.echo(_INTERNAL_NOTE, err=True)
+            ctx.exit(EXIT_INTERNAL)
+
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            return super().main(*args, standalone_mode=True, **kwargs)
+        except SystemExit:
+            raise
+        except KeyboardInterrupt:  # outside the command, where click would report it as exit 1
+            _echo_interrupted(signal.SIGINT)
+            sys.exit(128 + signal.SIGINT)
+        except Exception:
+            traceback.print_exc()
+            click.echo(_INTERNAL_NOTE, err=True)
+            sys.exit(EXIT_INTERNAL)
+
+    def make_context(self, *args, **kwargs) -> click.Context:
+        try:
+            return super().make_context(*args, **kwargs)
+        except KeyboardInterrupt:  # click would turn it into Abort, exit 1
+            _echo_interrupted(signal.SIGINT)
+            raise click.exceptions.Exit(128 + signal.SIGINT) from None
+
+
+def _echo_interrupted(signum: int) -> None:
+    click.echo(f"\nInterrupted ({signal.Signals(signum).name}); no output file was written.", err=True)

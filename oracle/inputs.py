@@ -13,18 +13,28 @@ import numpy as np
 from oracle.errors import InputError
 from oracle.trace import array_from_hdf5
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
 
 def token_ids_from_text(text: str, source: str) -> np.ndarray:
     """Token ids from '5,17,3' or whitespace/comma separated text; at least one."""
     fields = [f for f in re.split(r"[\s,]+", text.strip()) if f]
     if not fields:
         raise InputError(f"{source}: no token ids given; pass e.g. --tokens 5,17,3.")
-    try:
-        ids = np.array([int(f) for f in fields], dtype=np.int64)
-    except ValueError:
-        bad = next(f for f in fields if not re.fullmatch(r"-?\d+", f))
-        raise InputError(f"{source}: {bad!r} is not an integer token id.") from None
-    return ids
+    bad = next((f for f in fields if not re.fullmatch(r"[+-]?\d+", f)), None)
+    if bad is not None:
+        raise InputError(f"{source}: {bad!r} is not an integer token id.")
+    values = [int(f) for f in fields]
+    _check_int64(values, source)
+    return np.array(values, dtype=np.int64)
+
+
+def _check_int64(values, source: str) -> None:
+    """Token ids beyond int64 cannot be stored (and are beyond any vocabulary): refuse instead of wrapping."""
+    for row, value in enumerate(values):
+        if not INT64_MIN <= int(value) <= INT64_MAX:
+            raise InputError(f"{source}: token id {value} at row {row} does not fit in int64 (and is beyond any "
+                             f"vocabulary); token ids must be in 0..vocab_size-1.")
 
 
 def token_ids_from_file(path: Path) -> np.ndarray:
@@ -34,18 +44,37 @@ def token_ids_from_file(path: Path) -> np.ndarray:
         arr = _load_npy(path)
         if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
             raise InputError(f"{path}: token ids must be a 1-D integer array, found {arr.dtype} {arr.shape}.")
+        if arr.size == 0:
+            raise InputError(f"{path} holds no token ids; give at least one.")
+        if arr.dtype == np.uint64 and arr.max() > INT64_MAX:  # astype would wrap it to a negative id
+            _check_int64(arr.tolist(), str(path))
         return arr.astype(np.int64)
-    return token_ids_from_text(path.read_text(), str(path))
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise InputError(f"{path} is not UTF-8 text (byte {err.start}); a tokens file holds ids as text "
+                         f"(comma or whitespace separated) or is a .npy int array.") from None
+    except OSError as err:
+        raise InputError(f"cannot read tokens file {path}: {err.strerror or err}.") from None
+    if not text.strip():
+        raise InputError(f"{path} is empty; a tokens file holds at least one id (comma or whitespace separated).")
+    return token_ids_from_text(text, str(path))
 
 
 def positions_from_start(num_tokens: int, start_pos: int) -> np.ndarray:
+    """Positions start .. start+T-1 (the export checks first that RoPE can represent them: oracle/limits.py)."""
     if start_pos < 0:
         raise InputError(f"--start-pos {start_pos} is negative; positions start at 0 or later.")
+    if start_pos + num_tokens - 1 > INT64_MAX:  # np.arange would wrap around to negative positions
+        raise InputError(f"--start-pos {start_pos}: positions up to {start_pos + num_tokens - 1} do not fit in "
+                         f"int64.")
     return np.arange(start_pos, start_pos + num_tokens, dtype=np.int64)
 
 
 def hidden_from_seed(seed: int, num_tokens: int, hidden_size: int) -> np.ndarray:
     """Synthetic H: rows of standard normals, i.e. unit RMS like a post-final-norm hidden (up to its weight)."""
+    if seed < 0:
+        raise InputError(f"--hidden-seed {seed} is negative; give a seed of 0 or more.")
     return np.random.default_rng(seed).standard_normal((num_tokens, hidden_size), dtype=np.float32)
 
 
@@ -53,7 +82,7 @@ def hidden_from_file(spec: str, num_tokens: int, hidden_size: int) -> np.ndarray
     """H [T, D] float32 from FILE.npy, FILE.bin (raw little-endian float32) or FILE.h5:/dataset."""
     path, dataset = _split_h5_spec(spec)
     if dataset is not None:
-        arr = array_from_hdf5(path, dataset)
+        arr = np.asarray(array_from_hdf5(path, dataset))  # a scalar (e.g. a string) comes back unwrapped
         where = f"{path}:{dataset}"
     elif path.suffix == ".npy":
         arr, where = _load_npy(path), str(path)
@@ -63,6 +92,12 @@ def hidden_from_file(spec: str, num_tokens: int, hidden_size: int) -> np.ndarray
         raise InputError(f"--hidden {spec}: unknown format; use .npy, .bin (raw little-endian float32) "
                          f"or FILE.h5:/dataset.")
     return _checked_hidden(arr, where, num_tokens, hidden_size)
+
+
+def hidden_file_path(spec: str) -> Path:
+    """The file a --hidden spec reads (FILE of FILE.h5:/dataset), e.g. to refuse an output path onto it."""
+    match = re.fullmatch(r"(.+\.(?:h5|hdf5)):(/.*)", spec)
+    return Path(match.group(1) if match else spec)
 
 
 def _split_h5_spec(spec: str) -> tuple[Path, str | None]:
@@ -96,7 +131,8 @@ def _load_bin(path: Path, num_tokens: int, hidden_size: int) -> np.ndarray:
 
 def _checked_hidden(arr: np.ndarray, where: str, num_tokens: int, hidden_size: int) -> np.ndarray:
     if arr.dtype != np.float32:
-        raise InputError(f"{where} is {arr.dtype}; the hidden must be float32 [T, D]. Convert it explicitly "
+        kind = {"S": "bytes", "U": "text", "O": "objects (strings?)", "V": "a compound type"}.get(arr.dtype.kind)
+        raise InputError(f"{where} is {kind or arr.dtype}; the hidden must be float32 [T, D]. Convert it explicitly "
                          f"(the oracle does not cast silently).")
     if arr.ndim != 2 or arr.shape[1] != hidden_size:
         raise InputError(f"{where} has shape {list(arr.shape)}; the checkpoint's hidden_size is {hidden_size}, "

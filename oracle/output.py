@@ -1,13 +1,23 @@
-"""Writing output files safely: fail before any work if the path cannot be written, write under a temporary
-name beside it, and rename only when complete — an interrupted write never leaves a file that looks finished,
-and never destroys the previous one."""
+"""Writing output files safely: fail before any work if the path cannot be written or is one of the command's
+inputs, write under a temporary name beside it, and rename only when complete — an interrupted or failed write
+(Ctrl-C, a full disk) never leaves a file that looks finished, never leaves its temporary file, and never destroys
+the previous one."""
 
+import errno
 import os
+import re
+import signal
+import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from oracle.errors import OutputError
+
+# errno values that mean "the disk (or a quota, or RLIMIT_FSIZE) has no room for this file"
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def check_writable(path: Path, option: str = "--out") -> None:
@@ -22,18 +32,174 @@ def check_writable(path: Path, option: str = "--out") -> None:
         raise OutputError(f"{option} {path}: directory {parent} is not writable; choose another location.")
 
 
+def refuse_overwriting_inputs(outputs: dict[str, Path | None], inputs: dict[str, Path | None]) -> None:
+    """Refuse (OutputError, naming both) an output that is one of the command's inputs, or another output.
+
+    `outputs` maps an option (e.g. "--out") to its path; `inputs` maps a label (e.g. "checkpoint") to a file, or to
+    a directory whose files are all inputs (a checkpoint, a raw trace directory). Two paths are the same file when
+    their resolved paths are equal (symlinks) or when both exist with the same device and inode (hard links);
+    None entries are skipped."""
+    known: list[tuple[str, Path]] = []
+    for label, path in inputs.items():
+        if path is None:
+            continue
+        path = Path(path)
+        known.append((label, path))
+        if path.is_dir():
+            known += [(f"{label} file {entry.name}", Path(entry.path)) for entry in _files_in(path)]
+    for option, path in outputs.items():
+        if path is None:
+            continue
+        for label, other in known:
+            if _same_file(Path(path), other):
+                raise OutputError(f"{option} {path} is the {label} ({other}): writing it would destroy an input "
+                                  f"of this command. Choose another output path.")
+        known.append((f"output of {option}", Path(path)))
+
+
+def _files_in(directory: Path) -> list[os.DirEntry]:
+    try:
+        with os.scandir(directory) as entries:
+            return [e for e in entries if e.is_file()]
+    except OSError:
+        return []  # unreadable: the command reports it when it reads the directory
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        if os.path.realpath(a) == os.path.realpath(b):
+            return True
+    except (OSError, ValueError):
+        pass
+    try:
+        sa, sb = os.stat(a), os.stat(b)
+    except (OSError, ValueError):
+        return False  # one does not exist (yet): the resolved paths were the whole answer
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
 @contextmanager
 def atomic_output(path: Path, option: str = "--out") -> Iterator[Path]:
-    """Yield a temporary path to write; it replaces `path` when the block completes, and is removed otherwise."""
+    """Yield a temporary path to write; it replaces `path` when the block completes, and is removed otherwise.
+
+    - A full disk (or quota, file size limit) or an I/O error raises OutputError ("no space left on DIR"). Errors
+      that HDF5 reports only while freeing an object (Python prints them as "Exception ignored" and goes on) are
+      collected, not printed, and fail the write too: a file that lost a write is never published.
+    - SIGINT/SIGTERM during the block are held until it ends (an exception raised inside HDF5's close could be
+      swallowed, and the run would end with exit 0 and a complete file); then the temporary file is removed and
+      the signal delivered to the previous handler. A second signal is delivered at once.
+    - A temporary file left beside `path` by a killed run (its process gone) is removed first."""
     path = Path(path)
     check_writable(path, option)
+    _remove_stale_temporaries(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with _unraisable_collected() as lost, _signals_held() as held:
+        try:
+            yield tmp
+            if lost:
+                raise lost[0]
+            if held:
+                raise _Interrupted()
+            os.replace(tmp, path)
+        except OSError as err:
+            tmp.unlink(missing_ok=True)
+            raise OutputError(_write_error_message(path, option, err)) from None
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+
+class _Interrupted(BaseException):
+    """A held signal ends the block; _signals_held delivers the signal itself once the file is gone."""
+
+
+def _write_error_message(path: Path, option: str, err: OSError) -> str:
+    code = err.errno
+    if code is None:  # h5py puts the system errno into the message text: "..., errno = 28, ..."
+        found = re.search(r"errno = (\d+)", str(err))
+        code = int(found.group(1)) if found else None
+    directory = path.parent if str(path.parent) else Path(".")
+    if code in _NO_SPACE:
+        return (f"no space left on {directory} while writing {option} {path} ({os.strerror(code)}); nothing was "
+                f"written. Free some space (or raise the quota) there, or choose another location.")
+    first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
+    return f"cannot write {path} ({option}): {first_line}. Nothing was written; check free space and permissions."
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    """Remove `.NAME.tmp-PID` files beside `path` whose process no longer runs (a run killed by SIGKILL)."""
+    pattern = re.compile(re.escape(f".{path.name}.tmp-") + r"(\d+)")
+    directory = path.parent if str(path.parent) else Path(".")
     try:
-        yield tmp
-        os.replace(tmp, path)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise OutputError(f"cannot write {path}: {err}. Check free space and permissions there.") from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        match = pattern.fullmatch(name)
+        if match and not _process_alive(int(match.group(1))):
+            try:
+                (directory / name).unlink()
+            except OSError:
+                pass  # someone else's file we cannot remove: leave it
+
+
+def _process_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # our own earlier, failed write
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # another user's process, or not a pid at all: leave its file
+    return True
+
+
+@contextmanager
+def _unraisable_collected() -> Iterator[list[OSError]]:
+    """Collect exceptions raised where Python cannot propagate them (h5py frees objects in __dealloc__, and HDF5
+    reports a failed flush there), instead of printing each as an "Exception ignored" traceback."""
+    lost: list[OSError] = []
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if isinstance(unraisable.exc_value, OSError):
+            lost.append(unraisable.exc_value)
+        elif not isinstance(unraisable.exc_value, KeyboardInterrupt):  # a held signal: _signals_held has it
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield lost
+    finally:
+        sys.unraisablehook = previous
+
+
+@contextmanager
+def _signals_held() -> Iterator[list[int]]:
+    """Hold SIGINT and SIGTERM during the block (main thread only); deliver them to the previous handlers after,
+    also when the block failed (the interrupt status wins over the error)."""
+    held: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield held
+        return
+    previous = {signum: signal.getsignal(signum) for signum in _DEFERRED_SIGNALS}
+    previous = {signum: handler for signum, handler in previous.items() if handler is not signal.SIG_IGN}
+
+    def hold(signum, frame):
+        held.append(signum)
+        if len(held) > 1:  # asked twice: stop now (the block removes its temporary file on the way out)
+            raise KeyboardInterrupt
+
+    for signum in previous:
+        signal.signal(signum, hold)
+    try:
+        yield held
+    except _Interrupted:
+        pass  # the file is gone; the signal is delivered below
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        if held:
+            signal.raise_signal(held[0])  # the previous handler acts: KeyboardInterrupt, exit 143, ...
+            raise KeyboardInterrupt  # a handler that returned: the write was still abandoned

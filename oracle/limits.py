@@ -1,0 +1,114 @@
+"""What an export may be asked for, checked before any work: positions the head can represent, and the memory the
+run needs. Both refusals say why and what would fit.
+
+Positions. RoPE angles are float32 products pos * inv_freq, as in transformers and vLLM, computed from float32
+positions. float32 holds every integer exactly only up to 2**24 = 16777216; past it positions round (2**24 + 1
+becomes 2**24) and the angles, hence attention, are silently wrong (measured: 13 % off at 2**40). The model itself
+was not trained past `max_position_embeddings`. Positions must be below the smaller of the two. (The angles
+already lose about pos * 6e-8 rad below that bound; the trace records them as transformers computes them:
+docs/DESIGN.md, Known limits.)
+
+Memory. The batched pass runs eager attention over all T steps at once: the scores and the softmax weights are
+each [heads, T, T] float32, beside the [T, T] causal mask, so memory grows with T^2 (T=100000 on the tiny fixture
+would need about 0.4 TB). The stepwise mode keeps one query at a time: memory linear in T.
+"""
+
+import math
+from pathlib import Path
+
+from oracle.errors import InputError
+from oracle.families.qwen3_5_layout import HeadConfig
+
+FLOAT32_EXACT_POSITIONS = 2**24  # every integer below it is a float32; RoPE angles are float32 pos * inv_freq
+INT64_MAX = 2**63 - 1
+_GIB = 1 << 30
+
+
+def check_export_limits(cfg: HeadConfig, num_tokens: int, start_pos: int, mode: str = "batched",
+                        available: int | None = None) -> None:
+    """Refuse an export whose positions the head cannot represent or whose memory exceeds what is available
+    (`available` bytes; default: MemAvailable of /proc/meminfo, unchecked where that cannot be read)."""
+    check_positions(cfg, num_tokens, start_pos)
+    check_memory(cfg, num_tokens, mode, available_memory() if available is None else available)
+
+
+def position_limit(cfg: HeadConfig) -> int:
+    """Positions must be below this: max_position_embeddings, or 2**24 (float32 RoPE) if that is smaller."""
+    return min(cfg.max_position_embeddings, FLOAT32_EXACT_POSITIONS)
+
+
+def check_positions(cfg: HeadConfig, num_tokens: int, start_pos: int) -> None:
+    if not isinstance(start_pos, int) or isinstance(start_pos, bool):
+        raise InputError(f"--start-pos {start_pos!r} is not an integer position.")
+    if start_pos < 0:
+        raise InputError(f"--start-pos {start_pos} is negative; positions start at 0 or later.")
+    limit, last = position_limit(cfg), start_pos + num_tokens - 1
+    if last < limit:
+        return
+    reasons = [f"the model's max_position_embeddings is {cfg.max_position_embeddings} (config.json): it was not "
+               f"trained past it"]
+    if cfg.max_position_embeddings > FLOAT32_EXACT_POSITIONS or start_pos >= FLOAT32_EXACT_POSITIONS:
+        reasons.append(f"RoPE angles are float32 pos * inv_freq, and float32 holds integers exactly only below "
+                       f"2**24 = {FLOAT32_EXACT_POSITIONS}: past it positions round and the angles are silently "
+                       f"wrong")
+    if last > INT64_MAX:
+        reasons.append("positions are int64 in the trace, and this one does not fit")
+    raise InputError(f"--start-pos {start_pos}: the {num_tokens} steps' positions run to {last}, but positions "
+                     f"must be below {limit} ({'; '.join(reasons)}). Use --start-pos "
+                     f"{max(limit - num_tokens, 0)} or less" + (f", or at most {limit} tokens." if num_tokens > limit
+                                                                else "."))
+
+
+def estimate_bytes(cfg: HeadConfig, num_tokens: int, mode: str) -> int:
+    """Peak working memory of an export beyond the mapped weights, in bytes (an estimate, on the high side)."""
+    t, d = num_tokens, cfg.hidden_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    # per step: 11 stage rows (fc_in is 2D: 12 D), inputs (4 D), activations inside the modules (q+gate, k, v,
+    # attention output, the MLP's gate/up/act), each float32, and the same again while torch builds the outputs
+    per_token = 4 * 2 * (16 * d + 4 * q + 4 * kv + 3 * cfg.intermediate_size)
+    if mode == "stepwise":
+        return t * per_token + 4 * cfg.num_attention_heads * t  # one query row of scores at a time
+    # batched: scores and softmax weights [heads, T, T] float32, the causal mask [T, T] float32 (+ its bool)
+    per_pair = 4 * 2 * cfg.num_attention_heads + 4 + 4 + 1
+    return t * t * per_pair + t * per_token
+
+
+def largest_fitting_tokens(cfg: HeadConfig, mode: str, available: int) -> int:
+    """The largest T whose estimate fits in `available` bytes."""
+    lo, hi = 0, 1
+    while estimate_bytes(cfg, hi, mode) <= available:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if estimate_bytes(cfg, mid, mode) <= available else (lo, mid)
+    return lo
+
+
+def check_memory(cfg: HeadConfig, num_tokens: int, mode: str, available: int | None) -> None:
+    if available is None:
+        return
+    need = estimate_bytes(cfg, num_tokens, mode)
+    if need <= available:
+        return
+    fits = largest_fitting_tokens(cfg, mode, available)
+    why = (f"the batched pass holds attention scores and weights of {cfg.num_attention_heads} heads x T x T float32"
+           if mode == "batched" else "the stepwise pass keeps every step's activations")
+    hint = (f"Export at most {fits} tokens" + (", or use --mode stepwise (memory linear in T)."
+                                                 if mode == "batched" else "."))
+    raise InputError(f"T={num_tokens} steps in --mode {mode} need about {_gib(need)} of memory ({why}), but only "
+                     f"{_gib(available)} is available (MemAvailable). {hint}")
+
+
+def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """MemAvailable in bytes, or None where it cannot be read (then memory is not checked)."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / _GIB:.1f} GiB" if nbytes >= _GIB / 10 else f"{math.ceil(nbytes / (1 << 20))} MiB"
