@@ -9,7 +9,7 @@ import click
 
 from oracle.errors import MtpGroup
 from oracle.stages import STAGE_NAMES
-from oracle.output import check_writable
+from oracle.output import check_writable, refuse_overwriting_inputs
 
 EXISTING_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
 EXISTING_FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
@@ -45,6 +45,7 @@ def export(obj, checkpoint, out, tokens, tokens_file, hidden_file, hidden_seed, 
 
     _exactly_one({"--tokens": tokens, "--tokens-file": tokens_file})
     _exactly_one({"--hidden": hidden_file, "--hidden-seed": hidden_seed, "--main-model": main_model or None})
+    _refuse_overwriting_inputs({"--out": out}, checkpoint, tokens_file, hidden_file)
     ids = token_ids_from_file(tokens_file) if tokens_file else token_ids_from_text(tokens, "--tokens")
     source = HiddenSource(file=hidden_file, seed=hidden_seed, main_model=main_model, first_token=first_token)
     log = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))
@@ -80,6 +81,7 @@ def accept(obj, checkpoint, k, tokens, tokens_file, hidden_file, main_model, hid
 
     _exactly_one({"--tokens": tokens, "--tokens-file": tokens_file})
     _exactly_one({"--hidden": hidden_file, "--main-model": main_model or None, "--hidden-seed": hidden_seed})
+    _refuse_overwriting_inputs({"--json": json_out, "--plot": plot}, checkpoint, tokens_file, hidden_file)
     for path, option in ((json_out, "--json"), (plot, "--plot")):
         if path is not None:
             check_writable(path, option)  # fail before the work, not after it
@@ -123,6 +125,14 @@ def inputs(ref, out_dir) -> None:
     click.echo(f"wrote {', '.join(str(p) for p in written)}: step i reads token_ids[i], positions[i], row i of "
                f"hidden.bin and embed.bin (little-endian float32 [T, D]). Dump the stages to another directory "
                f"(<stage>.bin); copy inputs.json and hidden.bin beside them so the probe checks them.")
+
+
+def _refuse_overwriting_inputs(outputs: dict, checkpoint: Path, tokens_file: Path | None,
+                               hidden_file: str | None) -> None:
+    from oracle.inputs import hidden_file_path
+
+    refuse_overwriting_inputs(outputs, {"checkpoint": checkpoint, "--tokens-file": tokens_file,
+                                        "--hidden file": hidden_file and hidden_file_path(hidden_file)})
 
 
 def _exactly_one(options: dict) -> None:

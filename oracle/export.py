@@ -16,6 +16,7 @@ from oracle.checkpoint import Checkpoint, check_token_ids
 from oracle.errors import InputError
 from oracle.families import qwen3_5
 from oracle.inputs import hidden_from_file, hidden_from_seed, positions_from_start
+from oracle.limits import check_export_limits
 from oracle.output import check_writable
 from oracle.trace import TraceInputs, write_trace
 
@@ -48,6 +49,7 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     ckpt = Checkpoint(checkpoint_dir)
     cfg = ckpt.config
     check_token_ids(token_ids, cfg.vocab_size)
+    check_export_limits(cfg, len(token_ids), start_pos, mode)  # positions RoPE can represent, memory
     positions = positions_from_start(len(token_ids), start_pos)
     log(f"checkpoint {ckpt.path}: D={cfg.hidden_size}, heads={cfg.num_attention_heads}/"
         f"{cfg.num_key_value_heads} kv, head_dim={cfg.head_dim}, T={len(token_ids)} steps")

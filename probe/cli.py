@@ -6,8 +6,8 @@ from pathlib import Path
 
 import click
 
-from oracle.errors import MtpGroup
-from oracle.output import check_writable
+from oracle.errors import MtpError, MtpGroup, OutputError
+from oracle.output import check_writable, refuse_overwriting_inputs
 
 from probe.diff import DiffReport, diff_traces
 from probe.report import render_text, summary_line, write_json
@@ -56,6 +56,7 @@ def diff(ctx, ref, candidate, profile, rtol, atol, stage_tol, json_path, plot_pa
     input, 3 inconclusive; the last line is a greppable summary.
     """
     tols = _tols(profile, rtol, atol, stage_tol, json_path, plot_path)
+    refuse_overwriting_inputs({"--json": json_path, "--plot": plot_path}, {"REF": ref, "CANDIDATE": candidate})
     report = diff_traces(ref, candidate, tols, fail_fast=fail_fast)
     ctx.exit(_render(report, json_path, plot_path, verbose))
 
@@ -71,9 +72,13 @@ def run(ctx, ref, spec, checkpoint, out, profile, rtol, atol, stage_tol, json_pa
         verbose) -> None:
     """Run an implementation on REF's recorded inputs and the reference's weights, then diff it like `diff`."""
     tols = _tols(profile, rtol, atol, stage_tol, json_path, plot_path)
+    checkpoint = checkpoint_for(ref, checkpoint)
+    library = Path(spec.partition(":")[2]) if spec.startswith("c:") else None
+    refuse_overwriting_inputs({"--out": out, "--json": json_path, "--plot": plot_path},
+                              {"REF": ref, "checkpoint": checkpoint, "--impl library": library})
     if out:
         check_writable(out, "--out")
-    adapter = adapter_from_spec(spec, checkpoint_for(ref, checkpoint))
+    adapter = adapter_from_spec(spec, checkpoint)
     result = run_and_diff(ref, adapter, tols, out=out, fail_fast=fail_fast,
                           command=shlex.join(["mtp-probe", *sys.argv[1:]]))
     determinism = "deterministic" if result.deterministic else "NOT deterministic: two runs may differ"
@@ -109,14 +114,23 @@ def _tols(profile: str, rtol, atol, stage_tol, json_path, plot_path) -> dict[str
 def _render(report: DiffReport, json_path: Path | None, plot_path: Path | None, verbose: bool) -> int:
     if kernel_note():
         click.echo(kernel_note(), err=True)
+    unwritten = []  # a report that cannot be written must not cost the verdict: printed first, then exit 2
     if json_path:
-        write_json(report, json_path)
+        try:
+            write_json(report, json_path)
+        except MtpError as err:
+            unwritten.append(err)
     if plot_path:
-        from probe.plot import write_heatmap  # matplotlib only when a plot is asked for
+        try:
+            from probe.plot import write_heatmap  # matplotlib only when a plot is asked for
 
-        write_heatmap(report, plot_path)
+            write_heatmap(report, plot_path)
+        except MtpError as err:
+            unwritten.append(err)
     click.echo(render_text(report, verbose=verbose))
     click.echo(summary_line(report))
+    if unwritten:
+        raise OutputError(" ".join(str(err) for err in unwritten))
     return report.verdict.exit_code
 
 
