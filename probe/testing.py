@@ -1,0 +1,132 @@
+"""For engines' own test suites: `assert_trace_close(reference, candidate)`, the probe as a pytest assertion.
+
+    from probe.testing import assert_trace_close, reference_inputs
+
+    def test_head(mtp_reference):                       # fixture from probe/pytest_plugin.py
+        inputs = reference_inputs(mtp_reference)        # token ids, positions, hidden, embedding rows
+        assert_trace_close(mtp_reference, my_engine.stages(inputs))
+
+It runs the same self-checks, comparison and verdict as `mtp-probe diff`, and raises AssertionError (its
+`.report` is the DiffReport) for every verdict but pass — diverged, invalid (unwritten rows, wrong shapes, inputs that differ)
+and inconclusive (attn/out not captured, T=1) alike: a test never goes green on evidence the CLI would not pass.
+The message is the CLI's summary line, then the first divergent row as the CLI prints it (probe/report.py).
+"""
+
+from collections.abc import Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from oracle.stages import STAGE_NAMES
+from oracle.trace import TraceInputs, TraceReader, read_trace
+from probe.adapters.trace_file import TraceSource, open_candidate, open_reference
+from probe.diff import DiffReport, diff_sources
+from probe.errors import AdapterError, ToleranceError
+from probe.report import cell_detail, summary_line
+from probe.run import ArraySource
+from probe.selfcheck import check_reference
+from probe.tolerance import PROFILES, Tol, tol_table
+
+
+@dataclass(frozen=True)
+class ReferenceSpec:
+    """What the `mtp_reference` fixture exports: the checkpoint, the step tokens, and where H comes from (exactly one
+    of `hidden_seed` / `hidden_file`), as `mtp-oracle export CHECKPOINT --tokens … --hidden-seed N` would."""
+
+    checkpoint: Path
+    tokens: tuple[int, ...]
+    hidden_seed: int | None = 0
+    hidden_file: str | None = None
+    start_pos: int = 0
+
+
+def reference_inputs(reference: Path) -> TraceInputs:
+    """The reference's step inputs (token_ids, positions, hidden [T, D], embed [T, D]): what a candidate consumes."""
+    with read_trace(Path(reference)) as reader:
+        return reader.inputs()
+
+
+def assert_trace_close(reference, candidate, *, rtol: float | None = None, atol: float | None = None,
+                       profile: str = "float32", stage_tol: Mapping[str, tuple[float, float]] | None = None,
+                       fail_fast: bool = False) -> DiffReport:
+    """Diff `candidate` against the oracle trace at `reference`; return the report if it passes, else raise.
+
+    candidate: a path (an mtp-trace/1 file or a raw directory of <stage>.bin), a dict {stage: float32 [T, width]}
+    (numpy arrays or anything np.asarray takes; captured stages only), or an open trace (a TraceSource from
+    probe.adapters.trace_file, or oracle.trace.read_trace's reader). Tolerances as on the CLI: `profile`
+    ("float32" | "bfloat16"), or `rtol` and `atol` together, and per-stage `stage_tol={"fc": (rtol, atol)}`.
+    Raises AssertionError (with `.report`) on any verdict but pass; bad files or arguments raise MtpError.
+    """
+    __tracebackhide__ = True  # pytest shows the caller's line, not this one
+    tols = _tolerances(rtol, atol, profile, stage_tol)
+    with ExitStack() as stack:
+        ref = stack.enter_context(open_reference(Path(reference)))
+        check_reference(ref)
+        cand = _candidate_source(candidate, ref, stack)
+        report = diff_sources(ref, cand, tols, fail_fast)
+    if report.verdict.name != "pass":
+        error = AssertionError(failure_message(report))  # plain AssertionError: pytest prints it as such
+        error.report = report  # the whole DiffReport (probe.report.render_text renders it)
+        raise error
+    return report
+
+
+def failure_message(report: DiffReport) -> str:
+    """The summary line, then the first divergent row's detail, then for `invalid` each failed self-check with its
+    hint (an inconclusive verdict's reasons are already in the summary line)."""
+    lines = [summary_line(report)]
+    if report.first is not None:
+        lines.append(cell_detail(report.first))
+    if report.verdict.name == "invalid":
+        lines += [f"  - {reason}" for reason in report.verdict.reasons]
+    return "\n".join(lines)
+
+
+def _tolerances(rtol, atol, profile: str, stage_tol) -> dict[str, Tol]:
+    if (rtol is None) != (atol is None):
+        raise ToleranceError("assert_trace_close: give both rtol and atol, or neither.")
+    if profile not in PROFILES:
+        raise ToleranceError(f"assert_trace_close: profile {profile!r} is not one of {', '.join(sorted(PROFILES))}.")
+    base = PROFILES[profile] if rtol is None else Tol(rtol, atol, "assert_trace_close(rtol, atol)")
+    table = tol_table(base)
+    for name, (stage_rtol, stage_atol) in (stage_tol or {}).items():
+        if name not in STAGE_NAMES:
+            raise ToleranceError(f"assert_trace_close: stage_tol names unknown stage {name!r}; valid stages are "
+                                 f"{', '.join(STAGE_NAMES)}.")
+        table[name] = Tol(stage_rtol, stage_atol, f"stage_tol {name}=({stage_rtol:g}, {stage_atol:g})")
+    return table
+
+
+def _candidate_source(candidate, ref: TraceSource, stack: ExitStack) -> TraceSource:
+    if isinstance(candidate, (str, Path)):
+        return stack.enter_context(open_candidate(Path(candidate), ref.num_tokens, ref.hidden_size))
+    if isinstance(candidate, TraceReader):  # oracle.trace's reader: reopened as a probe source (read-only)
+        return stack.enter_context(open_candidate(candidate.path, ref.num_tokens, ref.hidden_size))
+    if isinstance(candidate, Mapping):
+        return _arrays_source(candidate, ref)
+    if all(hasattr(candidate, attr) for attr in ("stages", "stage_rows", "stage_shape", "recorded_inputs")):
+        return candidate  # an open TraceSource; its owner closes it
+    raise TypeError(f"assert_trace_close: candidate must be a path, a dict of stage -> array or an open trace, "
+                    f"not {type(candidate).__name__}.")
+
+
+class _ArrayCandidate(ArraySource):
+    """In-memory arrays from a test: nothing recorded about the inputs they were computed from."""
+
+    def __init__(self, stages: dict[str, np.ndarray], ref: TraceSource):
+        # ArraySource reads only T and D from its inputs: hand it the reference's, without their rows.
+        empty = np.empty((0, ref.hidden_size), np.float32)
+        shape_only = TraceInputs(np.empty(ref.num_tokens, np.int64), np.empty(ref.num_tokens, np.int64), empty, empty)
+        super().__init__("arrays", shape_only, stages)
+        self.kind = "arrays (in memory)"
+
+
+def _arrays_source(candidate: Mapping, ref: TraceSource) -> _ArrayCandidate:
+    unknown = sorted(str(k) for k in candidate if k not in STAGE_NAMES)
+    if unknown:
+        raise AdapterError(f"assert_trace_close: unknown stage names {unknown}; valid: {', '.join(STAGE_NAMES)}.")
+    # np.asarray keeps the dtype: a float64 or bf16-widened array is reported as a wrong dtype, never cast silently.
+    stages = {name: np.asarray(candidate[name]) for name in STAGE_NAMES if name in candidate}
+    return _ArrayCandidate(stages, ref)
