@@ -50,8 +50,8 @@ def export(obj, checkpoint, out, tokens, tokens_file, hidden_file, hidden_seed, 
     source = HiddenSource(file=hidden_file, seed=hidden_seed, main_model=main_model, first_token=first_token)
     log = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))
     path = export_trace(checkpoint, out, ids, source, start_pos=start_pos, mode=mode,
-                        command=obj["command"], log=log)
-    click.echo(f"wrote {path}: {len(ids)} steps x {len(STAGE_NAMES)} stages")
+                        command=obj["command"], log=log, warn=lambda msg: click.echo(msg, err=True))
+    click.echo(f"wrote {path}: {len(ids)} step{'s' if len(ids) != 1 else ''} x {len(STAGE_NAMES)} stages")
 
 
 @cli.command()

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import transformers
 
+from oracle.attention_evidence import qk_blind_tokens, qk_warning
 from oracle.checkpoint import Checkpoint, check_token_ids
 from oracle.errors import InputError
 from oracle.families import qwen3_5
@@ -42,8 +43,12 @@ class HiddenSource:
 
 def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden: HiddenSource,
                  start_pos: int = 0, mode: str = "batched", command: str = "",
-                 log: Callable[[str], None] = lambda msg: None) -> Path:
-    """Run the head on T teacher-forced steps and write every stage to `out` (atomically)."""
+                 log: Callable[[str], None] = lambda msg: None,
+                 warn: Callable[[str], None] = lambda msg: None) -> Path:
+    """Run the head on T teacher-forced steps and write every stage to `out` (atomically).
+
+    `warn` receives what the user must know about the trace (e.g. inputs that cannot evidence q/k), even when
+    `log` is silenced."""
     check_writable(out)
     token_ids = np.asarray(token_ids, dtype=np.int64)
     ckpt = Checkpoint(checkpoint_dir)
@@ -63,6 +68,10 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
         stages = qwen3_5.run_batched(head, rotary, inputs)
     else:
         stages = qwen3_5.run_stepwise(head, rotary, inputs)
+    evidence = {"attn_uniform": qwen3_5.attention_with_uniform_weights(head, rotary, inputs, stages["ah"])}
+    blind = qk_blind_tokens(stages["attn"], evidence["attn_uniform"])
+    if blind.all():
+        warn(qk_warning(inputs.num_tokens))
     attrs = {
         "family": cfg.family,
         "producer": _producer(),
@@ -75,7 +84,7 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
                        "oracle_commit": _git_commit(), "created": _now()},
     }
     log(f"writing {out}")
-    write_trace(out, inputs, stages, attrs)
+    write_trace(out, inputs, stages, attrs, evidence=evidence)
     return Path(out)
 
 

@@ -22,6 +22,12 @@ Datasets
     /inputs/hidden     float32 [T, D]   H_i: the main model's post-final-norm hidden (the lm_head input)
     /inputs/embed      float32 [T, D]   embedding rows of token_ids as stored (bf16 widened exactly)
     /stages/<name>     float32 [T, w]   w = 2D for fc_in, D otherwise; row t = step t; chunked by token rows
+    /evidence/attn_uniform
+                       float32 [T, D]   optional (the oracle always writes it): `attn` recomputed from the same
+                                        `ah` rows with uniform attention weights over the visible keys. Where it
+                                        passes the tolerance rule against /stages/attn, that row cannot witness
+                                        q, k, q_norm, k_norm or RoPE (oracle/attention_evidence.py); a reference
+                                        without it can at best give an inconclusive verdict.
 
 The oracle writes all 11 stages. A candidate may omit stages it does not capture (never counted as passed) and
 may omit /inputs. Files are written under a temporary name beside the target and renamed when complete, so an
@@ -43,6 +49,12 @@ from oracle.stages import STAGE_BY_NAME, STAGE_NAMES
 
 SCHEMA = "mtp-trace/1"
 INPUT_NAMES = ("token_ids", "positions", "hidden", "embed")
+# Per-token evidence records, [T, D] float32 like a stage, with the one-line meaning stored as the dataset's `doc`.
+EVIDENCE_DOCS = {
+    "attn_uniform": "attn recomputed from the same ah rows with uniform attention weights over the visible keys: "
+                    "where it passes the tolerance rule against attn, that attn row cannot witness q, k, q_norm, "
+                    "k_norm or RoPE",
+}
 _JSON_ATTRS = ("versions", "config", "provenance")
 _CHUNK_BYTES = 1 << 20
 
@@ -82,12 +94,13 @@ def rows_per_chunk(width: int, num_tokens: int) -> int:
 
 
 def write_trace(path: Path, inputs: TraceInputs, stages: dict[str, np.ndarray], attrs: dict,
-                option: str = "--out") -> None:
+                option: str = "--out", evidence: dict[str, np.ndarray] | None = None) -> None:
     """Write an `mtp-trace/1` file atomically.
 
     `stages` maps stage names (a subset of STAGES) to float32 [T, width] arrays; `attrs` holds the optional root
     attributes (family, producer, versions, config, checkpoint_digest, provenance); dict values are stored as JSON.
-    The required attributes, `stages` and `inputs_digest` are derived here.
+    The required attributes, `stages` and `inputs_digest` are derived here. `evidence` holds /evidence datasets
+    (EVIDENCE_DOCS names), each float32 [T, D].
     """
     names = [n for n in STAGE_NAMES if n in stages]
     unknown = set(stages) - set(names)
@@ -99,6 +112,8 @@ def write_trace(path: Path, inputs: TraceInputs, stages: dict[str, np.ndarray], 
             f.create_dataset(f"inputs/{name}", data=getattr(inputs, name))
         for name in names:
             _write_stage(f, name, stages[name], inputs)
+        for name, values in (evidence or {}).items():
+            _write_evidence(f, name, values, inputs)
 
 
 def _write_root_attrs(f: h5py.File, inputs: TraceInputs, names: list[str], attrs: dict) -> None:
@@ -119,6 +134,15 @@ def _write_stage(f: h5py.File, name: str, values: np.ndarray, inputs: TraceInput
     f.create_dataset(f"stages/{name}", data=values, chunks=(rows_per_chunk(width, inputs.num_tokens), width))
 
 
+def _write_evidence(f: h5py.File, name: str, values: np.ndarray, inputs: TraceInputs) -> None:
+    shape = (inputs.num_tokens, inputs.hidden_size)
+    if name not in EVIDENCE_DOCS or values.shape != shape or values.dtype != np.float32:
+        raise ValueError(f"evidence {name}: got {values.dtype} {values.shape}, need one of {sorted(EVIDENCE_DOCS)} "
+                         f"as float32 {shape}")
+    ds = f.create_dataset(f"evidence/{name}", data=values, chunks=(rows_per_chunk(shape[1], shape[0]), shape[1]))
+    ds.attrs["doc"] = EVIDENCE_DOCS[name]
+
+
 class TraceReader:
     """An open trace: root attributes, the stages present, and row-range reads (memory bounded by the range)."""
 
@@ -131,6 +155,8 @@ class TraceReader:
             self.num_tokens = int(self.attrs["num_tokens"])
             self.hidden_size = int(self.attrs["hidden_size"])
             self.stages = self._guard("/stages", self._present_stages)
+            for group in ("inputs", "evidence"):
+                self._guard(f"/{group}", lambda: _check_datasets_group(self._file, group, self.path))
         except BaseException:
             self._file.close()
             raise
@@ -153,7 +179,7 @@ class TraceReader:
         self._file.close()
 
     def _present_stages(self) -> tuple[str, ...]:
-        group = self._file.get("stages", {})
+        group = _check_datasets_group(self._file, "stages", self.path)
         unknown = sorted(set(group) - set(STAGE_NAMES))
         if unknown:
             raise TraceFormatError(f"{self.path}: unknown stage datasets {unknown}; valid names are "
@@ -197,6 +223,19 @@ class TraceReader:
     @property
     def has_inputs(self) -> bool:
         return self._guard("/inputs", lambda: all(f"inputs/{n}" in self._file for n in INPUT_NAMES))
+
+    def input_names(self) -> tuple[str, ...]:
+        """The /inputs datasets present, in INPUT_NAMES order (a candidate may record any subset)."""
+        return self._guard("/inputs", lambda: tuple(n for n in INPUT_NAMES if f"inputs/{n}" in self._file))
+
+    def has_evidence(self, name: str) -> bool:
+        return self._guard("/evidence", lambda: f"evidence/{name}" in self._file)
+
+    def evidence_rows(self, name: str, start: int = 0, stop: int | None = None,
+                      out: np.ndarray | None = None) -> np.ndarray:
+        """Rows start..stop of /evidence/<name> (EVIDENCE_DOCS)."""
+        return self._guard(f"/evidence/{name} rows {start}..{stop}",
+                           lambda: self._rows(f"evidence/{name}", start, stop, out))
 
     def input_rows(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
         return self._guard(f"/inputs/{name} rows {start}..{stop}",
@@ -316,17 +355,74 @@ def _read_root_attrs(f: h5py.File, path: Path) -> dict:
     attrs = {}
     for key, value in f.attrs.items():
         value = _as_str(value)
-        attrs[key] = json.loads(value) if key in _JSON_ATTRS else value
+        attrs[key] = _json_object_attr(path, key, value) if key in _JSON_ATTRS else value
     for key in ("num_tokens", "hidden_size"):
         if key not in attrs:
             raise TraceFormatError(f"{path}: required root attribute '{key}' is missing.")
+        attrs[key] = _positive_int_attr(path, key, attrs[key])
     if "stages" in attrs:
-        attrs["stages"] = [_as_str(s) for s in attrs["stages"]]
+        attrs["stages"] = _stage_names_attr(path, attrs["stages"])
+    for key in ("family", "producer", "checkpoint_digest", "inputs_digest"):
+        if key in attrs and not isinstance(attrs[key], str):
+            raise TraceFormatError(f"{path}: root attribute '{key}' is {_attr_kind(attrs[key])}; the schema says a "
+                                   f"string (oracle/trace.py).")
     return attrs
 
 
+# The root attributes' schema, checked where they are read: a wrong type is a TraceFormatError naming it.
+def _json_object_attr(path: Path, key: str, value) -> dict:
+    try:
+        parsed = json.loads(value) if isinstance(value, str) else None
+    except (ValueError, RecursionError):
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise TraceFormatError(f"{path}: root attribute '{key}' must be a string holding a JSON object, found "
+                               f"{_attr_kind(value)}. Write it with json.dumps (oracle/trace.py).")
+    return parsed
+
+
+def _positive_int_attr(path: Path, key: str, value) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
+        raise TraceFormatError(f"{path}: root attribute '{key}' must be an integer, found {_attr_kind(value)}.")
+    if key == "num_tokens" and value == 0:
+        raise TraceFormatError(f"{path}: the trace has no tokens (num_tokens = 0); there is nothing to compare. "
+                               f"Write at least one step.")
+    if value <= 0:
+        raise TraceFormatError(f"{path}: root attribute '{key}' must be a positive integer, found {value}.")
+    return int(value)
+
+
+def _stage_names_attr(path: Path, value) -> list[str]:
+    names = [_as_str(s) for s in value] if isinstance(value, (list, tuple, np.ndarray)) and np.ndim(value) == 1 \
+        else None
+    if names is None or not all(isinstance(n, str) for n in names):
+        raise TraceFormatError(f"{path}: root attribute 'stages' must be a list of stage names, found "
+                               f"{_attr_kind(value)}.")
+    return names
+
+
+def _attr_kind(value) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
+def _check_datasets_group(f: h5py.File, name: str, path: Path) -> h5py.Group | dict:
+    """/name, which must be a group of datasets when present ({} when absent)."""
+    group = f.get(name)
+    if group is None:
+        return {}
+    if not isinstance(group, h5py.Group):
+        raise TraceFormatError(f"{path}: /{name} is a dataset; it must be a group holding one dataset per name "
+                               f"(oracle/trace.py).")
+    for member in group:
+        if group.get(member, getclass=True) is not h5py.Dataset:
+            raise TraceFormatError(f"{path}: /{name}/{member} is a group where a dataset belongs; each member of "
+                                   f"/{name} is a [T, ...] dataset (oracle/trace.py).")
+    return group
+
+
 def _as_str(value):
-    return value.decode() if isinstance(value, bytes) else value
+    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else value
 
 
 def array_from_hdf5(path: Path, dataset: str) -> np.ndarray:

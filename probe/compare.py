@@ -19,6 +19,9 @@ elements, from `compare_rows`. A diff over thousands of tokens therefore builds 
 A NaN or Inf on either side never passes. Status, checked in this order: `shape`, `dtype` (the candidate row
 must be float32), `unwritten` (an element still holds the poison pattern, or the row is all zeros where the
 reference row is not), `nonfinite` (a NaN/Inf the candidate computed), `values` (out of tolerance), `ok`.
+The all-zero rule applies only to sources that were not filled with poison before the candidate wrote them (trace
+files and raw dumps): where the probe poisoned the buffers itself (the C and Python adapters), an all-zero row is
+a value the candidate computed and is compared like any other (`zero_is_unwritten=False`).
 """
 
 from dataclasses import dataclass
@@ -83,7 +86,7 @@ def not_compared(status: str, n_total: int, tol: Tol) -> StageDiff:
     return StageDiff(status, n_total, 0, 0, _NAN, -1, _NAN, float("inf"), _NAN, _NAN, _NO_STATS, _NO_STATS, tol, ())
 
 
-def compare_rows(actual: np.ndarray, expected: np.ndarray, tol: Tol) -> StageDiff:
+def compare_rows(actual: np.ndarray, expected: np.ndarray, tol: Tol, zero_is_unwritten: bool = True) -> StageDiff:
     """Compare a candidate row with the oracle row (module docstring: definitions and statuses)."""
     if actual.shape != expected.shape:
         return not_compared("shape", expected.size, tol)
@@ -102,7 +105,7 @@ def compare_rows(actual: np.ndarray, expected: np.ndarray, tol: Tol) -> StageDif
     limit = max(tol.atol, tol.rtol * e_max)
     n_mismatch = int(np.count_nonzero(~(d < limit) & (d != 0)))  # NaN counts as a mismatch
     n_poison = int(np.count_nonzero(is_poison(actual)))
-    status = _status(n_poison, a, e, finite, budget)
+    status = _status(n_poison, a, e, finite, budget, zero_is_unwritten)
     return StageDiff(status, int(a.size), n_mismatch, n_poison, max_abs, index, max_rel, budget,
                      _ratio(float(np.linalg.norm(a - e)), float(np.linalg.norm(e))),
                      _cosine(a, e), _stats(e), _stats(a), tol, _worst(rank, a, e))
@@ -138,7 +141,10 @@ class StageRows:
     budget_used: np.ndarray
     rel_l2: np.ndarray
     cosine: np.ndarray
+    qk_blind: np.ndarray  # bool: this row cannot witness q, k, q_norm, k_norm or RoPE (probe/evidence.py)
+    both_zero: np.ndarray  # bool: candidate and reference rows are all zeros (written-ness unverifiable unpoisoned)
     detail: dict[int, StageDiff]
+    zero_is_unwritten: bool = True  # the source was not poison-filled: an all-zero row counts as unwritten
 
     def __len__(self) -> int:
         return len(self.status)
@@ -166,7 +172,7 @@ class StageRows:
 
     def add_detail(self, token: int, actual: np.ndarray, expected: np.ndarray) -> None:
         """Keep row `token`'s full detail (compare_rows of its candidate and oracle rows)."""
-        self.detail[token] = compare_rows(actual, expected, self.tol)
+        self.detail[token] = compare_rows(actual, expected, self.tol, self.zero_is_unwritten)
 
 
 def most_severe(rows: StageRows, valid_only: bool = False) -> tuple[int, tuple[int, float]] | None:
@@ -181,14 +187,16 @@ def most_severe(rows: StageRows, valid_only: bool = False) -> tuple[int, tuple[i
     return i, (int(rank[i]), float(rows.budget_used[i]))
 
 
-def compare_block(stage: str, start: int, actual: np.ndarray, expected: np.ndarray, tol: Tol) -> StageRows:
+def compare_block(stage: str, start: int, actual: np.ndarray, expected: np.ndarray, tol: Tol,
+                  zero_is_unwritten: bool = True) -> StageRows:
     """compare_rows for each row of two float32 [rows, width] arrays (token `start` first), as columns.
 
     Same statuses and metrics as compare_rows; the oracle side must be finite (the diff checks `oracle_finite`)."""
     if actual.shape != expected.shape or actual.ndim != 2 or actual.dtype != np.float32:
         raise ValueError(f"compare_block needs two float32 arrays of one [rows, width] shape, got {actual.dtype} "
                          f"{actual.shape} and {expected.dtype} {expected.shape}")
-    return rows_from_sums(stage, start, expected.shape[1], row_sums(actual, expected, tol), tol)
+    return rows_from_sums(stage, start, expected.shape[1], row_sums(actual, expected, tol), tol,
+                          zero_is_unwritten=zero_is_unwritten)
 
 
 def oracle_finite(sums: np.ndarray) -> np.ndarray:
@@ -196,25 +204,32 @@ def oracle_finite(sums: np.ndarray) -> np.ndarray:
     return np.isfinite(sums["ee"])
 
 
-def rows_from_sums(stage: str, start: int, width: int, sums: np.ndarray, tol: Tol) -> StageRows:
-    """The StageRows columns from probe/rowdiff.py's per-row sums (compare_rows' definitions, vectorised)."""
+def rows_from_sums(stage: str, start: int, width: int, sums: np.ndarray, tol: Tol,
+                   qk_blind: np.ndarray | None = None, zero_is_unwritten: bool = True) -> StageRows:
+    """The StageRows columns from probe/rowdiff.py's per-row sums (compare_rows' definitions, vectorised);
+    `qk_blind` marks the rows that cannot witness the q/k path (default: none)."""
     aa, ee, max_abs = sums["aa"], sums["ee"], sums["max_abs"]
     finite = np.isfinite(aa) & np.isfinite(ee)
     max_rel = _ratios(max_abs, sums["e_max"])
     budget = np.where(finite, np.minimum(_ratios(max_rel, tol.rtol), _ratios(max_abs, tol.atol)), np.inf)
-    unwritten = (sums["n_poison"] > 0) | ((aa == 0) & (ee != 0))  # poison left, or an all-zero row
+    unwritten = sums["n_poison"] > 0  # poison left
+    if zero_is_unwritten:
+        unwritten = unwritten | ((aa == 0) & (ee != 0))  # an all-zero row where the reference is not
     status = np.where(unwritten, _CODE["unwritten"], np.where(~finite, _CODE["nonfinite"],
                                                                np.where(budget < 1, _CODE["ok"], _CODE["values"])))
     return StageRows(stage, start, width, tol, status.astype(np.int8), sums["n_mismatch"].copy(),
                      sums["n_poison"].copy(), max_abs.copy(), sums["index"].copy(), max_rel, budget,
-                     _ratios(np.sqrt(sums["dd"]), np.sqrt(ee)), _cosines(aa, ee, sums["ae"]), {})
+                     _ratios(np.sqrt(sums["dd"]), np.sqrt(ee)), _cosines(aa, ee, sums["ae"]),
+                     np.zeros(len(aa), dtype=bool) if qk_blind is None else np.asarray(qk_blind, dtype=bool),
+                     (aa == 0) & (ee == 0), {}, zero_is_unwritten)
 
 
 def not_compared_rows(stage: str, num_rows: int, width: int, status: str, tol: Tol) -> StageRows:
     """Rows of a stage whose layout (shape or dtype) could not be compared at all."""
     nan, zero = np.full(num_rows, _NAN), np.zeros(num_rows, dtype=np.int64)
     return StageRows(stage, 0, width, tol, np.full(num_rows, _CODE[status], dtype=np.int8), zero, zero, nan,
-                     np.full(num_rows, -1), nan, np.full(num_rows, np.inf), nan, nan, {})
+                     np.full(num_rows, -1), nan, np.full(num_rows, np.inf), nan, nan, np.ones(num_rows, dtype=bool),
+                     np.zeros(num_rows, dtype=bool), {})
 
 
 def join_rows(parts: list[StageRows]) -> StageRows:
@@ -222,11 +237,12 @@ def join_rows(parts: list[StageRows]) -> StageRows:
     first = parts[0]
     columns = {f: np.concatenate([getattr(p, f) for p in parts]) for f in _COLUMNS}
     return StageRows(first.stage, first.start, first.width, first.tol, **columns,
-                     detail={t: d for p in parts for t, d in p.detail.items()})
+                     detail={t: d for p in parts for t, d in p.detail.items()},
+                     zero_is_unwritten=first.zero_is_unwritten)
 
 
 _COLUMNS = ("status", "n_mismatch", "n_poison", "max_abs", "max_abs_index", "max_rel", "budget_used", "rel_l2",
-            "cosine")
+            "cosine", "qk_blind", "both_zero")
 
 
 def _ratios(values: np.ndarray, limits: np.ndarray | float) -> np.ndarray:
@@ -244,10 +260,11 @@ def _cosines(aa: np.ndarray, ee: np.ndarray, ae: np.ndarray) -> np.ndarray:
     return np.where((aa == 0) & (ee == 0), 1.0, np.where((aa == 0) | (ee == 0) | ~np.isfinite(norms), np.nan, cos))
 
 
-def _status(n_poison: int, a: np.ndarray, e: np.ndarray, finite: bool, budget: float) -> str:
+def _status(n_poison: int, a: np.ndarray, e: np.ndarray, finite: bool, budget: float,
+            zero_is_unwritten: bool) -> str:
     if n_poison:
         return "unwritten"
-    if not a.any() and e.any():  # a zero-initialised buffer that was never written
+    if zero_is_unwritten and not a.any() and e.any():  # a zero-initialised buffer that was never written
         return "unwritten"
     if not finite:
         return "nonfinite"

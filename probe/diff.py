@@ -22,11 +22,12 @@ from probe.adapters.trace_file import TraceSource, open_candidate, open_referenc
 from probe.compare import (DIVERGENT_STATUSES, Cell, StageRows, join_rows, most_severe, not_compared_rows,
                            oracle_finite, rows_from_sums)
 from probe.errors import ReferenceTraceError
-from probe.evidence import Verdict, cell_at, decide
+from probe.evidence import ATTENTION, QkSensitivity, Verdict, cell_at, decide
 from probe.localize import first_divergence, first_divergence_per_token
 from probe.rowdiff import row_sums
-from probe.selfcheck import (Issue, check_reference, coverage_issues, expected_shape, input_issues, layout_problem,
-                             unwritten_issues)
+from probe.findings import candidate_findings
+from probe.selfcheck import (Issue, check_reference, coverage_issues, expected_shape, input_issues,
+                             integrity_issues, layout_problem, unwritten_issues)
 from probe.tolerance import Tol, tol_table
 
 READ_CHUNKS = 4
@@ -48,6 +49,9 @@ class DiffReport:
     first: Cell | None  # the first divergence: earliest token, then first stage
     first_per_token: dict[int, str]
     compared_tokens: int  # < num_tokens only when --fail-fast stopped early
+    qk: QkSensitivity  # which reference tokens' attn rows can witness the q/k path
+    zero_is_unwritten: bool  # the candidate was not poison-filled: all-zero rows count as unwritten
+    findings: tuple[str, ...] = ()  # measured observations about the candidate (e.g. rows shifted by one token)
 
     @property
     def not_captured(self) -> tuple[str, ...]:
@@ -81,7 +85,9 @@ def diff_traces(ref_path: Path, cand_path: Path, tols: dict[str, Tol] | None = N
 
 def diff_sources(ref: TraceSource, cand: TraceSource, tols: dict[str, Tol], fail_fast: bool = False) -> DiffReport:
     """`diff_traces` on opened sources (a checked reference and a candidate)."""
-    issues = coverage_issues(cand) + input_issues(ref, cand)
+    issues = coverage_issues(cand) + integrity_issues(cand) + input_issues(ref, cand)
+    qk = qk_sensitivity(ref, tols[ATTENTION])
+    zero_is_unwritten = not getattr(cand, "poisoned", False)
     rows: dict[str, StageRows] = {}
     comparable = []
     for name in cand.stages:
@@ -93,18 +99,21 @@ def diff_sources(ref: TraceSource, cand: TraceSource, tols: dict[str, Tol], fail
         issues.append(Issue(status, name, tuple(range(ref.num_tokens)), message))
         rows[name] = not_compared_rows(name, ref.num_tokens, expected_shape(ref, name)[1], status, tols[name])
     stop_now = fail_fast and bool(issues)
-    compared, compared_tokens = ({}, 0) if stop_now else _compare_stages(ref, cand, comparable, tols, fail_fast)
+    compared, compared_tokens = ({}, 0) if stop_now else _compare_stages(ref, cand, comparable, tols, fail_fast, qk,
+                                                                           zero_is_unwritten)
     rows = {name: (rows | compared)[name] for name in STAGE_NAMES if name in rows or name in compared}
     issues += unwritten_issues(rows.values())
     first = first_divergence(rows.values())  # its row holds full detail (_StageProgress)
+    findings = candidate_findings(ref, cand, first, tols)
     return DiffReport(str(ref.path), str(cand.path), cand.kind, ref.num_tokens, ref.hidden_size, cand.stages,
                       cand.recorded_inputs, tols, rows, tuple(issues),
-                      decide(rows.values(), [i.message for i in issues], cand.stages),
-                      first, first_divergence_per_token(rows.values()), compared_tokens)
+                      decide(rows.values(), [i.message for i in issues], cand.stages, qk),
+                      first, first_divergence_per_token(rows.values()), compared_tokens, qk, zero_is_unwritten,
+                      findings)
 
 
 def _compare_stages(ref: TraceSource, cand: TraceSource, names: Sequence[str], tols: dict[str, Tol],
-                    fail_fast: bool) -> tuple[dict[str, StageRows], int]:
+                    fail_fast: bool, qk: QkSensitivity, zero_is_unwritten: bool) -> tuple[dict[str, StageRows], int]:
     total = ref.num_tokens
     if not names:
         return {}, total
@@ -113,7 +122,8 @@ def _compare_stages(ref: TraceSource, cand: TraceSource, names: Sequence[str], t
     stages = {name: _StageProgress() for name in names}
     stop, chunk_ok = total, True
     for (name, start, end), actual, expected, sums in _read_and_sum(ref, cand, blocks, tols):
-        block = _block_rows(ref.path, name, start, expected.shape[1], sums, tols[name])
+        block = _block_rows(ref.path, name, start, expected.shape[1], sums, tols[name], qk.blind(name, start, end),
+                            zero_is_unwritten)
         chunk_ok &= stages[name].add(block, actual, expected)
         if name == names[-1]:  # every stage of this chunk compared
             if fail_fast and not chunk_ok:
@@ -181,10 +191,35 @@ class _StageProgress:
         block.add_detail(block.start + i, actual[i], expected[i])
 
 
-def _block_rows(ref_path: Path, name: str, start: int, width: int, sums: np.ndarray, tol: Tol) -> StageRows:
+def _block_rows(ref_path: Path, name: str, start: int, width: int, sums: np.ndarray, tol: Tol,
+                qk_blind: np.ndarray, zero_is_unwritten: bool) -> StageRows:
     """The rows of stage `name` from token `start`, from their sums; a non-finite oracle row is refused."""
     bad = np.flatnonzero(~oracle_finite(sums))
     if bad.size:  # NaN/Inf would propagate through both sides
         raise ReferenceTraceError(f"reference {ref_path}: stage {name} holds NaN/Inf in row {start + bad[0]}, so it "
                                   f"cannot serve as the truth. Regenerate it with mtp-oracle export.")
-    return rows_from_sums(name, start, width, sums, tol)
+    return rows_from_sums(name, start, width, sums, tol, qk_blind, zero_is_unwritten)
+
+
+def qk_sensitivity(ref: TraceSource, tol: Tol) -> QkSensitivity:
+    """Which reference tokens' attn rows depend on the attention weights: where /evidence/attn_uniform FAILS the
+    attn stage's tolerance against /stages/attn (probe/evidence.py). None are, without the record."""
+    total = ref.num_tokens
+    if not ref.has_evidence("attn_uniform"):
+        return QkSensitivity(np.zeros(total, dtype=bool), recorded=False)
+    sensitive = np.zeros(total, dtype=bool)
+    step = read_rows(ref.hidden_size, total, STAGE_NAMES)  # the same read size as the comparison itself
+    for start in range(0, total, step):
+        stop = min(start + step, total)
+        uniform, attn = ref.evidence_rows("attn_uniform", start, stop), ref.stage_rows(ATTENTION, start, stop)
+        if uniform.shape != attn.shape or uniform.dtype != np.float32:
+            raise ReferenceTraceError(f"reference {ref.path}: /evidence/attn_uniform is {uniform.dtype} "
+                                      f"{uniform.shape}, expected float32 {attn.shape}. Regenerate it with "
+                                      f"mtp-oracle export.")
+        sums = row_sums(uniform, attn, tol)
+        if not oracle_finite(sums).all() or not np.isfinite(sums["aa"]).all():
+            raise ReferenceTraceError(f"reference {ref.path}: /evidence/attn_uniform or attn holds NaN/Inf near row "
+                                      f"{start}. Regenerate it with mtp-oracle export.")
+        rows = rows_from_sums(ATTENTION, start, attn.shape[1], sums, tol, zero_is_unwritten=False)
+        sensitive[start:stop] = ~rows.has_status({"ok"})
+    return QkSensitivity(sensitive, recorded=True)

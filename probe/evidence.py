@@ -1,9 +1,14 @@
 """What a comparison can prove, and the verdict rule (invalid > diverged > inconclusive > pass).
 
-At t=0 the head's attention sees one key, so softmax ≡ 1 and `attn` = o_proj(v · sigmoid(gate)) whatever q, k,
-q_norm, k_norm and RoPE compute; every stage from `attn` on differs from the oracle only through what it receives,
-so none of them witnesses that path at t=0. Only `attn` compared at some t >= 1 evidences it. A row that failed a
-self-check (unwritten, wrong shape or dtype) is never evidence of anything.
+Evidence is measured, never assumed. Attention's output at step t is Σ_j p_j v_j over the visible keys: q, k,
+q_norm, k_norm and RoPE only move the weights p. The oracle records, per token, `attn` recomputed with uniform
+weights over the visible keys (`/evidence/attn_uniform`, oracle/attention_evidence.py). Where that row passes the
+diff's own tolerance rule against the real `attn` row, a candidate with a broken q/k path can produce the same row,
+so `attn` and every stage after it (which see q/k only through `attn`) are not evidence of that path there: they
+are `qk_blind`. That is always so at t=0 (one key: softmax ≡ 1) and at every t when the value rows coincide
+(repeated token and hidden). A reference without the record is blind everywhere: at best `inconclusive`.
+
+A row that failed a self-check (unwritten, wrong shape or dtype) is never evidence of anything.
 """
 
 from dataclasses import dataclass
@@ -13,19 +18,24 @@ import numpy as np
 
 from oracle.stages import STAGE_BY_NAME, STAGE_NAMES, stage_index
 
-from probe.compare import DIVERGENT_STATUSES, INVALID_STATUSES, Cell, StageDiff, StageRows
+from probe.compare import DIVERGENT_STATUSES, INVALID_STATUSES, Cell, StageRows
 
 ATTENTION = STAGE_BY_NAME["attn"].name
 HEAD_OUTPUT = STAGE_NAMES[-1]
 REQUIRED_FOR_PASS = (ATTENTION, HEAD_OUTPUT)
-QK_BLIND_AT_T0 = STAGE_NAMES[stage_index(ATTENTION):]
+# Stages that see q, k, q_norm, k_norm and RoPE only through the attention weights.
+QK_DEPENDENT = STAGE_NAMES[stage_index(ATTENTION):]
 EXIT_CODES = {"pass": 0, "diverged": 1, "invalid": 2, "inconclusive": 3}
 
-QK_NOTE = (f"at t=0 attention sees one key (softmax ≡ 1): {', '.join(QK_BLIND_AT_T0)} there cannot witness "
-           f"q, k, q_norm, k_norm or RoPE (marked not evidential)")
+QK_NOTE = (f"an {ATTENTION} row witnesses q, k, q_norm, k_norm and RoPE only where uniform attention weights would "
+           f"have failed the tolerance there (measured by the oracle: /evidence/attn_uniform); elsewhere, t=0 "
+           f"always, {', '.join(QK_DEPENDENT)} are marked not evidential (~)")
 POSITION_NOTE = ("absolute positions are not evidenced by a self-contained trace: RoPE scores depend only on "
                  "relative positions, so a candidate that runs every step at a uniform offset p+k matches it "
                  "to rounding")
+NO_RECORD = ("the reference records no attention-sensitivity evidence (/evidence/attn_uniform; it was exported by "
+             "an older oracle), so no attn row can be counted as evidence of q, k, q_norm, k_norm or RoPE: "
+             "re-export the reference with this version of mtp-oracle")
 
 
 @dataclass(frozen=True)
@@ -38,31 +48,47 @@ class Verdict:
         return EXIT_CODES[self.name]
 
 
-def is_evidential(stage: str, token: int, diff: StageDiff) -> bool:
-    """Whether this comparison could fail for every computation that feeds the stage."""
-    if diff.status in INVALID_STATUSES:
-        return False
-    return not (token == 0 and stage in QK_BLIND_AT_T0)
+@dataclass(frozen=True)
+class QkSensitivity:
+    """Per reference token: whether its attn row depends on the attention weights beyond the tolerance."""
+
+    sensitive: np.ndarray  # bool [T]
+    recorded: bool  # False: the reference holds no /evidence/attn_uniform (every row counts as blind)
+
+    def blind(self, stage: str, start: int, stop: int) -> np.ndarray:
+        """Rows start..stop of `stage` that cannot witness the q/k path."""
+        if stage not in QK_DEPENDENT:
+            return np.zeros(stop - start, dtype=bool)
+        return ~self.sensitive[start:stop]
 
 
 def evidential_rows(rows: StageRows) -> np.ndarray:
-    """is_evidential for every row of `rows`, as a boolean mask."""
-    mask = ~rows.has_status(INVALID_STATUSES)
-    return mask & (rows.tokens != 0) if rows.stage in QK_BLIND_AT_T0 else mask
+    """Rows of `rows` that count as evidence: a valid comparison that could witness everything feeding the stage."""
+    return ~rows.has_status(INVALID_STATUSES) & ~rows.qk_blind
 
 
 def cell_at(rows: StageRows, token: int) -> Cell:
     """Row `token` of `rows` as a Cell."""
     diff = rows.diff(token)
-    return Cell(rows.stage, token, diff, is_evidential(rows.stage, token, diff))
+    evidential = diff.status not in INVALID_STATUSES and not bool(rows.qk_blind[token - rows.start])
+    return Cell(rows.stage, token, diff, evidential)
+
+
+def qk_evidence_tokens(rows: Iterable[StageRows]) -> list[int]:
+    """Tokens whose attn comparison witnesses the q/k path (valid and sensitive)."""
+    for r in rows:
+        if r.stage == ATTENTION:
+            return r.tokens[evidential_rows(r)].tolist()
+    return []
 
 
 def qk_evidenced(rows: Iterable[StageRows]) -> bool:
-    """True when some attention comparison at t >= 1 was made (the q/k/RoPE path is witnessed)."""
-    return any(r.stage == ATTENTION and evidential_rows(r).any() for r in rows)
+    """True when some attention comparison witnesses the q/k path."""
+    return bool(qk_evidence_tokens(rows))
 
 
-def decide(rows: Iterable[StageRows], problems: Sequence[str], captured: Sequence[str]) -> Verdict:
+def decide(rows: Iterable[StageRows], problems: Sequence[str], captured: Sequence[str],
+           qk: QkSensitivity | None = None) -> Verdict:
     """The verdict from self-check problems, the compared rows of each stage and the captured stages."""
     rows = list(rows)
     if problems:
@@ -70,17 +96,29 @@ def decide(rows: Iterable[StageRows], problems: Sequence[str], captured: Sequenc
     divergent = sum(int(r.has_status(DIVERGENT_STATUSES).sum()) for r in rows)
     if divergent:
         return Verdict("diverged", (f"{divergent} (stage, token) comparisons out of tolerance",))
-    reasons = inconclusive_reasons(rows, captured)
+    reasons = inconclusive_reasons(rows, captured, qk)
     return Verdict("inconclusive", reasons) if reasons else Verdict("pass", ())
 
 
-def inconclusive_reasons(rows: Sequence[StageRows], captured: Sequence[str]) -> tuple[str, ...]:
+def inconclusive_reasons(rows: Sequence[StageRows], captured: Sequence[str],
+                         qk: QkSensitivity | None = None) -> tuple[str, ...]:
     """Why an all-within-tolerance comparison still proves too little to pass (empty when it proves enough)."""
     reasons = []
     missing = [name for name in REQUIRED_FOR_PASS if name not in captured]
     if missing:
         reasons.append(f"not captured: {', '.join(missing)} (pass needs {' and '.join(REQUIRED_FOR_PASS)} compared)")
     if ATTENTION in captured and not qk_evidenced(rows):
-        reasons.append(f"{ATTENTION} compared only at t=0, where it sees one key (softmax ≡ 1): q, k, q_norm, "
-                       f"k_norm and RoPE are not evidenced; compare a trace with T >= 2")
+        reasons.append(_no_qk_reason(rows, qk))
     return tuple(reasons)
+
+
+def _no_qk_reason(rows: Sequence[StageRows], qk: QkSensitivity | None) -> str:
+    if qk is not None and not qk.recorded:
+        return NO_RECORD
+    num_tokens = max((r.start + len(r) for r in rows), default=0)
+    if num_tokens <= 1:
+        return (f"{ATTENTION} compared only at t=0, where it sees one key (softmax ≡ 1): q, k, q_norm, k_norm and "
+                f"RoPE are not evidenced; compare a trace with T >= 2")
+    return (f"no {ATTENTION} row depends on the attention weights beyond the tolerance (uniform weights give the "
+            f"same rows: repeated tokens and hidden?), so q, k, q_norm, k_norm and RoPE are not evidenced; "
+            f"export the reference with distinct tokens and hidden rows")

@@ -15,14 +15,14 @@ from probe.adapters.trace_file import CHECKED_INPUTS
 
 from probe.compare import DIVERGENT_STATUSES, STATUSES, Cell, RowStats, StageDiff, StageRows, most_severe
 from probe.diff import DiffReport
-from probe.evidence import ATTENTION, POSITION_NOTE, QK_NOTE, cell_at, evidential_rows, qk_evidenced
+from probe.evidence import ATTENTION, NO_RECORD, POSITION_NOTE, QK_NOTE, cell_at, evidential_rows, qk_evidence_tokens
 from probe.selfcheck import Issue
 
 MAX_RULE = "pass iff max_rel < rtol or max_abs < atol, max_rel = max|a-e| / max|e| per (stage, token) row"
 _COL = 7
 _ALL_ROWS = 40  # up to this many tokens the table shows every token
 _STATUS_TEXT = {"unwritten": "UNWR", "shape": "SHAPE", "dtype": "DTYPE", "nonfinite": "NaN!"}
-_ISSUE_LABEL = {"coverage": "no stage captured", "shape": "wrong shape", "dtype": "wrong dtype",
+_ISSUE_LABEL = {"coverage": "no stage captured", "integrity": "inconsistent trace", "shape": "wrong shape", "dtype": "wrong dtype",
                 "inputs": "inputs differ", "unwritten": "unwritten rows"}
 LEGEND = ("cells: tolerance budget used (1 = at the limit; a row passes below 1)\n"
           "       ! out of tolerance   ~ not evidential (t=0 attention)   NaN! computed NaN/Inf   UNWR never written\n"
@@ -53,6 +53,9 @@ def summary_line(report: DiffReport) -> str:
     else:
         parts = ["INCONCLUSIVE", "all compared rows within tolerance, but " + "; ".join(report.verdict.reasons),
                  coverage]
+    if report.verdict.name == "diverged" and report.first is not None:
+        parts[1:2] = [parts[1]] + [f for f in report.findings if f.startswith("rows shifted")][:1]
+    parts += [f"note: {f}" for f in report.findings if not f.startswith("rows shifted")]
     return " | ".join(parts + [where])
 
 
@@ -152,10 +155,25 @@ def _worst_cell(rows: StageRows, valid_only: bool = False) -> Cell | None:
 
 def _issues(report: DiffReport) -> str:
     if not report.issues:
-        return "self-checks: passed (layout, inputs as recorded, every compared row written)"
+        return f"self-checks: passed (layout, inputs as recorded, {_written_text(report)})"
     lines = ["self-checks FAILED (verdict invalid):"]
     lines += [f"  - {i.message}" + (f" [tokens {_ranges(i.tokens)}]" if i.tokens else "") for i in report.issues]
     return "\n".join(lines)
+
+
+def _written_text(report: DiffReport) -> str:
+    """What the write check proved: with poison-filled buffers every row; otherwise rows with a nonzero value."""
+    if not report.zero_is_unwritten:
+        return "every compared row written: the buffers were poison-filled"
+    both_zero = _rows_zero_on_both_sides(report)
+    caveat = (f"; {both_zero} row(s) are all zeros on both sides, so whether they were written cannot be verified"
+              if both_zero else "")
+    return ("no compared row holds poison or is all zeros where the reference is not (this source was not "
+            f"poison-filled: a zero row cannot be told from an unwritten one){caveat}")
+
+
+def _rows_zero_on_both_sides(report: DiffReport) -> int:
+    return sum(int(r.both_zero.sum()) for r in report.rows.values())
 
 
 def _issues_short(issues: tuple[Issue, ...]) -> str:
@@ -242,13 +260,25 @@ def _worst_per_stage(report: DiffReport) -> str:
     return "\n".join(lines)
 
 
+def qk_text(report: DiffReport) -> str:
+    """How many attn rows witnessed the q/k path, out of how many the reference makes sensitive."""
+    qk = qk_evidence_tokens(report.rows.values())
+    sensitive = int(report.qk.sensitive.sum())
+    if not report.qk.recorded:
+        return f"q/k path NOT evidenced: {NO_RECORD}"
+    if qk:
+        return (f"q/k path evidenced by {len(qk)} {ATTENTION} row(s) at t={_ranges(tuple(qk))} (the reference has "
+                f"{sensitive} of {report.num_tokens} tokens whose attention output depends on the weights)")
+    if ATTENTION not in report.captured:
+        return f"q/k path NOT evidenced: {ATTENTION} not captured"
+    return (f"q/k path NOT evidenced: no valid {ATTENTION} row at a token whose output depends on the attention "
+            f"weights ({sensitive} of {report.num_tokens} reference tokens do)")
+
+
 def _evidence(report: DiffReport) -> str:
-    attention = report.rows.get(ATTENTION)
-    qk = attention.tokens[evidential_rows(attention)].tolist() if attention is not None else []
-    witnessed = (f"q/k path evidenced by {ATTENTION} at t={_ranges(tuple(qk))}" if qk_evidenced(report.rows.values())
-                 else f"q/k path NOT evidenced: no {ATTENTION} comparison at t >= 1")
-    lines = ["evidence:", f"  - {QK_NOTE}; {witnessed}", f"  - {POSITION_NOTE}",
+    lines = ["evidence:", f"  - {QK_NOTE}", f"  - {qk_text(report)}", f"  - {POSITION_NOTE}",
              f"  - inputs: {_inputs_text(report)}"]
+    lines += [f"  - finding: {f}" for f in report.findings]
     if report.not_captured:
         lines.append(f"  - not captured (never counted as passed): {', '.join(report.not_captured)}")
     lines += [f"  - {reason}" for reason in report.verdict.reasons if report.verdict.name == "inconclusive"]
@@ -283,7 +313,11 @@ def _report_head(report: DiffReport) -> dict:
                    "coverage": coverage_text(report.captured)},
         "compared_tokens": report.compared_tokens, "rule": MAX_RULE,
         "tolerances": {n: {"rtol": t.rtol, "atol": t.atol, "why": t.why} for n, t in report.tols.items()},
-        "inputs": _inputs_text(report), "evidence_notes": [QK_NOTE, POSITION_NOTE],
+        "inputs": _inputs_text(report), "evidence_notes": [QK_NOTE, qk_text(report), POSITION_NOTE],
+        "qk_evidence": {"recorded": report.qk.recorded, "sensitive_tokens": int(report.qk.sensitive.sum()),
+                        "evidencing_tokens": qk_evidence_tokens(report.rows.values())},
+        "findings": list(report.findings),
+        "written_check": _written_text(report),
         "first_divergence": {"stage": first.stage, "token": first.token,
                              "budget_used": _num(first.diff.budget_used)} if first else None,
         "first_divergence_per_token": [{"token": t, "stage": s} for t, s in report.first_per_token.items()],

@@ -11,7 +11,7 @@ from typing import Iterable
 import numpy as np
 
 from oracle.stages import STAGE_BY_NAME, STAGE_NAMES
-from oracle.trace import rows_per_chunk
+from oracle.trace import inputs_digest, rows_per_chunk
 
 from probe.adapters.trace_file import CHECKED_INPUTS, TraceSource
 from probe.compare import StageRows
@@ -40,6 +40,32 @@ def check_reference(ref: TraceSource) -> None:
         problem = layout_problem(ref, name, expected_shape(ref, name))
         if problem:
             raise ReferenceTraceError(f"reference {problem[1]} {regenerate}")
+    stale = _stale_digest(ref)
+    if stale:
+        raise ReferenceTraceError(f"reference trace inconsistent: {stale}. Its inputs were changed after export, so "
+                                  f"its stages are not the oracle's output for them. {regenerate}")
+
+
+def _stale_digest(source: TraceSource) -> str | None:
+    """What is wrong when the source's recorded inputs_digest does not match its /inputs; None when it matches or
+    cannot be checked (no digest, or not every input recorded)."""
+    recorded = getattr(source, "attrs", {}).get("inputs_digest")
+    inputs = source.all_inputs() if recorded is not None and hasattr(source, "all_inputs") else None
+    if inputs is None:
+        return None
+    actual = inputs_digest(inputs)
+    if actual == recorded:
+        return None
+    return (f"{source.path}: its /inputs hash to {actual[:19]}…, but its inputs_digest attribute says "
+            f"{str(recorded)[:19]}…")
+
+
+def integrity_issues(cand: TraceSource) -> list[Issue]:
+    """A candidate trace that carries an inputs_digest must match it (an edited or spliced file is no evidence)."""
+    stale = _stale_digest(cand)
+    if stale is None:
+        return []
+    return [Issue("integrity", "candidate", (), f"candidate trace inconsistent: {stale}; write it again.")]
 
 
 def layout_problem(source: TraceSource, name: str, want: tuple[int, int]) -> tuple[str, str] | None:

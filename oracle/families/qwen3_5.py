@@ -22,6 +22,7 @@ from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import (Qwen3_5DecoderLayer, Qwen3_5RMSNorm,
                                                           Qwen3_5TextModel, Qwen3_5TextRotaryEmbedding)
 
+from oracle.attention_evidence import uniform_weights
 from oracle.checkpoint import Checkpoint, HeadWeights
 from oracle.errors import CheckpointError
 from oracle.families.qwen3_5_layout import HeadConfig
@@ -178,6 +179,19 @@ def run_batched(head: MtpHead, rotary: Qwen3_5TextRotaryEmbedding, inputs: Trace
     embed, hidden, positions = _step_tensors(inputs)
     rope = rotary(embed, positions)
     return _to_numpy(head(embed, hidden, rope, causal_mask(inputs.num_tokens)))
+
+
+@torch.inference_mode()
+def attention_with_uniform_weights(head: MtpHead, rotary: Qwen3_5TextRotaryEmbedding, inputs: TraceInputs,
+                                   ah: np.ndarray) -> np.ndarray:
+    """`attn` [T, D] recomputed from the trace's own `ah` rows with uniform weights over the visible keys (the
+    official attention module, only softmax(q·k) replaced: oracle/attention_evidence.py)."""
+    embed, _, positions = _step_tensors(inputs)
+    rope = rotary(embed, positions)
+    with uniform_weights(head.text_config):
+        attn = head.layers[0].self_attn(torch.from_numpy(ah)[None], position_embeddings=rope,
+                                        attention_mask=causal_mask(inputs.num_tokens))[0]
+    return attn[0].numpy()
 
 
 @torch.inference_mode()

@@ -24,7 +24,7 @@ import numpy as np
 
 from oracle.errors import TraceFormatError
 from oracle.stages import STAGE_BY_NAME, STAGE_NAMES
-from oracle.trace import read_trace
+from oracle.trace import INPUT_NAMES, read_trace
 
 CHECKED_INPUTS = ("token_ids", "positions", "hidden")  # the inputs a candidate is given; embed comes from weights
 _JSON_INPUTS = ("token_ids", "positions")
@@ -36,7 +36,8 @@ class TraceSource(Protocol):
     num_tokens: int
     hidden_size: int
     stages: tuple[str, ...]  # present stages, in STAGES order
-    recorded_inputs: tuple[str, ...]  # subset of CHECKED_INPUTS
+    recorded_inputs: tuple[str, ...]  # subset of CHECKED_INPUTS, each checked on its own
+    poisoned: bool  # every buffer was poison-filled before the candidate wrote it: an all-zero row was computed
 
     def stage_shape(self, name: str) -> tuple[int, ...]: ...
     def stage_dtype(self, name: str) -> np.dtype: ...
@@ -85,7 +86,12 @@ class Hdf5Trace(_Closing):
         self.num_tokens = self._reader.num_tokens
         self.hidden_size = self._reader.hidden_size
         self.stages = self._reader.stages
-        self.recorded_inputs = CHECKED_INPUTS if self._reader.has_inputs else ()
+        present = self._reader.input_names()
+        self.recorded_inputs = tuple(n for n in CHECKED_INPUTS if n in present)
+        # `mtp-probe run --out` writes rows the candidate wrote into poison-filled buffers, and says so.
+        self.poisoned = self._reader.attrs.get("poison_filled") is True or \
+            str(self._reader.attrs.get("poison_filled")).lower() == "true"
+        self.attrs = self._reader.attrs
 
     def close(self) -> None:
         self._reader.close()
@@ -106,6 +112,16 @@ class Hdf5Trace(_Closing):
     def input_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         return _native_float32(self._reader.input_rows(name, start, stop))
 
+    def has_evidence(self, name: str) -> bool:
+        return self._reader.has_evidence(name)
+
+    def evidence_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        return _native_float32(self._reader.evidence_rows(name, start, stop))
+
+    def all_inputs(self):
+        """Every /inputs dataset (TraceInputs), or None when the file does not record all four."""
+        return self._reader.inputs() if set(self._reader.input_names()) == set(INPUT_NAMES) else None
+
     def describe(self, name: str) -> str:
         return f"{self.path}:/stages/{name}"
 
@@ -114,6 +130,8 @@ class RawDirTrace(_Closing):
     """A directory of `<stage>.bin` files (module docstring), read by row ranges without loading whole files."""
 
     kind = "raw dir"
+    poisoned = False  # nothing says the engine pre-filled its files: an all-zero row may be an unwritten one
+    attrs: dict = {}
 
     def __init__(self, path: Path, num_tokens: int, hidden_size: int):
         self.path = Path(path)

@@ -110,7 +110,8 @@ def test_attn_missing_still_diverges_when_something_differs(tmp_path, ref_data):
 def test_every_report_states_what_a_trace_cannot_evidence():
     result = diff_cli(TINY_REF, TINY_REF)
     assert "absolute positions are not evidenced" in result.output
-    assert "q/k path evidenced by attn at t=1-7" in result.output
+    assert "q/k path evidenced by 7 attn row(s) at t=1-7" in result.output
+    assert "the candidate is the reference file itself" in result.output.splitlines()[-1]
     assert "0~" in result.output  # t=0 attention cells are marked not evidential
 
 

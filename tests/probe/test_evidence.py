@@ -3,8 +3,9 @@
 import numpy as np
 
 from oracle.stages import STAGE_NAMES
-from probe.compare import StageRows, compare_block, compare_rows
-from probe.evidence import QK_BLIND_AT_T0, decide, evidential_rows, is_evidential
+from probe.compare import StageRows, compare_rows, rows_from_sums
+from probe.evidence import QK_DEPENDENT, QkSensitivity, cell_at, decide, evidential_rows
+from probe.rowdiff import row_sums
 from probe.localize import first_divergence, first_divergence_per_token
 from probe.tolerance import DEFAULT
 
@@ -12,25 +13,42 @@ ROWS = {"ok": [1, 1], "bad": [2, 1], "nan": [np.nan, 1], "unwritten": [0, 0]}  #
 OK, BAD, NAN, UNWRITTEN = (compare_rows(np.array(ROWS[k], np.float32), np.ones(2, np.float32), DEFAULT) for k in ROWS)
 
 
-def grid(tokens: int, stages=STAGE_NAMES, bad: dict | None = None) -> list[StageRows]:
-    """Compared rows of `stages` x `tokens`, all ok but the (stage, token) -> kind in `bad`."""
+def grid(tokens: int, stages=STAGE_NAMES, bad: dict | None = None, qk: QkSensitivity | None = None) -> list[StageRows]:
+    """Compared rows of `stages` x `tokens`, all ok but the (stage, token) -> kind in `bad`; attention sensitive
+    at every t >= 1 unless `qk` says otherwise."""
     bad = bad or {}
+    qk = qk or QkSensitivity(np.arange(tokens) > 0, recorded=True)
     out = []
     for stage in stages:
         actual = np.array([ROWS[bad.get((stage, t), "ok")] for t in range(tokens)], np.float32)
-        out.append(compare_block(stage, 0, actual, np.ones((tokens, 2), np.float32), DEFAULT))
+        expected = np.ones((tokens, 2), np.float32)
+        out.append(rows_from_sums(stage, 0, 2, row_sums(actual, expected, DEFAULT), DEFAULT,
+                                  qk.blind(stage, 0, tokens)))
     return out
 
 
-def test_attention_and_downstream_at_t0_are_not_evidential():
-    assert QK_BLIND_AT_T0 == ("attn", "res1", "mh", "mlp", "res2", "out")
-    assert not any(is_evidential(s, 0, OK) for s in QK_BLIND_AT_T0)
-    assert all(is_evidential(s, 0, OK) for s in ("e", "h", "fc_in", "fc", "ah"))
-    assert all(is_evidential(s, 1, OK) for s in STAGE_NAMES)
-    assert not is_evidential("fc", 3, UNWRITTEN)
-    rows = {r.stage: evidential_rows(r).tolist() for r in grid(3, bad={("fc", 2): "unwritten"})}
-    assert rows["attn"] == rows["out"] == [False, True, True]
-    assert rows["e"] == [True, True, True] and rows["fc"] == [True, True, False]
+def test_rows_after_attention_are_evidence_only_where_the_reference_attention_is_sensitive():
+    assert QK_DEPENDENT == ("attn", "res1", "mh", "mlp", "res2", "out")
+    qk = QkSensitivity(np.array([False, True, False, True]), recorded=True)
+    rows = {r.stage: evidential_rows(r).tolist() for r in grid(4, bad={("fc", 2): "unwritten"}, qk=qk)}
+    assert rows["attn"] == rows["out"] == [False, True, False, True]
+    assert rows["e"] == [True] * 4 and rows["fc"] == [True, True, False, True]
+    attn = next(r for r in grid(4, qk=qk) if r.stage == "attn")
+    assert [cell_at(attn, t).evidential for t in range(4)] == [False, True, False, True]
+
+
+def test_no_sensitive_attention_row_is_inconclusive_even_at_many_tokens():
+    blind = QkSensitivity(np.zeros(6, dtype=bool), recorded=True)
+    verdict = decide(grid(6, qk=blind), [], STAGE_NAMES, blind)
+    assert verdict.name == "inconclusive" and "depends on the attention weights" in verdict.reasons[0]
+    twin = QkSensitivity(np.arange(6) == 4, recorded=True)  # one sensitive row is enough
+    assert decide(grid(6, qk=twin), [], STAGE_NAMES, twin).name == "pass"
+
+
+def test_a_reference_without_the_sensitivity_record_cannot_pass():
+    unrecorded = QkSensitivity(np.zeros(5, dtype=bool), recorded=False)
+    verdict = decide(grid(5, qk=unrecorded), [], STAGE_NAMES, unrecorded)
+    assert verdict.name == "inconclusive" and "re-export" in verdict.reasons[0]
 
 
 def test_pass_needs_attention_at_a_later_token():

@@ -56,9 +56,19 @@ def perturbed_from(stages: dict[str, np.ndarray], stage: str, change) -> dict[st
             for name, rows in stages.items()}
 
 
-def write_h5(path: Path, inputs: TraceInputs, stages: dict[str, np.ndarray]) -> Path:
-    write_trace(path, inputs, stages, {"producer": "test candidate"})
+def write_h5(path: Path, inputs: TraceInputs, stages: dict[str, np.ndarray], evidence: bool = True) -> Path:
+    """An mtp-trace/1 file; with `evidence` (and an attn stage) it also records /evidence/attn_uniform as a
+    reference needs it: attention sensitive at every t >= 1, as the oracle measures on distinct inputs."""
+    record = {"attn_uniform": sensitive_uniform(stages["attn"])} if evidence and "attn" in stages else None
+    write_trace(path, inputs, stages, {"producer": "test candidate"}, evidence=record)
     return path
+
+
+def sensitive_uniform(attn: np.ndarray) -> np.ndarray:
+    """A stand-in for attention with uniform weights: equal to attn at t=0 (one key), far from it elsewhere."""
+    uniform = (attn + 1).astype(np.float32)
+    uniform[:1] = attn[:1]
+    return uniform
 
 
 def write_raw(path: Path, stages: dict[str, np.ndarray], inputs: TraceInputs | None = None,
