@@ -36,6 +36,8 @@ def diff_options(command):
         click.option("--stage-tol", multiple=True, metavar="STAGE=RTOL,ATOL", help="Per-stage override, repeatable."),
         click.option("--json", "json_path", type=OUTPUT_FILE, help="Write the report as JSON to this file."),
         click.option("--plot", "plot_path", type=OUTPUT_FILE, help="Write a stage x token heatmap PNG to this file."),
+        click.option("--html", "html_path", type=OUTPUT_FILE,
+                     help="Write the report as one self-contained HTML file (verdict, table, heatmap; no network)."),
         click.option("--fail-fast", is_flag=True, help="Stop after the first token chunk that diverges."),
         click.option("-v", "--verbose", is_flag=True, help="Show the worst elements side by side, for every stage."),
     ]
@@ -49,16 +51,18 @@ def diff_options(command):
 @click.argument("candidate", type=click.Path(exists=True, path_type=Path))
 @diff_options
 @click.pass_context
-def diff(ctx, ref, candidate, profile, rtol, atol, stage_tol, json_path, plot_path, fail_fast, verbose) -> None:
+def diff(ctx, ref, candidate, profile, rtol, atol, stage_tol, json_path, plot_path, fail_fast, verbose,
+         html_path) -> None:
     """Compare CANDIDATE (an mtp-trace/1 file, or a raw dir of <stage>.bin) with the oracle trace REF.
 
     A (stage, token) row passes iff max_rel < rtol or max_abs < atol. Exit 0 pass, 1 diverged, 2 invalid or bad
     input, 3 inconclusive; the last line is a greppable summary.
     """
-    tols = _tols(profile, rtol, atol, stage_tol, json_path, plot_path)
-    refuse_overwriting_inputs({"--json": json_path, "--plot": plot_path}, {"REF": ref, "CANDIDATE": candidate})
+    tols = _tols(profile, rtol, atol, stage_tol, json_path, plot_path, html_path)
+    refuse_overwriting_inputs({"--json": json_path, "--plot": plot_path, "--html": html_path},
+                              {"REF": ref, "CANDIDATE": candidate})
     report = diff_traces(ref, candidate, tols, fail_fast=fail_fast)
-    ctx.exit(_render(report, json_path, plot_path, verbose))
+    ctx.exit(_render(report, json_path, plot_path, verbose, html_path))
 
 
 @cli.command()
@@ -69,12 +73,12 @@ def diff(ctx, ref, candidate, profile, rtol, atol, stage_tol, json_path, plot_pa
 @diff_options
 @click.pass_context
 def run(ctx, ref, spec, checkpoint, out, profile, rtol, atol, stage_tol, json_path, plot_path, fail_fast,
-        verbose) -> None:
+        verbose, html_path) -> None:
     """Run an implementation on REF's recorded inputs and the reference's weights, then diff it like `diff`."""
-    tols = _tols(profile, rtol, atol, stage_tol, json_path, plot_path)
+    tols = _tols(profile, rtol, atol, stage_tol, json_path, plot_path, html_path)
     checkpoint = checkpoint_for(ref, checkpoint)
     library = Path(spec.partition(":")[2]) if spec.startswith("c:") else None
-    refuse_overwriting_inputs({"--out": out, "--json": json_path, "--plot": plot_path},
+    refuse_overwriting_inputs({"--out": out, "--json": json_path, "--plot": plot_path, "--html": html_path},
                               {"REF": ref, "checkpoint": checkpoint, "--impl library": library})
     if out:
         check_writable(out, "--out")
@@ -84,7 +88,7 @@ def run(ctx, ref, spec, checkpoint, out, profile, rtol, atol, stage_tol, json_pa
     determinism = "deterministic" if result.deterministic else "NOT deterministic: two runs may differ"
     click.echo(f"ran {result.adapter} ({determinism})"
                + (f"; candidate trace written to {result.written}" if result.written else ""))
-    ctx.exit(_render(result.report, json_path, plot_path, verbose))
+    ctx.exit(_render(result.report, json_path, plot_path, verbose, html_path))
 
 
 @cli.command()
@@ -102,16 +106,17 @@ def selftest(ctx, reference, checkpoint, build_dir) -> None:
     ctx.exit(0 if all(r.ok is not False for r in rows) else 1)
 
 
-def _tols(profile: str, rtol, atol, stage_tol, json_path, plot_path) -> dict[str, Tol]:
+def _tols(profile: str, rtol, atol, stage_tol, json_path, plot_path, html_path=None) -> dict[str, Tol]:
     if (rtol is None) != (atol is None):
         raise click.UsageError("give both --rtol and --atol, or neither (API: Tol(rtol, atol, why)).")
-    for option, path in (("--json", json_path), ("--plot", plot_path)):
+    for option, path in (("--json", json_path), ("--plot", plot_path), ("--html", html_path)):
         if path:
             check_writable(path, option)  # before the diff, not after minutes of work
     return tol_table(PROFILES[profile] if rtol is None else Tol(rtol, atol, "--rtol/--atol"), stage_tol)
 
 
-def _render(report: DiffReport, json_path: Path | None, plot_path: Path | None, verbose: bool) -> int:
+def _render(report: DiffReport, json_path: Path | None, plot_path: Path | None, verbose: bool,
+            html_path: Path | None = None) -> int:
     if kernel_note():
         click.echo(kernel_note(), err=True)
     unwritten = []  # a report that cannot be written must not cost the verdict: printed first, then exit 2
@@ -125,6 +130,13 @@ def _render(report: DiffReport, json_path: Path | None, plot_path: Path | None, 
             from probe.plot import write_heatmap  # matplotlib only when a plot is asked for
 
             write_heatmap(report, plot_path)
+        except MtpError as err:
+            unwritten.append(err)
+    if html_path:
+        try:
+            from probe.html_report import write_html  # matplotlib for its heatmap, only when asked for
+
+            write_html(report, html_path)
         except MtpError as err:
             unwritten.append(err)
     click.echo(render_text(report, verbose=verbose))

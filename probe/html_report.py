@@ -1,0 +1,163 @@
+"""`--html F.html`: the diff report as one self-contained HTML file, readable in a browser as a CI artifact.
+
+Everything is inline — CSS, and the heatmap as a base64 PNG drawn by probe/plot.py (the `--plot` picture) — so the
+file opens with no network access and can be archived alone. It holds, top to bottom: a verdict banner (the
+summary line), the first divergence, a per-stage table, the heatmap, the self-checks and the evidence, and the
+whole text report. Every sentence comes from probe/report.py (summary_line, cell_detail, render_text, budget_text,
+coverage_text); this module only lays them out. Banner colours are the Okabe-Ito palette, which stays
+distinguishable under the common colour-vision deficiencies, and the verdict is always written out as well.
+"""
+
+import base64
+import html
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from oracle.output import atomic_output
+from oracle.stages import STAGE_BY_NAME, STAGE_NAMES
+
+from probe.compare import DIVERGENT_STATUSES, INVALID_STATUSES, most_severe
+from probe.diff import DiffReport
+from probe.report import budget_text, cell_detail, coverage_text, render_text, summary_line
+
+# Okabe-Ito (Okabe & Ito 2008): blue / vermillion / reddish purple / orange, with the text colour that reads on it.
+VERDICT_COLOURS = {"pass": ("#0072B2", "#ffffff"), "diverged": ("#D55E00", "#ffffff"),
+                   "invalid": ("#CC79A7", "#000000"), "inconclusive": ("#E69F00", "#000000")}
+VERDICT_WORDS = {"pass": "PASSED", "diverged": "DIVERGED", "invalid": "INVALID", "inconclusive": "INCONCLUSIVE"}
+
+_CSS = """
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0; color: #1a1a1a; background: #fff; }
+main { padding: 0 24px 24px; max-width: 1400px; }
+.banner { padding: 18px 24px; }
+.banner h1 { margin: 0 0 6px; font-size: 28px; letter-spacing: .04em; }
+.banner p { margin: 0; font-family: ui-monospace, monospace; font-size: 13px; word-break: break-all; }
+h2 { font-size: 17px; margin: 26px 0 8px; border-bottom: 1px solid #ddd; padding-bottom: 4px; }
+pre { background: #f6f6f6; padding: 10px 12px; overflow-x: auto; font-size: 12.5px; line-height: 1.35; margin: 0; }
+pre.wrap { white-space: pre-wrap; }
+table { border-collapse: collapse; font-size: 13px; }
+th, td { border: 1px solid #d0d0d0; padding: 3px 8px; text-align: left; vertical-align: top; }
+th { background: #eee; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; font-family: ui-monospace, monospace; }
+td.bad { background: #D55E00; color: #fff; }
+td.invalid { background: #CC79A7; color: #000; }
+tr.missing td { color: #777; }
+img.heatmap { max-width: 100%; border: 1px solid #ddd; }
+.meta { color: #555; font-size: 12.5px; }
+"""
+
+
+def render_html(report: DiffReport, heatmap_png: bytes | None = None) -> str:
+    """The whole page as a string; `heatmap_png` (probe/plot.py's PNG) is embedded as a data: URI when given."""
+    background, foreground = VERDICT_COLOURS[report.verdict.name]
+    word = VERDICT_WORDS[report.verdict.name]
+    text = render_text(report, verbose=True)
+    sections = [
+        ("First divergence", _pre(_first_divergence(report), wrap=True)),
+        ("Per stage", _stage_table(report)),
+        ("Heatmap", _heatmap(heatmap_png)),
+        ("Self-checks", _pre(_block(text, "self-checks"), wrap=True)),
+        ("Evidence", _pre(_block(text, "evidence:"), wrap=True)),
+        ("Full report", _pre(text)),
+    ]
+    body = "\n".join(f'<section id="{_anchor(title)}"><h2>{title}</h2>\n{content}</section>'
+                     for title, content in sections)
+    return f"""<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{_e(word)}: {_e(Path(report.candidate).name)} vs oracle — mtp-probe</title>
+<style>{_CSS}</style>
+</head>
+<body>
+<header class="banner" id="verdict" data-verdict="{report.verdict.name}" style="background:{background};color:{foreground}">
+<h1>{_e(word)}</h1>
+<p>{_e(summary_line(report))}</p>
+</header>
+<main>
+<p class="meta">oracle {_e(report.reference)} &middot; candidate {_e(report.candidate)} ({_e(report.candidate_kind)})
+&middot; T={report.num_tokens}, D={report.hidden_size} &middot; {_e(coverage_text(report.captured))}
+&middot; exit code {report.verdict.exit_code}</p>
+{body}
+</main>
+</body>
+</html>
+"""
+
+
+def write_html(report: DiffReport, path: Path) -> None:
+    """Write render_html(report), with the heatmap, to `path` atomically (oracle/output.py)."""
+    from probe.plot import write_heatmap  # matplotlib only when a picture is asked for
+
+    with tempfile.TemporaryDirectory(prefix="mtp-probe-html-") as tmp:
+        png = Path(tmp) / "heatmap.png"
+        write_heatmap(report, png)
+        page = render_html(report, png.read_bytes())
+    with atomic_output(path, "--html") as tmp_path:
+        tmp_path.write_text(page, encoding="utf-8")
+
+
+def _first_divergence(report: DiffReport) -> str:
+    if report.first is None:
+        return "no divergence: every compared row is within tolerance or failed a self-check (see Self-checks)"
+    first = report.first
+    return (f"first divergence: stage {first.stage} at token {first.token}\n\n"
+            + cell_detail(first, verbose=True))
+
+
+def _stage_table(report: DiffReport) -> str:
+    head = ("<tr><th>stage</th><th>what it is</th><th>rows compared</th><th>out of tolerance</th>"
+            "<th>never written / wrong layout</th><th>worst budget (token)</th><th>first divergent token</th>"
+            "<th>tolerance</th></tr>")
+    lines = ["<table>", head]
+    for name in STAGE_NAMES:
+        doc, tol = _e(STAGE_BY_NAME[name].doc), report.tols[name]
+        tol_text = f"rtol {tol.rtol:g}, atol {tol.atol:g}"
+        rows = report.rows.get(name)
+        if rows is None:
+            lines.append(f'<tr class="missing"><td>{name}</td><td>{doc}</td><td colspan="5">'
+                         f'not captured (never counted as passed)</td><td>{tol_text}</td></tr>')
+            continue
+        divergent, invalid = rows.has_status(DIVERGENT_STATUSES), rows.has_status(INVALID_STATUSES)
+        worst = most_severe(rows, valid_only=True)
+        worst_text = "-"
+        if worst is not None:
+            token = rows.start + worst[0]
+            worst_text = f"{budget_text(rows.diff(token).budget_used)} (t{token})"
+        first = f"t{rows.start + int(np.flatnonzero(divergent)[0])}" if divergent.any() else "-"
+        bad, broken = ("num bad" if divergent.any() else "num"), ("num invalid" if invalid.any() else "num")
+        lines.append(f'<tr><td>{name}</td><td>{doc}</td><td class="num">{len(rows)}</td>'
+                     f'<td class="{bad}">{int(divergent.sum())}</td><td class="{broken}">{int(invalid.sum())}</td>'
+                     f'<td class="num">{_e(worst_text)}</td><td class="num">{first}</td><td>{tol_text}</td></tr>')
+    lines.append("</table>")
+    return "\n".join(lines)
+
+
+def _heatmap(png: bytes | None) -> str:
+    if png is None:
+        return "<p>(no heatmap)</p>"
+    data = base64.b64encode(png).decode("ascii")
+    return (f'<img class="heatmap" alt="tolerance budget per (stage, token)" '
+            f'src="data:image/png;base64,{data}">')
+
+
+def _block(text: str, first_word: str) -> str:
+    """The paragraph of render_text's output that starts with `first_word` (its blocks are blank-line separated)."""
+    for block in text.split("\n\n"):
+        if block.startswith(first_word):
+            return block
+    return f"(the text report has no '{first_word}' section)"
+
+
+def _pre(text: str, wrap: bool = False) -> str:
+    return f'<pre class="wrap">{_e(text)}</pre>' if wrap else f"<pre>{_e(text)}</pre>"
+
+
+def _anchor(title: str) -> str:
+    return title.lower().replace(" ", "-")
+
+
+def _e(text: str) -> str:
+    return html.escape(str(text), quote=True)

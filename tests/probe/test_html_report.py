@@ -1,0 +1,161 @@
+"""`--html F.html` (probe/html_report.py): one self-contained file with the verdict, the first divergence, the
+per-stage table, the heatmap and the evidence; checked as text, and as a page in headless Chromium (skipped where
+no Chromium is installed; .ci/run installs it)."""
+
+import base64
+import io
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from oracle.stages import STAGE_NAMES
+from probe.cli import cli
+from probe.html_report import VERDICT_COLOURS
+from probe.poison import poison
+from tests.helpers import FIXTURES, TINY, TINY_REF, run_cli
+from tests.probe.tracekit import copy_stages, ref_data, write_raw  # noqa: F401 (fixture)
+
+
+def _off_by_one_percent_from_attn_t3(stages):
+    out = copy_stages(stages)
+    for name in STAGE_NAMES[STAGE_NAMES.index("attn"):]:
+        out[name][3:] *= np.float32(1.01)
+    return out
+
+
+@pytest.fixture
+def candidates(ref_data, tmp_path):
+    inputs, stages = ref_data
+    unwritten = copy_stages(stages)
+    unwritten["mh"][2] = poison(inputs.hidden_size)
+    return {"pass": write_raw(tmp_path / "pass", copy_stages(stages), inputs),
+            "diverged": write_raw(tmp_path / "diverged", _off_by_one_percent_from_attn_t3(stages), inputs),
+            "invalid": write_raw(tmp_path / "invalid", unwritten, inputs)}
+
+
+def _html(tmp_path: Path, candidate: Path, expect_exit: int) -> str:
+    page = tmp_path / f"{candidate.name}.html"
+    result = run_cli(cli, ["diff", TINY_REF, candidate, "--html", page])
+    assert result.exit_code == expect_exit, result.output
+    return page.read_text()
+
+
+def _external_references(page: str) -> list[str]:
+    """Anything a browser would fetch from elsewhere: src/href not a data: URI or #anchor, CSS url()/@import."""
+    links = re.findall(r"""(?:src|href)\s*=\s*["']([^"']*)["']""", page)
+    outside = [link for link in links if not link.startswith(("data:", "#"))]
+    return outside + re.findall(r"url\(\s*['\"]?(?!data:)[^)]*\)|@import", page)
+
+
+def test_pass_page_holds_verdict_table_heatmap_and_evidence(candidates, tmp_path):
+    page = _html(tmp_path, candidates["pass"], 0)
+    assert 'data-verdict="pass"' in page and VERDICT_COLOURS["pass"][0] in page
+    assert "<h1>PASSED</h1>" in page and "PASSED | 11 stages x 8 tokens within tolerance" in page
+    assert "no divergence" in page
+    table = page.split('id="per-stage"', 1)[1].split("</table>", 1)[0]
+    assert all(f"<td>{name}</td>" in table for name in STAGE_NAMES)
+    assert "evidence:" in page and "absolute positions are not evidenced" in page
+    png = base64.b64decode(re.search(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page).group(1))
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert _external_references(page) == []
+
+
+def test_twin_diverged_page_names_the_first_divergence(candidates, tmp_path):
+    page = _html(tmp_path, candidates["diverged"], 1)
+    assert 'data-verdict="diverged"' in page and "<h1>DIVERGED</h1>" in page
+    assert "first divergence: stage attn at token 3" in page
+    assert "FAILED | stage 6/11 &#x27;attn&#x27; token 3" in page
+    assert re.search(r"<td>attn</td>.*?<td class=\"num bad\">5</td>", page)  # 5 rows out of tolerance, flagged
+    assert 'data-verdict="pass"' not in page and _external_references(page) == []
+
+
+def test_twin_unwritten_row_page_is_invalid(candidates, tmp_path):
+    page = _html(tmp_path, candidates["invalid"], 2)
+    assert 'data-verdict="invalid"' in page and "<h1>INVALID</h1>" in page
+    assert "self-checks FAILED" in page and "0x7FDEAD00" in page
+    assert re.search(r"<td>mh</td>.*?<td class=\"num invalid\">1</td>", page)
+
+
+def test_external_reference_check_sees_a_link():
+    """Twin of the self-containment assertions: the checker does catch what a browser would fetch."""
+    assert _external_references('<img src="https://example.org/x.png">') == ["https://example.org/x.png"]
+    assert _external_references("<style>@import 'x.css';</style>") == ["@import"]
+    assert _external_references('<img src="data:image/png;base64,AAAA"><a href="#top">') == []
+
+
+def test_run_writes_html_too(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(FIXTURES / "candidates"))
+    page = tmp_path / "run.html"
+    result = run_cli(cli, ["run", TINY_REF, "--impl", "python:numpy_step:make_head", "--checkpoint", TINY,
+                           "--html", page])
+    assert result.exit_code == 0, result.output
+    assert 'data-verdict="pass"' in page.read_text()
+
+
+def test_unwritable_html_fails_before_the_diff(candidates, tmp_path):
+    result = run_cli(cli, ["diff", TINY_REF, candidates["pass"], "--html", tmp_path / "missing" / "r.html"])
+    assert result.exit_code == 2 and "--html" in result.output and "does not exist" in result.output
+    assert "PASSED |" not in result.output  # refused before any work
+
+
+def test_html_never_replaces_the_reference(candidates, tmp_path):
+    ref = tmp_path / "ref.h5"
+    shutil.copy(TINY_REF, ref)
+    before = ref.read_bytes()
+    result = run_cli(cli, ["diff", ref, candidates["pass"], "--html", ref])
+    assert result.exit_code == 2 and ref.read_bytes() == before
+
+
+# --- in a real browser ----------------------------------------------------------------------------------------
+
+BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def _screenshot(page: Path, out: Path, size=(1280, 1000)) -> np.ndarray:
+    """Render `page` in headless Chromium with the network off; the screenshot as an RGB array."""
+    from PIL import Image
+
+    cmd = [BROWSER, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
+           f"--user-data-dir={out.parent / 'chromium-profile'}", "--host-resolver-rules=MAP * ~NOTFOUND",
+           f"--window-size={size[0]},{size[1]}", f"--screenshot={out}", page.resolve().as_uri()]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and out.is_file(), proc.stderr[-2000:]
+    return np.asarray(Image.open(io.BytesIO(out.read_bytes())).convert("RGB")).astype(int)
+
+
+def _hex_rgb(colour: str) -> np.ndarray:
+    return np.array([int(colour[i:i + 2], 16) for i in (1, 3, 5)])
+
+
+def _share(pixels: np.ndarray, colour: str, tolerance: int = 8) -> float:
+    """The fraction of `pixels` within `tolerance` of `colour` in every channel."""
+    return float((np.abs(pixels - _hex_rgb(colour)).max(axis=-1) <= tolerance).mean())
+
+
+@pytest.mark.skipif(BROWSER is None, reason="no Chromium installed (apt-get install chromium; .ci/run does)")
+@pytest.mark.parametrize("verdict, exit_code", [("pass", 0), ("diverged", 1), ("invalid", 2)])
+def test_page_renders_in_chromium_with_the_verdict_colour(candidates, tmp_path, verdict, exit_code):
+    _html(tmp_path, candidates[verdict], exit_code)
+    shot = _screenshot(tmp_path / f"{verdict}.html", tmp_path / f"{verdict}.png")
+    assert shot.shape[:2] == (1000, 1280)
+    banner, below = shot[5:60, :, :], shot[120:, :, :]
+    assert _share(banner, VERDICT_COLOURS[verdict][0]) > 0.8  # the banner is drawn, in its verdict's colour
+    for other, (colour, _) in VERDICT_COLOURS.items():
+        if other != verdict:
+            assert _share(banner, colour) < 0.05
+    # Not blank: the page has a body (text, table rules, the heatmap) below the banner.
+    assert _share(below, "#ffffff", tolerance=0) < 0.97 and len(np.unique(below.reshape(-1, 3), axis=0)) > 50
+
+
+@pytest.mark.skipif(BROWSER is None, reason="no Chromium installed (apt-get install chromium; .ci/run does)")
+def test_twin_screenshot_check_fails_on_a_blank_page(tmp_path):
+    """The screenshot assertions are not vacuous: an empty page fails them."""
+    page = tmp_path / "blank.html"
+    page.write_text("<!DOCTYPE html><html><body></body></html>")
+    shot = _screenshot(page, tmp_path / "blank.png")
+    assert _share(shot[5:60], VERDICT_COLOURS["pass"][0]) < 0.8
+    assert _share(shot[120:], "#ffffff", tolerance=0) >= 0.97
