@@ -1,5 +1,6 @@
 """`mtp-probe`: question an implementation of an MTP head against the oracle's reference trace."""
 
+import functools
 import shlex
 import sys
 from pathlib import Path
@@ -46,11 +47,29 @@ def diff_options(command):
     return command
 
 
+def invalid_line_on_error(command):
+    """A user-fixable error in `diff`/`run` (bad reference, crashing candidate, mismatched config) still ends stdout
+    with the greppable verdict line, `INVALID | <cause>`; the full message follows on stderr (exit 2)."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except OutputError:
+            raise  # an unwritable --json/--plot/--html: the verdict line was already printed (or no work done)
+        except MtpError as err:
+            click.echo(f"INVALID | {str(err).splitlines()[0] if str(err) else type(err).__name__}")
+            raise
+
+    return wrapper
+
+
 @cli.command()
 @click.argument("ref", type=EXISTING_FILE)
 @click.argument("candidate", type=click.Path(exists=True, path_type=Path))
 @diff_options
 @click.pass_context
+@invalid_line_on_error
 def diff(ctx, ref, candidate, profile, rtol, atol, stage_tol, json_path, plot_path, fail_fast, verbose,
          html_path) -> None:
     """Compare CANDIDATE (an mtp-trace/1 file, or a raw dir of <stage>.bin) with the oracle trace REF.
@@ -72,6 +91,7 @@ def diff(ctx, ref, candidate, profile, rtol, atol, stage_tol, json_path, plot_pa
 @click.option("--out", type=OUTPUT_FILE, help="Also write the candidate's trace (mtp-trace/1) here.")
 @diff_options
 @click.pass_context
+@invalid_line_on_error
 def run(ctx, ref, spec, checkpoint, out, profile, rtol, atol, stage_tol, json_path, plot_path, fail_fast,
         verbose, html_path) -> None:
     """Run an implementation on REF's recorded inputs and the reference's weights, then diff it like `diff`."""
@@ -85,8 +105,10 @@ def run(ctx, ref, spec, checkpoint, out, profile, rtol, atol, stage_tol, json_pa
     adapter = adapter_from_spec(spec, checkpoint)
     result = run_and_diff(ref, adapter, tols, out=out, fail_fast=fail_fast,
                           command=shlex.join(["mtp-probe", *sys.argv[1:]]))
-    determinism = "deterministic" if result.deterministic else "NOT deterministic: two runs may differ"
-    click.echo(f"ran {result.adapter} ({determinism})"
+    # Determinism is not measured here (one run), so it is not claimed; an adapter that knows it is not
+    # deterministic (e.g. torch on a GPU) says so.
+    determinism = "" if result.deterministic else " (declares itself NOT deterministic: two runs may differ)"
+    click.echo(f"ran {result.adapter}{determinism}"
                + (f"; candidate trace written to {result.written}" if result.written else ""))
     ctx.exit(_render(result.report, json_path, plot_path, verbose, html_path))
 

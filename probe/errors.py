@@ -17,3 +17,7 @@ class ToleranceError(ProbeError):
 
 class AdapterError(ProbeError):
     """An implementation under test could not be built, loaded or run (bad library, error code, crash)."""
+
+
+class CandidateError(AdapterError):
+    """The implementation under test itself failed (raised, crashed, exited early): the verdict is invalid."""

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from oracle.checkpoint import Checkpoint
 from oracle.stages import STAGE_BY_NAME, STAGE_NAMES
 from oracle.trace import TraceInputs, read_trace, write_trace
 from probe.adapters.base import Adapter
@@ -42,13 +43,15 @@ def adapter_from_spec(spec: str, checkpoint: Path) -> Adapter:
 
 
 def checkpoint_for(ref_path: Path, given: Path | None) -> Path:
-    """--checkpoint, or the checkpoint recorded in the reference's provenance if it is here."""
-    if given is not None:
-        return Path(given)
+    """--checkpoint, or the checkpoint recorded in the reference's provenance if it is here; its head config must
+    be the one the reference records."""
     with read_trace(ref_path) as ref:
         recorded = ref.attrs.get("provenance", {}).get("checkpoint")
-    if recorded and Path(recorded).is_dir():
-        return Path(recorded)
+        ref_config = ref.attrs.get("config")
+    path = Path(given) if given is not None else Path(recorded) if recorded and Path(recorded).is_dir() else None
+    if path is not None:
+        check_config(Checkpoint(path).config.to_dict(), ref_config, ref_path)
+        return path
     raise ProbeError(f"{ref_path} was exported from checkpoint {recorded or '(not recorded)'}, which is not a "
                      f"directory here; pass --checkpoint DIR (the same weights: their digest is checked).")
 
@@ -76,6 +79,28 @@ def run_and_diff(ref_path: Path, adapter: Adapter, tols: dict[str, Tol], out: Pa
     return RunResult(adapter.name, adapter.deterministic, report, written)
 
 
+def check_config(config: dict | None, ref_config: dict | None, ref_path: Path) -> None:
+    """The head config the candidate is given must be the reference's, field by field: the same weights with
+    another partial_rotary_factor or rope_theta would blame a correct candidate."""
+    if config is None or ref_config is None:
+        return
+    ours, theirs = _plain(config), _plain(ref_config)
+    differ = sorted(k for k in set(ours) | set(theirs) if ours.get(k, "(absent)") != theirs.get(k, "(absent)"))
+    if differ:
+        fields = "; ".join(f"{k}: checkpoint {ours.get(k, '(absent)')!r}, reference {theirs.get(k, '(absent)')!r}"
+                           for k in differ)
+        raise ProbeError(f"the checkpoint's head config differs from the one {ref_path} was exported with ({fields}); "
+                         f"the candidate would run another head. Pass the reference's checkpoint (--checkpoint) "
+                         f"with its original config.json.")
+
+
+def _plain(config: dict) -> dict:
+    """JSON round trip: tuples and lists compare equal, as the trace stores them."""
+    import json
+
+    return json.loads(json.dumps(config, sort_keys=True))
+
+
 def _check_weights(adapter: Adapter, ref_digest: str | None, ref_path: Path) -> None:
     if ref_digest and adapter.weights_digest != ref_digest:
         raise ProbeError(f"{adapter.name} ran with head weights of digest {adapter.weights_digest}, but {ref_path} "
@@ -101,7 +126,8 @@ def _write_candidate(out: Path, inputs: TraceInputs, stages: dict, adapter: Adap
            for n, a in stages.items()):
         return None  # a wrong layout is reported as invalid by the diff; it cannot be stored as mtp-trace/1
     attrs = {"producer": f"mtp-probe run --impl {adapter.name}", "checkpoint_digest": adapter.weights_digest,
-             "provenance": {"command": command, "adapter": adapter.name, "deterministic": adapter.deterministic}}
+             "poison_filled": True,  # the adapter poisoned every buffer: an all-zero row was computed
+             "provenance": {"command": command, "adapter": adapter.name}}
     write_trace(out, inputs, stages, attrs)
     return Path(out)
 
@@ -110,6 +136,8 @@ class ArraySource:
     """A candidate held in memory (an adapter's result), behind the TraceSource interface of trace files."""
 
     recorded_inputs = ()  # the adapter was handed the reference's inputs: nothing of its own to check
+    poisoned = True  # adapters hand the candidate poison-filled buffers: an all-zero row is a computed value
+    attrs: dict = {}
 
     def __init__(self, name: str, inputs: TraceInputs, stages: dict[str, np.ndarray]):
         self.path, self.kind = Path(name), "adapter"

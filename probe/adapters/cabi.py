@@ -21,7 +21,7 @@ import numpy as np
 from oracle.checkpoint import Checkpoint
 from oracle.trace import TraceInputs
 from probe.adapters import cabi_worker as worker
-from probe.errors import AdapterError
+from probe.errors import AdapterError, CandidateError
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding probe/ (and, in a checkout, fixtures/)
 HEADER_DIR = _PACKAGE_ROOT / "fixtures" / "candidates"  # mtp_probe.h
@@ -101,6 +101,10 @@ class CAbiAdapter:
             proc = subprocess.run(self._worker_command(work), capture_output=True, text=True, env=_worker_env())
             if proc.returncode != 0:
                 raise self._failure(proc, work)
+            if not (work / worker.MANIFEST_FILE).is_file():  # e.g. the library called exit(0) inside a step
+                raise CandidateError(f"{self.name}: the process running it exited with status 0 "
+                                     f"{_phase_description(work / worker.PROGRESS_FILE)} without finishing the run "
+                                     f"(did the library call exit()?). Its stderr:\n{_tail(proc.stderr) or '(none)'}")
             manifest = json.loads((work / worker.MANIFEST_FILE).read_text())
             self.weights_digest = manifest["weights_digest"]  # of the weights the library was actually given
             return {name: np.load(work / f"{name}.npy") for name in manifest["captured"]}
@@ -127,7 +131,7 @@ class CAbiAdapter:
         where = _phase_description(work / worker.PROGRESS_FILE)
         if proc.returncode < 0:
             sig = _signal_name(-proc.returncode)
-            return AdapterError(f"{self.name} crashed with {sig} {where}. The library ran in a child process, "
+            return CandidateError(f"{self.name} crashed with {sig} {where}. The library ran in a child process, "
                                 f"so only it died; debug that call (gdb, valgrind, compute-sanitizer). "
                                 f"Its stderr:\n{stderr}")
         return AdapterError(f"the worker running {self.name} exited with status {proc.returncode} {where}. "

@@ -13,6 +13,7 @@ FACTORY is called once per run, so every run starts with an empty cache.
 """
 
 import importlib
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ import numpy as np
 from oracle.checkpoint import Checkpoint
 from oracle.stages import STAGE_BY_NAME, TRACE_STAGE_NAMES
 from oracle.trace import TraceInputs
-from probe.errors import AdapterError
+from probe.errors import AdapterError, CandidateError
 from probe.poison import poison
 
 
@@ -42,9 +43,13 @@ class PythonAdapter:
         self.weights_digest = head.digest
         self._make = lambda: factory(ckpt.config, head.tensors)
         self._factory_name = factory_name
+        self._module_file = getattr(importlib.import_module(module_name), "__file__", None)
 
     def run(self, inputs: TraceInputs) -> dict[str, np.ndarray]:
-        impl = self._make()  # a fresh impl per run: its KV cache must start empty
+        try:
+            impl = self._make()  # a fresh impl per run: its KV cache must start empty
+        except Exception as err:  # the candidate's own code: report it, never crash the probe
+            raise self._raised(err, f"in {self._factory_name}()") from None
         if not callable(getattr(impl, "step", None)):
             raise AdapterError(f"{self.name}: the object {self._factory_name}() returned has no step() method.")
         capture = _captured_stages(impl, self.name)
@@ -53,9 +58,23 @@ class PythonAdapter:
         buffers["out"] = poison((t, d))
         for i in range(t):
             rows = {n: buffers[n][i] for n in capture}  # views: the impl writes into the buffers
-            impl.step(int(inputs.positions[i]), inputs.embed[i].copy(), inputs.hidden[i].copy(), buffers["out"][i],
-                      rows)
+            try:
+                impl.step(int(inputs.positions[i]), inputs.embed[i].copy(), inputs.hidden[i].copy(),
+                          buffers["out"][i], rows)
+            except Exception as err:  # the candidate's own code: report it, never crash the probe
+                raise self._raised(err, f"at step {i}") from None
         return buffers
+
+    def _raised(self, err: Exception, where: str) -> CandidateError:
+        """`candidate raised ValueError at step 3: msg`, with the candidate's own frames (not the probe's)."""
+        frames = [f for f in traceback.extract_tb(err.__traceback__) if not _is_probe_frame(f.filename)]
+        shown = "".join(traceback.format_list(frames[-6:])).rstrip()
+        return CandidateError(f"candidate raised {type(err).__name__} {where}: {err}"
+                              + (f"\ncandidate traceback (most recent call last):\n{shown}" if shown else ""))
+
+
+def _is_probe_frame(filename: str) -> bool:
+    return Path(filename).resolve().is_relative_to(Path(__file__).resolve().parents[1])
 
 
 def _captured_stages(impl, name: str) -> tuple[str, ...]:

@@ -1,0 +1,76 @@
+"""Python candidates (python:tests.probe.lie_candidates:FACTORY) built to make the probe lie, each a one-bug
+variant of fixtures/candidates/numpy_step.py. Imported by `mtp-probe run` through the python adapter."""
+
+import sys
+
+import numpy as np
+
+from tests.helpers import ROOT
+
+sys.path.insert(0, str(ROOT / "fixtures" / "candidates"))
+import numpy_step  # noqa: E402  (the example candidate lives outside the package)
+
+
+class NoQkNorm(numpy_step.NumpyHead):
+    """q_norm and k_norm skipped: only attention at a token whose output depends on the weights can see it."""
+
+    def attention(self, x, pos):
+        original = numpy_step.rmsnorm1p  # inside attention() it is used only by q_norm and k_norm
+        numpy_step.rmsnorm1p = lambda v, weight, eps: v
+        try:
+            return super().attention(x, pos)
+        finally:
+            numpy_step.rmsnorm1p = original
+
+
+class ZeroOProj(numpy_step.NumpyHead):
+    """An o_proj never loaded (left at zero): attn is all zeros, a value the candidate computed."""
+
+    def __init__(self, cfg, weights):
+        super().__init__(cfg, weights)
+        self.w["self_attn.o_proj.weight"] = np.zeros_like(self.w["self_attn.o_proj.weight"])
+
+
+class RaisesAtStep3(numpy_step.NumpyHead):
+    def step(self, pos, embed_row, hidden, out, trace):
+        self.steps = getattr(self, "steps", 0) + 1
+        if self.steps == 4:
+            raise ValueError("kv cache full")
+        super().step(pos, embed_row, hidden, out, trace)
+
+
+class ShiftedRows(numpy_step.NumpyHead):
+    """The harness bug: step t's values land in row t-1 (row T-1 repeats the last step)."""
+
+    def step(self, pos, embed_row, hidden, out, trace):
+        previous = getattr(self, "previous", None)
+        scratch_out, scratch = np.empty_like(out), {n: np.empty_like(r) for n, r in trace.items()}
+        super().step(pos, embed_row, hidden, scratch_out, scratch)
+        if previous is not None:
+            previous[0][:] = scratch_out
+            for name, row in previous[1].items():
+                row[:] = scratch[name]
+        out[:] = scratch_out
+        for name, row in trace.items():
+            row[:] = scratch[name]
+        self.previous = (out, trace)
+
+
+def no_qk_norm(config, weights):
+    return NoQkNorm(config, weights)
+
+
+def zero_o_proj(config, weights):
+    return ZeroOProj(config, weights)
+
+
+def raises_at_step_3(config, weights):
+    return RaisesAtStep3(config, weights)
+
+
+def raises_in_factory(config, weights):
+    raise RuntimeError("weights not found: mtp.fc.weight")
+
+
+def shifted_rows(config, weights):
+    return ShiftedRows(config, weights)

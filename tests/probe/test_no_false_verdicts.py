@@ -1,0 +1,206 @@
+"""Issue 10: each cause of a wrong verdict found by adversarial candidates, as a test with its twin.
+
+1. attention that cannot depend on q/k (repeated token and hidden) is no q/k evidence;
+2. every recorded input is checked on its own;
+3. a crashing candidate is INVALID (exit 2), never "diverged" (exit 1);
+4. an all-zero row a poisoned candidate computed is compared, not called unwritten;
+5. a reference whose inputs were edited after export is refused;
+6. `run` refuses a checkpoint whose head config differs from the reference's;
+and the report's claims are measured: the candidate is the reference; rows shifted by one token.
+"""
+
+import json
+import shutil
+
+import h5py
+import numpy as np
+import pytest
+
+from oracle.cli import main as oracle_main
+from oracle.trace import TraceInputs, write_trace
+from probe.cli import cli
+from tests.helpers import TINY, TINY_REF, run_cli
+from tests.probe.tracekit import copy_stages, load_trace, write_raw
+
+PY = "python:tests.probe.lie_candidates:"
+
+
+def last_line(result) -> str:
+    return result.output.rstrip("\n").splitlines()[-1]
+
+
+def export(out, *args) -> None:
+    oracle_main(["export", str(TINY), "--out", str(out), *map(str, args), "-q"], standalone_mode=False)
+
+
+@pytest.fixture(scope="module")
+def degenerate_ref(tmp_path_factory):
+    """T=6 steps of one token with one hidden row repeated: every attention row equals its uniform mean."""
+    d = tmp_path_factory.mktemp("degenerate")
+    np.save(d / "h.npy", np.repeat(np.random.default_rng(0).standard_normal((1, 64), dtype=np.float32), 6, axis=0))
+    export(d / "ref.h5", "--tokens", "5,5,5,5,5,5", "--hidden", d / "h.npy")
+    return d / "ref.h5"
+
+
+def test_degenerate_attention_is_not_q_k_evidence_and_a_q_k_bug_cannot_pass(degenerate_ref):
+    result = run_cli(cli, ["run", degenerate_ref, "--impl", PY + "no_qk_norm", "--checkpoint", TINY])
+    assert result.exit_code == 3, result.output
+    assert last_line(result).startswith("INCONCLUSIVE |") and "no attn row depends on the attention" in result.output
+    assert "q/k path NOT evidenced" in result.output and "0 of 6 reference tokens" in result.output
+
+
+def test_twin_the_same_q_k_bug_diverges_at_attention_on_distinct_inputs():
+    result = run_cli(cli, ["run", TINY_REF, "--impl", PY + "no_qk_norm", "--checkpoint", TINY])
+    assert result.exit_code == 1 and "first divergent stage: attn at token 1" in last_line(result)
+
+
+def test_export_warns_when_its_inputs_cannot_evidence_q_k(tmp_path):
+    np.save(tmp_path / "h.npy", np.ones((3, 64), np.float32))
+    warned = run_cli(__import__("oracle.cli", fromlist=["cli"]).cli,
+                     ["export", TINY, "--out", tmp_path / "a.h5", "--tokens", "5,5,5", "--hidden", tmp_path / "h.npy"])
+    assert warned.exit_code == 0 and "cannot evidence q, k" in warned.output
+    twin = run_cli(__import__("oracle.cli", fromlist=["cli"]).cli,
+                   ["export", TINY, "--out", tmp_path / "b.h5", "--tokens", "5,6,7", "--hidden-seed", "0"])
+    assert twin.exit_code == 0 and "cannot evidence" not in twin.output
+
+
+def test_a_reference_without_the_sensitivity_record_is_at_best_inconclusive(tmp_path):
+    old = tmp_path / "old.h5"
+    shutil.copy(TINY_REF, old)
+    with h5py.File(old, "a") as f:
+        del f["evidence"]
+    result = run_cli(cli, ["diff", old, TINY_REF])
+    assert result.exit_code == 3 and "re-export the reference" in last_line(result)
+
+
+def test_each_recorded_input_is_checked_on_its_own(tmp_path):
+    inputs, stages = load_trace(TINY_REF)
+    moved = TraceInputs(inputs.token_ids, inputs.positions + 1, inputs.hidden, inputs.embed)
+    path = tmp_path / "c.h5"
+    write_trace(path, moved, copy_stages(stages), {"producer": "test"})
+    with h5py.File(path, "a") as f:
+        del f["inputs/hidden"]  # an incomplete /inputs group: positions must still be checked
+    result = run_cli(cli, ["diff", TINY_REF, path])
+    assert result.exit_code == 2 and "inputs differ: inputs/positions" in last_line(result)
+    assert "not recorded (not verified): hidden" in result.output
+    twin = tmp_path / "twin.h5"
+    write_trace(twin, inputs, copy_stages(stages), {"producer": "test"})
+    with h5py.File(twin, "a") as f:
+        del f["inputs/hidden"]
+    ok = run_cli(cli, ["diff", TINY_REF, twin])
+    assert ok.exit_code == 0 and "identical to the reference: token_ids, positions" in ok.output
+
+
+@pytest.mark.parametrize("factory, words", [
+    ("raises_at_step_3", "INVALID | candidate raised ValueError at step 3: kv cache full"),
+    ("raises_in_factory", "INVALID | candidate raised RuntimeError in raises_in_factory(): weights not found"),
+])
+def test_a_crashing_python_candidate_is_invalid_with_its_own_frame(factory, words):
+    result = run_cli(cli, ["run", TINY_REF, "--impl", PY + factory, "--checkpoint", TINY])
+    assert result.exit_code == 2, result.output
+    assert words in result.output and "lie_candidates.py" in result.output  # the candidate's frame is shown
+    assert "probe/adapters/python.py" not in result.output and "Traceback" not in result.output
+
+
+def test_a_c_candidate_that_exits_0_mid_run_is_invalid(tmp_path):
+    from probe.adapters.cabi import build_library
+
+    source = tmp_path / "quitter.c"
+    original = (TINY.parent / "candidates" / "mtp_step.c").read_text()
+    source.write_text("#include <stdlib.h>\n" + original.replace("int mtp_step(", "static int real_step(", 1) +
+                      "\nint mtp_step(void *c, int pos, const float *e, const float *h, float *o, const mtp_trace *t)"
+                      " { if (pos == 2) exit(0); return real_step(c, pos, e, h, o, t); }\n")
+    lib = build_library(source, tmp_path)
+    result = run_cli(cli, ["run", TINY_REF, "--impl", f"c:{lib}", "--checkpoint", TINY])
+    assert result.exit_code == 2 and result.stdout.splitlines()[-1].startswith("INVALID |"), result.output
+    assert "exited with status 0" in result.output and "step 2" in result.output
+
+
+def test_a_computed_zero_row_is_compared_when_the_buffers_were_poisoned():
+    result = run_cli(cli, ["run", TINY_REF, "--impl", PY + "zero_o_proj", "--checkpoint", TINY])
+    assert result.exit_code == 1, result.output
+    assert "first divergent stage: attn at token 0" in last_line(result)
+    assert "every compared row written: the buffers were poison-filled" in result.output
+
+
+def test_twin_a_zero_row_in_an_unpoisoned_dump_is_unwritten_and_said_to_be_indistinguishable(tmp_path):
+    inputs, stages = load_trace(TINY_REF)
+    cand = copy_stages(stages)
+    cand["attn"][:] = 0
+    result = run_cli(cli, ["diff", TINY_REF, write_raw(tmp_path / "raw", cand)])
+    assert result.exit_code == 2 and "unwritten rows: attn" in last_line(result)
+
+
+def test_a_zero_row_whose_reference_is_zero_is_never_claimed_written(tmp_path):
+    inputs, stages = load_trace(TINY_REF)
+    ref_stages = copy_stages(stages)
+    ref_stages["mlp"][2] = 0  # a reference row that is itself all zeros
+    ref = tmp_path / "ref.h5"
+    write_trace(ref, inputs, ref_stages, {"producer": "test"},
+                evidence={"attn_uniform": load_uniform(TINY_REF)})
+    result = run_cli(cli, ["diff", ref, write_raw(tmp_path / "raw", copy_stages(ref_stages))])
+    assert result.exit_code == 0, result.output
+    assert "1 row(s) are all zeros on both sides, so whether they were written cannot be verified" in result.output
+
+
+def load_uniform(path):
+    with h5py.File(path, "r") as f:
+        return f["evidence/attn_uniform"][()]
+
+
+def test_a_reference_whose_inputs_were_edited_after_export_is_refused(tmp_path):
+    edited = tmp_path / "edited.h5"
+    shutil.copy(TINY_REF, edited)
+    with h5py.File(edited, "a") as f:
+        f["inputs/hidden"][2, 0] += 1.0
+    result = run_cli(cli, ["diff", edited, TINY_REF])
+    assert result.exit_code == 2 and "reference trace inconsistent" in result.output
+    assert last_line(result).startswith(("INVALID |", "Error:"))
+    twin = tmp_path / "copy.h5"
+    shutil.copy(TINY_REF, twin)
+    assert run_cli(cli, ["diff", twin, TINY_REF]).exit_code == 0
+
+
+def test_a_candidate_trace_with_a_stale_digest_is_invalid(tmp_path):
+    cand = tmp_path / "cand.h5"
+    shutil.copy(TINY_REF, cand)
+    with h5py.File(cand, "a") as f:
+        f["inputs/embed"][0, 0] += 1.0  # embed is not compared as an input, but the digest covers it
+    result = run_cli(cli, ["diff", TINY_REF, cand])
+    assert result.exit_code == 2 and "inconsistent trace" in last_line(result)
+
+
+def test_run_refuses_a_checkpoint_whose_head_config_differs_from_the_references(tmp_path):
+    other = tmp_path / "ckpt"
+    shutil.copytree(TINY, other)
+    config = json.loads((other / "config.json").read_text())
+    text = config.get("text_config", config)
+    rope = text.setdefault("rope_parameters", {})
+    rope["partial_rotary_factor"] = 0.5
+    (other / "config.json").write_text(json.dumps(config))
+    result = run_cli(cli, ["run", TINY_REF, "--impl", "torch", "--checkpoint", other])
+    assert result.exit_code == 2 and "partial_rotary_factor" in result.output
+    assert run_cli(cli, ["run", TINY_REF, "--impl", "torch", "--checkpoint", TINY]).exit_code == 0
+
+
+def test_rows_shifted_by_one_token_are_named(tmp_path):
+    result = run_cli(cli, ["run", TINY_REF, "--impl", PY + "shifted_rows", "--checkpoint", TINY])
+    assert result.exit_code == 1 and "rows shifted by one token" in last_line(result), result.output
+    twin = run_cli(cli, ["run", TINY_REF, "--impl", PY + "no_qk_norm", "--checkpoint", TINY])
+    assert "rows shifted" not in twin.output
+
+
+def test_the_candidate_being_the_reference_is_said(tmp_path):
+    same = run_cli(cli, ["diff", TINY_REF, TINY_REF])
+    assert "the candidate is the reference file itself" in last_line(same)
+    copy = tmp_path / "copy.h5"
+    shutil.copy(TINY_REF, copy)
+    assert "written by the oracle" in last_line(run_cli(cli, ["diff", TINY_REF, copy]))
+    inputs, stages = load_trace(TINY_REF)
+    write_trace(tmp_path / "engine.h5", inputs, copy_stages(stages), {"producer": "my engine"})
+    assert "note:" not in last_line(run_cli(cli, ["diff", TINY_REF, tmp_path / "engine.h5"]))
+
+
+def test_run_does_not_claim_determinism_it_did_not_measure():
+    result = run_cli(cli, ["run", TINY_REF, "--impl", "torch", "--checkpoint", TINY])
+    assert result.exit_code == 0 and "deterministic" not in result.output
