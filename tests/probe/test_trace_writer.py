@@ -1,0 +1,147 @@
+"""fixtures/candidates/mtp_trace_writer.h: an engine that dumps through it produces a raw directory the probe passes
+(trace_writer_example.c runs mtp_step.c's head on the reference's inputs), and a row it never writes is caught, by
+the writer and by the probe."""
+
+import json
+import re
+import subprocess
+
+import numpy as np
+import pytest
+
+from oracle.checkpoint import Checkpoint
+from oracle.cli import cli as oracle_cli
+from oracle.stages import STAGES
+from probe.adapters.cabi_worker import WEIGHT_TENSORS
+from probe.cli import cli as probe_cli
+from probe.poison import POISON_BITS
+from tests.helpers import FIXTURES, TINY, TINY_REF, run_cli
+
+CANDIDATES = FIXTURES / "candidates"
+HEADER = CANDIDATES / "mtp_trace_writer.h"
+CFLAGS = ["-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", f"-I{CANDIDATES}"]
+
+
+def _gcc(sources, out, tmp):
+    proc = subprocess.run(["gcc", *CFLAGS, *map(str, sources), "-o", str(out), "-lm"], capture_output=True,
+                          text=True, cwd=tmp)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+@pytest.fixture(scope="session")
+def example(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("trace-writer")
+    return _gcc([CANDIDATES / "trace_writer_example.c", CANDIDATES / "mtp_step.c"], tmp / "trace_writer_example", tmp)
+
+
+@pytest.fixture(scope="session")
+def engine_files(tmp_path_factory):
+    """The example engine's weights (config.txt, weights.bin) and the reference's inputs (mtp-oracle inputs)."""
+    tmp = tmp_path_factory.mktemp("engine-files")
+    ckpt = Checkpoint(TINY)
+    cfg, tensors = ckpt.config, ckpt.read_head().tensors
+    (tmp / "config.txt").write_text(f"{cfg.hidden_size} {cfg.num_attention_heads} {cfg.num_key_value_heads} "
+                                    f"{cfg.head_dim} {cfg.rotary_dim} {cfg.intermediate_size} {cfg.rms_norm_eps!r} "
+                                    f"{cfg.rope_theta!r}\n")
+    with open(tmp / "weights.bin", "wb") as f:
+        for _, name in WEIGHT_TENSORS:  # mtp_weights field order
+            np.ascontiguousarray(tensors[name], dtype="<f4").tofile(f)
+    result = run_cli(oracle_cli, ["inputs", TINY_REF, "--out-dir", tmp / "inputs"])
+    assert result.exit_code == 0, result.output
+    return tmp, tmp / "inputs"
+
+
+def test_header_stage_list_is_the_registry():
+    text = HEADER.read_text()
+    macro = re.search(r"#define MTP_TW_STAGES\(X\)\s*\\\s*\n(.*?)\n", text).group(1)
+    listed = re.findall(r"X\((\w+), (\d)\)", macro)
+    assert [(name, int(mult)) for name, mult in listed] == [(s.name, s.width_in_hidden) for s in STAGES]
+    assert f"0x{POISON_BITS:08X}u" in text
+
+
+def test_example_engine_dump_passes_the_probe(example, engine_files, tmp_path):
+    weights, inputs = engine_files
+    proc = subprocess.run([example, weights, inputs, tmp_path / "dump"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in (tmp_path / "dump").iterdir()) == sorted(
+        [f"{s.name}.bin" for s in STAGES] + ["hidden.bin", "inputs.json"])
+    result = run_cli(probe_cli, ["diff", TINY_REF, tmp_path / "dump"])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip().splitlines()[-1].startswith("PASSED | 11 stages x 8 tokens within tolerance")
+    assert "identical to the reference: token_ids, positions, hidden" in result.output
+
+
+def test_twin_a_skipped_row_is_reported_by_the_writer_and_invalid_in_the_probe(example, engine_files, tmp_path):
+    weights, inputs = engine_files
+    proc = subprocess.run([example, weights, inputs, tmp_path / "dump", "--skip", "attn:3"], capture_output=True,
+                          text=True)
+    assert proc.returncode == 1
+    assert "row never written: attn row 3 (left as poison 0x7FDEAD00)" in proc.stderr
+    result = run_cli(probe_cli, ["diff", TINY_REF, tmp_path / "dump"])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines()[-1].startswith("INVALID | unwritten rows: attn at token(s) 3 |")
+
+
+DRIVER = r"""
+#include "mtp_trace_writer.h"
+#define SHOW(call) printf("%s -> %d\n", #call, (call))
+int main(int argc, char **argv) {
+    (void)argc;
+    float row[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    mtp_trace_writer w;
+    SHOW(mtp_tw_open(&w, argv[1], 3, 4));
+    SHOW(mtp_tw_capture(&w, "attn"));
+    SHOW(mtp_tw_capture(&w, "fc_in"));
+    SHOW(mtp_tw_row(&w, "attn", 0, row));
+    SHOW(mtp_tw_row(&w, "attn", 2, row + 4));
+    SHOW(mtp_tw_row(&w, "fc_in", 1, row));
+    SHOW(mtp_tw_input(&w, 0, 17, 5));
+    SHOW(mtp_tw_input(&w, 1, 42, 6));
+    SHOW(mtp_tw_row(&w, "atn", 1, row));
+    printf("error: %s\n", mtp_tw_error(&w));
+    SHOW(mtp_tw_row(&w, "attn", 3, row));
+    SHOW(mtp_tw_row(&w, "out", 0, row));
+    SHOW(mtp_tw_capture(&w, "attn"));
+    SHOW(mtp_tw_close(&w));
+    printf("error: %s\n", mtp_tw_error(&w));
+    return 0;
+}
+"""
+
+
+def test_writer_poisons_what_it_never_wrote_and_reports_misuse(tmp_path):
+    (tmp_path / "driver.c").write_text(DRIVER)
+    driver = _gcc([tmp_path / "driver.c"], tmp_path / "driver", tmp_path)
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    for stale in ("mh.bin", "hidden.bin", "inputs.json"):  # left by an earlier dump: must not be read as this one
+        (dump / stale).write_text("stale")
+    proc = subprocess.run([driver, dump], capture_output=True, text=True, check=True)
+    codes = dict(re.findall(r"^(mtp_tw_\w+\(.*?\)) -> (\d+)$", proc.stdout, re.M))
+    assert codes['mtp_tw_open(&w, argv[1], 3, 4)'] == "0"
+    assert codes['mtp_tw_row(&w, "atn", 1, row)'] == "1"  # unknown stage: MTP_TW_ERR_ARG
+    assert codes['mtp_tw_row(&w, "attn", 3, row)'] == "1"  # row outside 0..T-1
+    assert codes['mtp_tw_row(&w, "out", 0, row)'] == "3"  # a stage not captured: MTP_TW_ERR_STATE
+    assert codes['mtp_tw_capture(&w, "attn")'] == "3"  # (the second capture; dict keeps the last)
+    assert codes["mtp_tw_close(&w)"] == "1"  # the first error of the dump is kept
+    assert "error: mtp_trace_writer: unknown stage name (see MTP_TW_STAGES): atn" in proc.stdout
+
+    assert sorted(p.name for p in dump.iterdir()) == ["attn.bin", "fc_in.bin", "inputs.json"]
+    attn = np.fromfile(dump / "attn.bin", dtype="<u4").reshape(3, 4)
+    assert attn[0].view("<f4").tolist() == [1, 2, 3, 4] and attn[2].view("<f4").tolist() == [5, 6, 7, 8]
+    assert (attn[1] == POISON_BITS).all()  # never written: the exact poison bits, little-endian
+    fc_in = np.fromfile(dump / "fc_in.bin", dtype="<u4").reshape(3, 8)
+    assert fc_in[1].view("<f4").tolist() == list(range(1, 9)) and (fc_in[[0, 2]] == POISON_BITS).all()
+    assert json.loads((dump / "inputs.json").read_text()) == {"token_ids": [17, 42, -1], "positions": [5, 6, -1]}
+
+
+def test_twin_close_reports_missing_rows_and_inputs_when_nothing_else_failed(tmp_path):
+    source = DRIVER.replace('    SHOW(mtp_tw_row(&w, "atn", 1, row));\n', "").replace(
+        '    SHOW(mtp_tw_row(&w, "attn", 3, row));\n    SHOW(mtp_tw_row(&w, "out", 0, row));\n'
+        '    SHOW(mtp_tw_capture(&w, "attn"));\n', "")
+    (tmp_path / "driver.c").write_text(source)
+    driver = _gcc([tmp_path / "driver.c"], tmp_path / "driver", tmp_path)
+    proc = subprocess.run([driver, tmp_path / "dump"], capture_output=True, text=True, check=True)
+    assert "mtp_tw_close(&w) -> 4" in proc.stdout  # MTP_TW_ERR_MISSING
+    assert "error: mtp_trace_writer: inputs never recorded: row 2 (written as -1)" in proc.stdout
