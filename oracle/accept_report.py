@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 
 from oracle.accept import AcceptResult
-from oracle.output import atomic_output
+from oracle.output import agg_figure, atomic_output
 
 SCHEMA = "mtp-accept/1"
 TARGET_NOTES = {
@@ -71,13 +71,9 @@ def write_json(result: AcceptResult, path: Path, command: str = "") -> None:
 
 def write_plot(result: AcceptResult, path: Path) -> None:
     """A PNG of α_j and p_j by depth, with E[len] and the naive bound in the title."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # the Agg backend, without pyplot's global state
-    from matplotlib.figure import Figure
-
     m = result.metrics
     depth = np.arange(1, m.k + 1)
-    fig = Figure(figsize=(5, 3.5))
-    FigureCanvasAgg(fig)
+    fig = agg_figure((5, 3.5))  # the Agg canvas, without pyplot's global state
     ax = fig.add_subplot()
     alpha = [np.nan if a is None else a for a in m.alpha]  # undefined α_j leaves a gap
     ax.plot(depth, alpha, "o-", label="α_j (conditional)")

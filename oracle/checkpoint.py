@@ -8,6 +8,7 @@ embedding is 248320 x 5120: it is never read whole). Everything comes back as fl
 
 import hashlib
 import json
+import math
 import mmap
 import os
 import struct
@@ -63,6 +64,10 @@ class Checkpoint:
             weight_map = _read_json(index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index} has no 'weight_map' object; regenerate the index.")
+            for name, shard in weight_map.items():
+                if not isinstance(shard, str) or not shard or Path(shard).name != shard:
+                    raise CheckpointError(f"{index}: weight_map[{name!r}] is {shard!r}; it must be the file name "
+                                          f"of a shard in {self.path}. Regenerate the index.")
             return weight_map
         single = self.path / SINGLE_NAME
         if single.is_file():
@@ -197,8 +202,11 @@ def _read_json(path: Path) -> dict:
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing; a checkpoint directory needs its config.json and "
                               f"safetensors index.") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
         raise CheckpointError(f"{path} is not valid JSON ({err}).") from None
+    except OSError as err:  # a directory, a symlink loop, no permission, an I/O error
+        raise CheckpointError(f"cannot read {path}: {err.strerror or err}. It must be a readable JSON "
+                              f"file.") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} does not hold a JSON object.")
     return data
@@ -213,18 +221,54 @@ def _read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
             if length > size - 8:
                 raise ValueError("header length beyond end of file")
             header = json.loads(f.read(length))
-    except (OSError, ValueError, struct.error) as err:
+    except (OSError, ValueError, struct.error, RecursionError) as err:
         raise CheckpointError(f"{path} is not a readable safetensors file ({err}); re-copy it.") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the safetensors header is {type(header).__name__}, not a JSON object of "
+                              f"tensors; re-copy the file.")
     entries = {}
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        start, end = meta["data_offsets"]
+        start, end = _checked_header_entry(path, name, meta)
         entries[name] = TensorEntry(name, path, meta["dtype"], tuple(meta["shape"]), 8 + length + start, end - start)
         if 8 + length + end > size:
             raise CheckpointError(f"{path} is truncated: tensor {name} ends at byte {8 + length + end} of a "
                                   f"{size}-byte file. Re-copy the shard.")
     return entries
+
+
+# bytes per element of every safetensors dtype, to check that data_offsets cover the shape exactly
+_HEADER_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+                    "F32": 4, "I32": 4, "U32": 4, "F64": 8, "I64": 8, "U64": 8}
+
+
+def _checked_header_entry(path: Path, name: str, meta) -> tuple[int, int]:
+    """One header entry's (start, end) after checking its JSON shape: {"dtype": str, "shape": [int >= 0, ...],
+    "data_offsets": [start, end]} with 0 <= start <= end and end - start = prod(shape) x itemsize."""
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{path}: header entry for tensor {name!r} {what}; the file is not valid "
+                               f"safetensors. Re-copy or re-save it.")
+
+    if not isinstance(meta, dict):
+        raise bad(f"is {type(meta).__name__}, not an object")
+    dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
+    if not isinstance(dtype, str):
+        raise bad(f"has dtype {dtype!r}, not a string")
+    if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                              for n in shape):
+        raise bad(f"has shape {shape!r}, not a list of non-negative integers")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(isinstance(n, int) and not isinstance(n, bool) for n in offsets)):
+        raise bad(f"has data_offsets {offsets!r}, not [start, end]")
+    start, end = offsets
+    if not 0 <= start <= end:
+        raise bad(f"has data_offsets {offsets!r}: they must satisfy 0 <= start <= end")
+    itemsize = _HEADER_ITEMSIZE.get(dtype)
+    if itemsize is not None and end - start != math.prod(shape) * itemsize:
+        raise bad(f"has data_offsets {offsets!r} covering {end - start} bytes, but {dtype} {shape} needs "
+                  f"{math.prod(shape) * itemsize}")
+    return start, end
 
 
 def _check_shape(entry: TensorEntry, expected: tuple[int, ...] | None, cfg: HeadConfig) -> None:

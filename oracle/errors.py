@@ -7,6 +7,7 @@ is a bug: its traceback and exit code 4. An interrupt exits 128 + signal (130 fo
 
 import signal
 import sys
+import threading
 import traceback
 
 import click
@@ -69,6 +70,10 @@ class MtpGroup(click.Group):
         try:
             return super().main(*args, standalone_mode=True, **kwargs)
         except SystemExit:
+            if _owns_the_process(args, kwargs):
+                # The command is over and its exit code says what happened to its output; a Ctrl-C arriving
+                # while Python tears down (torch can take a while) must not turn that into a killed process.
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
             raise
         except KeyboardInterrupt:  # outside the command, where click would report it as exit 1
             _echo_interrupted(signal.SIGINT)
@@ -86,5 +91,11 @@ class MtpGroup(click.Group):
             raise click.exceptions.Exit(128 + signal.SIGINT) from None
 
 
+def _owns_the_process(args: tuple, kwargs: dict) -> bool:
+    """True when run as the program (arguments from sys.argv), not in-process (click's CliRunner, a library)."""
+    given = args[0] if args else kwargs.get("args")
+    return given is None and threading.current_thread() is threading.main_thread()
+
+
 def _echo_interrupted(signum: int) -> None:
-    click.echo(f"\nInterrupted ({signal.Signals(signum).name}); no output file was written.", err=True)
+    click.echo(f"\nInterrupted ({signal.Signals(signum).name}); unfinished output files were removed.", err=True)

@@ -203,3 +203,120 @@ def _signals_held() -> Iterator[list[int]]:
         if held:
             signal.raise_signal(held[0])  # the previous handler acts: KeyboardInterrupt, exit 143, ...
             raise KeyboardInterrupt  # a handler that returned: the write was still abandoned
+
+
+def agg_figure(figsize: tuple[float, float], option: str = "--plot"):
+    """A matplotlib Figure on the Agg canvas (no pyplot, no GUI), or OutputError naming `option`.
+
+    The plots never use a matplotlib backend, so MPLBACKEND (which matplotlib validates when it is first
+    imported: a bad value fails the import) is set aside while importing."""
+    saved = os.environ.pop("MPLBACKEND", None)
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as err:
+        raise OutputError(f"{option} needs matplotlib, which cannot be imported ({err}); install it "
+                          f"(pip install matplotlib) or leave out {option}.") from None
+    except ValueError as err:  # matplotlib rejects its own configuration (a matplotlibrc value) on import
+        raise OutputError(f"{option}: matplotlib's configuration is invalid ({err}); fix it or leave out "
+                          f"{option}.") from None
+    finally:
+        if saved is not None:
+            os.environ["MPLBACKEND"] = saved
+    fig = Figure(figsize=figsize)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+class SpaceSafeFile:
+    """A file for h5py's file-object driver that never reports a failed write to HDF5.
+
+    HDF5 does not survive a failed write: after ENOSPC/EFBIG/EDQUOT it prints errors from every object it frees
+    and has been seen to crash (SIGSEGV) in its close. So the first OSError is recorded in `error`, and from then
+    on writes go to memory (reads see them), so that HDF5 completes normally; the caller then raises `error` and
+    discards the file (`hdf5_target`)."""
+
+    def __init__(self, path: Path):
+        self._file = open(path, "w+b", buffering=0)
+        self._pos = 0
+        self.error: OSError | None = None
+        self._pieces: list[tuple[int, bytes]] = []  # writes after the failure, in order
+
+    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
+        if whence == os.SEEK_END:
+            pos += self._size()
+        elif whence == os.SEEK_CUR:
+            pos += self._pos
+        self._pos = pos
+        return pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def _size(self) -> int:
+        on_disk = os.fstat(self._file.fileno()).st_size
+        return max([on_disk, *(offset + len(data) for offset, data in self._pieces)])
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        if self.error is None:
+            try:
+                done = 0
+                while done < len(view):
+                    done += os.pwrite(self._file.fileno(), view[done:], self._pos + done)
+                self._pos += done
+                return done
+            except OSError as err:
+                self.error = err
+        self._pieces.append((self._pos, bytes(view)))
+        self._pos += len(view)
+        return len(view)
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")
+        got = os.preadv(self._file.fileno(), [view], self._pos)
+        view[got:] = bytes(len(view) - got)  # past the end of the file reads as zeros (as HDF5 expects)
+        end = self._pos + len(view)
+        for offset, data in self._pieces:  # later writes win, as on disk
+            lo, hi = max(offset, self._pos), min(offset + len(data), end)
+            if lo < hi:
+                view[lo - self._pos:hi - self._pos] = data[lo - offset:hi - offset]
+        self._pos = end
+        return len(view)
+
+    def read(self, size: int = -1) -> bytes:
+        buffer = bytearray(max(size, 0) if size >= 0 else self._size() - self._pos)
+        self.readinto(buffer)
+        return bytes(buffer)
+
+    def truncate(self, size: int | None = None) -> int:
+        size = self._pos if size is None else size
+        self._pieces = [(offset, data[:max(size - offset, 0)]) for offset, data in self._pieces if offset < size]
+        if self.error is None:
+            try:
+                os.ftruncate(self._file.fileno(), size)
+            except OSError as err:
+                self.error = err
+        return size
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        try:
+            self._file.close()
+        except OSError as err:
+            self.error = self.error or err
+
+
+@contextmanager
+def hdf5_target(tmp: Path) -> Iterator[SpaceSafeFile]:
+    """The file object to give h5py.File(..., "w") inside `atomic_output`: after h5py has closed it, a write that
+    failed (a full disk) raises its OSError here, which atomic_output reports and cleans up."""
+    sink = SpaceSafeFile(tmp)
+    try:
+        yield sink
+    finally:
+        sink.close()
+    if sink.error is not None:
+        raise sink.error

@@ -44,7 +44,7 @@ import h5py
 import numpy as np
 
 from oracle.errors import InputError, TraceFormatError
-from oracle.output import atomic_output
+from oracle.output import atomic_output, hdf5_target
 from oracle.stages import STAGE_BY_NAME, STAGE_NAMES
 
 SCHEMA = "mtp-trace/1"
@@ -106,7 +106,8 @@ def write_trace(path: Path, inputs: TraceInputs, stages: dict[str, np.ndarray], 
     unknown = set(stages) - set(names)
     if unknown:
         raise ValueError(f"unknown stage names {sorted(unknown)}; valid: {STAGE_NAMES}")
-    with atomic_output(path, option) as tmp, h5py.File(tmp, "w") as f:
+    # h5py writes through hdf5_target: HDF5 never sees a failed write (a full disk), which it does not survive
+    with atomic_output(path, option) as tmp, hdf5_target(tmp) as sink, h5py.File(sink, "w") as f:
         _write_root_attrs(f, inputs, names, attrs)
         for name in INPUT_NAMES:
             f.create_dataset(f"inputs/{name}", data=getattr(inputs, name))

@@ -6,7 +6,7 @@ import numpy as np
 
 from oracle.stages import STAGE_NAMES, stage_index
 
-from oracle.output import atomic_output
+from oracle.output import agg_figure, atomic_output
 
 from probe.compare import INVALID_STATUSES
 from probe.diff import DiffReport
@@ -18,13 +18,10 @@ _FLOOR, _CEIL = 1e-3, 1e3  # colour range of the budget; 1 (the limit) sits in t
 
 def write_heatmap(report: DiffReport, path: Path) -> None:
     """Write a PNG: budget per (stage, token); invalid cells black with an X, computed NaN/Inf red, gaps grey."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # the Agg backend, without pyplot's global state
-    from matplotlib.colors import LogNorm
-    from matplotlib.figure import Figure
+    fig = agg_figure((min(4 + 0.4 * report.num_tokens, 24), 5.5))  # the Agg canvas, without pyplot's state
+    from matplotlib.colors import LogNorm  # importable now: agg_figure checked matplotlib
 
     budget, marks = _grids(report)
-    fig = Figure(figsize=(min(4 + 0.4 * report.num_tokens, 24), 5.5))
-    FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     ax.set_facecolor("0.85")  # not captured / not compared: NaN cells show the background
     image = ax.imshow(np.clip(budget, _FLOOR, _CEIL), aspect="auto", cmap="RdYlGn_r", interpolation="nearest",
