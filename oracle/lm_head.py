@@ -1,12 +1,49 @@
-"""The main model's output projection as the acceptance measurement uses it: argmax over the full vocabulary.
+"""The main model's output projection as the acceptance measurement uses it: the exact argmax over the vocabulary.
 
-The real lm_head is 248320 x 5120 (2.5 GB in bf16, 5 GB in float32), so it is never held whole: it is read a
-vocabulary chunk at a time into one reused buffer, widened exactly to float32 by torch, and multiplied in float32
-with a running argmax (no bf16 screening). Peak memory is one chunk, stored and widened, plus the logits.
+What is computed. For a float32 row x and the stored lm_head W (bf16, f16 or f32: every stored value is exact in
+float32), logit v is the real number t_v = Σ_i x_i·W[v, i], and `argmax` returns argmax_v t_v, ties to the lowest
+id. That is "the float32 argmax" made exact: a float32 GEMM rounds each t_v by up to about D·2^-24·Σ|x_i·W[v, i]|,
+and how depends on its summation order (numpy's one-shot matmul and a chunked GEMM break an exact tie w[3] == w[70]
+differently), so "the argmax of the float32 logits" is not one thing; the exact logits are, and any correct float32
+GEMM agrees with them wherever the top two logits are further apart than its rounding.
+
+How, without paying for a float32 GEMM over the whole vocabulary (248320 x 5120 at real scale):
+
+1. Screen. Per vocabulary chunk, s = bf16(x) @ W_chunk^T with oneDNN's bf16 GEMM on the stored bf16 rows as mapped
+   (no copy, no widening; about 5x the float32 GEMM rate here). Weights stored as f16/f32 are screened with a float32
+   GEMM instead (x unrounded, the chunk widened exactly).
+2. Bound. For every v of chunk c, |t_v - s_v| <= A[r, c] + rel·|s_v|, where (u = 2^-24, γ = D·u / (1 - D·u),
+   M[c, i] = max_{v in c} |W[v, i]|, computed once per chunk from the stored bits and kept):
+   - bf16 screen: x = xb + d, xb = bf16(x), and d = x - xb exactly (Sterbenz). Then
+     t_v - s_v = Σ d_i·W[v,i]  (|.| <= Σ |d_i|·M[c,i])                              -- x rounded to bf16
+               + (Σ xb_i·W[v,i] - acc_v)  (|.| <= γ·Σ |xb_i|·M[c,i] + φ)           -- float32 accumulation
+               + (acc_v - s_v)  (|.| <= 2^-8·|s_v|)                                  -- output rounded to bf16
+     The middle term holds for any summation order and blocking, because each bf16 x bf16 product is exact in
+     float32 (8 + 8 significand bits) and oneDNN accumulates bf16 matmuls in float32 (its default "strict"
+     accumulation mode; relaxed/any, which may round partial sums to bf16, are opt-in attributes torch does not
+     set: ONEDNN_VERBOSE=1 shows `brg_matmul:avx512_core_bf16` with no acc-mode attribute). φ = 2^-126·(3D + 2 +
+     Σ_i M[c,i] + Σ_i |xb_i|) covers flushed subnormal inputs, products, partial sums and output. The last term is
+     round-to-nearest-even to 8 significand bits, |acc - RN(acc)| <= 2^-8·|RN(acc)|. So rel = 2^-8 and
+     A = Σ_i (|d_i| + γ·|xb_i|)·M[c,i] + φ.
+   - float32 screen: A = γ·Σ_i |x_i|·M[c,i] + φ, rel = 0 (float32 accumulation of exact float32 operands).
+   The assumption about the kernel is checked on every call where it can be: each rescored pair must satisfy the
+   bound against its float64 logit, or `argmax` raises.
+3. Keep. s - rel·|s| - A is increasing in s, so each chunk's top s gives a lower bound L[r] on max_v t_v; v stays a
+   candidate only while s_v + rel·|s_v| + A[r, c] >= L[r], i.e. while t_v may still reach the best. Every
+   comparison is made in float64 with a margin of 2^-40 of its operands, so float rounding can only keep more.
+4. Rescore. Candidates get float64 logits: products of float32 and stored values are exact in float64, the sum is
+   within (D+8)·2^-52·Σ|x_i·W[v,i]| of t_v. A row whose best candidate is separated by these bounds is decided;
+   otherwise the candidates that may tie are compared exactly: math.fsum is the correctly rounded exact sum
+   (monotone), and the sign of fsum(products of a, minus products of b) is the sign of t_a - t_b, because a
+   nonzero exact difference is a multiple of 2^-298 and cannot round to zero. Ties go to the lower id.
+   If the screen cannot separate anything (e.g. x = 0: every logit ties), every id is a candidate and the row is
+   rescored whole: slow, never wrong.
+
+Peak memory is one chunk's screen scores (rows x chunk, bf16), the candidates and M (vocab/chunk x D float32).
 """
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -15,7 +52,12 @@ from oracle.checkpoint import Checkpoint
 from oracle.errors import CheckpointError, InputError
 from oracle.families.qwen3_5_layout import LM_HEAD
 
-CHUNK_ROWS = 8192  # lm_head rows per read: 8192 x 5120 float32 = 160 MiB at real scale
+CHUNK_ROWS = 32768  # lm_head rows per screen GEMM (320 MiB of the mapped bf16 shard at real scale, not copied):
+# oneDNN's bf16 GEMM runs ~1.5x faster here on 32768-row chunks than on 8192; the scores are 169 x 32768 bf16
+PAIR_BLOCK = 1024  # (row, id) candidates rescored at a time: 1024 x D float64 products (40 MiB at D=5120)
+U32, BF16_REL = 2.0**-24, 2.0**-8
+FLUSH = 2.0**-126  # the smallest normal float32: a flushed subnormal loses less than this
+MARGIN = 2.0**-40  # of each float64 comparison's operands: far above their rounding (2^-52), far below any bound
 
 _TORCH_STORED = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
@@ -27,28 +69,165 @@ class LmHead:
     checkpoint: Checkpoint
     name: str
     chunk_rows: int = CHUNK_ROWS
+    _column_max: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # chunk start -> M[c]
 
     def argmax(self, rows: np.ndarray) -> np.ndarray:
-        """argmax over the full vocabulary of lm_head(row) for each row [R, D]; ties go to the lowest id."""
-        x = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32))
-        best = torch.full((len(x),), -torch.inf)
-        ids = torch.zeros(len(x), dtype=torch.int64)
-        for start, w in self._chunks():
-            value, index = (x @ w.T).max(dim=1)  # (R, D) x (D, n) -> (R, n) -> (R,)
-            better = value > best  # strict: an equal logit later in the vocabulary keeps the lower id
-            best, ids = torch.where(better, value, best), torch.where(better, index + start, ids)
-        return ids.numpy()
+        """argmax over the full vocabulary of the exact logits W @ row for each float32 row [R, D]; ties go to the
+        lowest id (see the module docstring)."""
+        x = np.ascontiguousarray(rows, dtype=np.float32)
+        if not np.isfinite(x).all():
+            raise InputError(f"lm_head argmax: {np.count_nonzero(~np.isfinite(x).all(axis=1))} of {len(x)} rows "
+                             f"hold NaN or Inf; their logits have no argmax.")
+        if len(x) == 0:
+            return np.zeros(0, dtype=np.int64)
+        return self._decide(x, self._screen(x))
 
-    def _chunks(self) -> Iterator[tuple[int, torch.Tensor]]:
-        """(first row, float32 rows [n, D]) per chunk: stored rows (a view of the mapped shard) widened exactly
-        by torch into one reused buffer (a fresh float32 chunk per read would pay its page faults every time)."""
+    # ---- 1-3: screen, bound, keep -------------------------------------------------------------------------------
+
+    def _screen(self, x: np.ndarray) -> "Candidates":
+        """Every (row, id) whose logit may still be its row's maximum, with its screen score and bound."""
+        bf16 = self.checkpoint.entry(self.name).dtype == "BF16"
+        operand, weight, phi, rel = _screen_operand(x, bf16)
+        lower = np.full(len(x), -np.inf)  # L[r]: a lower bound on max_v t_v
+        found = []
+        for start, w in self._chunks():
+            colmax = self._colmax(start, w)
+            slack = (weight @ colmax.astype(np.float64)) + phi + FLUSH * float(colmax.sum())  # A[r, c], (R,)
+            s = operand @ w.T  # (R, D) x (D, n) -> (R, n)
+            top = s.max(dim=1).values.double().numpy()
+            lower = np.maximum(lower, _down(top - rel * np.abs(top) - slack, np.abs(top) + slack))
+            rows, ids = (s >= _keep_threshold(lower, slack, rel)[:, None]).nonzero(as_tuple=True)
+            found.append((rows.numpy(), ids.numpy() + start, s[rows, ids].double().numpy(), slack[rows.numpy()]))
+        rows, ids, score, slack = (np.concatenate(part) for part in zip(*found))
+        keep = score + rel * np.abs(score) + slack >= _down(lower[rows], np.abs(score) + slack + np.abs(lower[rows]))
+        order = np.lexsort((ids[keep], rows[keep]))  # by row, then id
+        return Candidates(rows[keep][order], ids[keep][order], score[keep][order], slack[keep][order], rel)
+
+    def _colmax(self, start: int, w: torch.Tensor) -> np.ndarray:
+        """M[c, i] = max_v |w[v, i]| of this chunk as float32, from the stored bits, computed once per chunk."""
+        if start not in self._column_max:
+            if w.dtype == torch.bfloat16:
+                bits = w.view(torch.int16).numpy()  # (n, D) sign | exponent | mantissa
+                positive = np.maximum(bits.max(axis=0), 0).astype(np.uint16)  # largest positive pattern
+                negative = bits.view(np.uint16).max(axis=0)  # 0x8000 | largest negative magnitude, if any negative
+                magnitude = np.maximum(positive, np.where(negative >= 0x8000, negative & 0x7FFF, 0))
+                colmax = (magnitude.astype(np.uint32) << 16).view(np.float32)  # bf16 is the top half of a float32
+            else:
+                colmax = w.abs().amax(dim=0).numpy().astype(np.float32)
+            if not np.isfinite(colmax).all():
+                raise CheckpointError(f"{self.name} rows {start}.. hold NaN or Inf; the argmax of its logits is "
+                                      f"undefined.")
+            self._column_max[start] = colmax
+        return self._column_max[start]
+
+    def _chunks(self):
+        """(first row, rows [n, D]) per chunk: bf16 and f32 as stored (a view of the mapped shard, no copy), f16
+        widened exactly into one reused float32 buffer (a fresh chunk per read would pay its page faults each time)."""
         vocab, width = self.checkpoint.entry(self.name).shape
-        wide = torch.empty(min(self.chunk_rows, vocab), width)
+        widen = self.checkpoint.entry(self.name).dtype == "F16"
+        wide = torch.empty(min(self.chunk_rows, vocab), width) if widen else None
         for start in range(0, vocab, self.chunk_rows):
-            stored, dtype = self.checkpoint.stored_rows(self.name, start, min(start + self.chunk_rows, vocab))
-            raw = torch.from_numpy(stored.view(np.int16)).view(torch.bfloat16) if dtype == "BF16" else \
-                torch.from_numpy(stored)
-            yield start, wide[: len(stored)].copy_(raw)  # bf16 is the top half of a float32: exact
+            stored = self._stored(start, min(start + self.chunk_rows, vocab))
+            yield start, wide[: len(stored)].copy_(stored) if widen else stored
+
+    def _stored(self, start: int, stop: int) -> torch.Tensor:
+        stored, dtype = self.checkpoint.stored_rows(self.name, start, stop)
+        if dtype == "BF16":
+            return torch.from_numpy(stored.view(np.int16)).view(torch.bfloat16)  # uint16 bit patterns
+        return torch.from_numpy(stored)
+
+    # ---- 4: rescore exactly -------------------------------------------------------------------------------------
+
+    def _decide(self, x: np.ndarray, cand: "Candidates") -> np.ndarray:
+        """Per row, the exact argmax among its candidates (which include every id that may be the argmax)."""
+        x64 = x.astype(np.float64)
+        logit, err = self._float64_logits(x64, cand.rows, cand.ids)
+        broken = np.abs(logit - cand.score) > (cand.slack + cand.rel * np.abs(cand.score) + err) * (1 + MARGIN)
+        if broken.any():
+            raise RuntimeError(f"the lm_head screen's error bound failed on {int(broken.sum())} candidates (e.g. "
+                               f"id {cand.ids[broken][0]}): the GEMM kernel does not accumulate as the bound "
+                               f"assumes (oracle/lm_head.py docstring); the screen cannot be trusted here.")
+        starts = np.searchsorted(cand.rows, np.arange(len(x)))
+        assert (np.bincount(cand.rows, minlength=len(x)) > 0).all(), "every row keeps its own top candidate"
+        best_low = np.maximum.reduceat(logit - err, starts)  # (R,) a lower bound on each row's maximum
+        near = logit + err >= _down(best_low[cand.rows], np.abs(logit) + err + np.abs(best_low[cand.rows]))
+        decided = np.bincount(cand.rows[near], minlength=len(x)) == 1
+        ids = np.zeros(len(x), dtype=np.int64)
+        ids[cand.rows[near & decided[cand.rows]]] = cand.ids[near & decided[cand.rows]]
+        ends = np.append(starts[1:], len(cand.rows))
+        for r in np.flatnonzero(~decided):
+            mine = np.arange(starts[r], ends[r])[near[starts[r]:ends[r]]]
+            ids[r] = self._exact_best(x64[r], cand.ids[mine], err[mine] == 0, logit[mine])
+        return ids
+
+    def _float64_logits(self, x64: np.ndarray, rows: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Float64 logits of (row, id) pairs and bounds on their distance to the exact logits."""
+        logit, err = np.empty(len(ids)), np.empty(len(ids))
+        bound = (x64.shape[1] + 8) * 2.0**-52  # >= 2·γ_D for float64: any summation order, plus the |.| sum's own
+        for a in range(0, len(ids), PAIR_BLOCK):
+            products = x64[rows[a:a + PAIR_BLOCK]] * self._rows64(ids[a:a + PAIR_BLOCK])  # (P, D): exact
+            logit[a:a + PAIR_BLOCK] = products.sum(axis=1)
+            err[a:a + PAIR_BLOCK] = np.abs(products).sum(axis=1) * bound
+        return logit, err
+
+    def _exact_best(self, x64: np.ndarray, ids: np.ndarray, exact: np.ndarray, logit: np.ndarray) -> int:
+        """The exact argmax (lowest id on ties) among ids [ascending] that float64 could not separate."""
+        if exact.all():  # every product 0: the float64 logits are the exact ones
+            return int(ids[np.argmax(logit)])
+        products = x64 * self._rows64(ids)  # (n, D): exact
+        rounded = np.array([math.fsum(p) for p in products])  # correctly rounded exact sums: monotone in t
+        best = None
+        for i in np.flatnonzero(rounded == rounded.max()):  # the exact argmax is among these
+            if best is None or math.fsum(np.concatenate([products[i], -products[best]])) > 0:
+                best = i  # strictly greater: an equal exact logit keeps the lower id
+        return int(ids[best])
+
+    def _rows64(self, ids: np.ndarray) -> np.ndarray:
+        """Stored rows `ids` widened exactly to float64 [n, D]."""
+        vocab = self.checkpoint.entry(self.name).shape[0]
+        return self._stored(0, vocab)[torch.from_numpy(ids)].double().numpy()
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """(row, id) pairs that may hold their row's maximum logit, by row then id: screen score and its bound."""
+
+    rows: np.ndarray
+    ids: np.ndarray
+    score: np.ndarray  # s (float64, exact copy of the screen's output)
+    slack: np.ndarray  # A[r, c]: |t - s| <= slack + rel·|s|
+    rel: float
+
+
+def _screen_operand(x: np.ndarray, bf16: bool) -> tuple[torch.Tensor, np.ndarray, np.ndarray, float]:
+    """(screen operand, weight of M in A [R, D] float64, φ [R], rel) for float32 rows x (module docstring, 2)."""
+    d = x.shape[1]
+    gamma = d * U32 / (1 - d * U32)
+    xt = torch.from_numpy(x)
+    if not bf16 and torch.get_float32_matmul_precision() != "highest":
+        raise RuntimeError("the float32 lm_head screen needs torch.set_float32_matmul_precision('highest'): "
+                           "lower settings let the GEMM round its operands, which its bound does not cover.")
+    operand = xt.bfloat16() if bf16 else xt
+    kept = operand.float().numpy()
+    if bf16 and not np.isfinite(kept).all():
+        raise InputError("lm_head argmax: a row holds a value beyond the bf16 range (3.4e38).")
+    residual = np.abs(x - kept).astype(np.float64)  # exact: x and its rounding are within a factor 2 (Sterbenz)
+    weight = (residual + gamma * np.abs(kept)) * (1 + 2.0**-30)  # (R, D); covers A's float64 rounding, D < 2^22
+    phi = FLUSH * (3 * d + 2 + np.abs(kept).astype(np.float64).sum(axis=1))
+    return operand, weight, phi, BF16_REL if bf16 else 0.0
+
+
+def _down(value: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """`value` lowered by a margin far above the float64 rounding of operands of size `scale`."""
+    return value - MARGIN * scale - 2.0**-1000
+
+
+def _keep_threshold(lower: np.ndarray, slack: np.ndarray, rel: float) -> torch.Tensor:
+    """Per row, a float32 θ such that s >= θ for every s with s + rel·|s| + slack >= lower."""
+    y = lower - slack
+    theta = np.where(y >= 0, y / (1 + rel), y / (1 - rel))  # s + rel·|s| is increasing: its inverse at y
+    theta = _down(theta, np.abs(lower) + slack + np.abs(theta))
+    return torch.from_numpy(np.nextafter(theta.astype(np.float32), np.float32(-np.inf)))  # rounded down
 
 
 def lm_head_of(ckpt: Checkpoint, chunk_rows: int = CHUNK_ROWS) -> LmHead:

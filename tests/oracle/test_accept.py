@@ -20,7 +20,6 @@ from oracle.cli import cli
 from oracle.export import HiddenSource
 from oracle.families import qwen3_5
 from oracle.inputs import hidden_from_seed, token_ids_from_file
-from oracle.lm_head import lm_head_of
 from oracle.trace import TraceInputs
 from tests.helpers import FIXTURES, TINY, run_cli
 
@@ -164,22 +163,6 @@ def test_the_stepwise_comparison_sees_a_wrong_mask_or_position(model, monkeypatc
 
     monkeypatch.setattr(accept, "chain_mask", leaky)
     assert (draft_chains(ckpt, head, rotary, x, h, k)[0][:, 1:] != drafts[:, 1:]).any()
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_lm_head_argmax_in_chunks_is_the_full_vocabulary_argmax_with_ties_to_the_lowest_id(tmp_path, dtype):
-    tensors = load_file(TRAINED / "model.safetensors")
-    w = tensors["lm_head.weight"].float()
-    w[3] = w[70] = 4.0  # a tie across the chunk boundary at 40: the lower id must win, as in torch.argmax
-    tensors["lm_head.weight"] = w.to(dtype)
-    shutil.copy(TRAINED / "config.json", tmp_path / "config.json")
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    rows = np.random.default_rng(0).standard_normal((50, 64)).astype(np.float32)
-    rows[0] = 1.0
-    ids = lm_head_of(Checkpoint(tmp_path), chunk_rows=40).argmax(rows)
-    expected = np.argmax(rows @ w.to(dtype).float().numpy().T, axis=1)
-    assert ids[0] == expected[0] == 3
-    np.testing.assert_array_equal(ids, expected)
 
 
 # --- the trained head is worth something, a random one is not ------------------------------------------------

@@ -1,0 +1,196 @@
+"""LmHead.argmax against the exact argmax: integer arithmetic on the exact values, ties to the lowest id.
+
+The reference below shares nothing with the implementation: every float32 / bf16 value is an integer multiple of
+2^-149, so each logit is an exact Python integer (times 2^-298) and the argmax is exact. A float32 GEMM is no
+reference (its rounding depends on its summation order, so it breaks exact ties and 1-ulp gaps either way).
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from oracle import lm_head as lm_head_module
+from oracle.checkpoint import Checkpoint
+from oracle.errors import InputError
+from oracle.lm_head import lm_head_of
+from tests.helpers import FIXTURES
+
+TRAINED = FIXTURES / "qwen3_5_trained"
+
+
+def exact_argmax(rows: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """argmax_v Σ_i x_i·w[v, i] in exact integer arithmetic (units of 2^-298); ties to the lowest id."""
+    def units(a: np.ndarray) -> list[list[int]]:
+        return [[int(v * 2.0**149) for v in row] for row in np.asarray(a, dtype=np.float64)]  # exact: float64
+
+    w_units = units(w)
+    best = []
+    for x in units(rows):
+        logits = [sum(a * b for a, b in zip(x, wv)) for wv in w_units]
+        best.append(logits.index(max(logits)))  # index: the first, i.e. lowest, id of the maximum
+    return np.array(best)
+
+
+def checkpoint_with(tmp_path, w: torch.Tensor) -> Checkpoint:
+    """A checkpoint of the trained fixture's config holding only lm_head.weight = w (any shape, as stored)."""
+    config = json.loads((TRAINED / "config.json").read_text())
+    config["text_config"].update(vocab_size=w.shape[0], hidden_size=w.shape[1])
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file({"lm_head.weight": w.contiguous()}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    return Checkpoint(tmp_path)
+
+
+def stored(w: torch.Tensor) -> np.ndarray:
+    return w.float().numpy()  # bf16/f16/f32 -> float32 is exact
+
+
+@pytest.fixture(scope="module")
+def trained_w() -> torch.Tensor:
+    return load_file(TRAINED / "model.safetensors")["lm_head.weight"]  # (96, 64) bf16
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "f16", "f32"])
+@pytest.mark.parametrize("chunk_rows", [1, 7, 40, 96, 1000])
+def test_argmax_is_the_exact_argmax_for_any_chunking_and_stored_dtype(tmp_path, trained_w, dtype, chunk_rows):
+    w = trained_w.to(dtype)
+    rows = np.random.default_rng(chunk_rows).standard_normal((12, 64)).astype(np.float32)
+    ids = lm_head_of(checkpoint_with(tmp_path, w), chunk_rows=chunk_rows).argmax(rows)
+    np.testing.assert_array_equal(ids, exact_argmax(rows, stored(w)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_an_exact_tie_across_a_chunk_boundary_goes_to_the_lowest_id(tmp_path, trained_w, dtype):
+    """w[3] == w[70], chunk boundary at 40: equal logits in every summation order; the lower id must win. (numpy's
+    one-shot float32 matmul rounds the two rows differently and picks 70 for some of these rows.)"""
+    w = trained_w.float()
+    rows = np.random.default_rng(0).standard_normal((50, 64)).astype(np.float32)
+    w[3] = w[70] = 4.0 * torch.from_numpy(np.sign(rows[:25].sum(axis=0)))  # the maximum for most of rows 0..24
+    w = w.to(dtype)
+    ids = lm_head_of(checkpoint_with(tmp_path, w), chunk_rows=40).argmax(rows)
+    expected = exact_argmax(rows, stored(w))
+    assert (expected[:25] == 3).sum() >= 20 and not (expected == 70).any()
+    np.testing.assert_array_equal(ids, expected)
+
+
+def test_logits_one_float32_ulp_apart_are_told_apart_whichever_id_is_lower(tmp_path, trained_w):
+    """Rows a, b equal but for one weight that adds x_1 = 2^-23 to one of them: their logits (~2) differ by one
+    float32 ulp, below a float32 GEMM's rounding. The exactly larger one wins, even at the higher id."""
+    w = trained_w.float()
+    rows = np.zeros((4, 64), dtype=np.float32)
+    rows[:, 0] = 1.0
+    rows[:, 1] = 2.0**-23
+    rows[:, 2:] = np.random.default_rng(1).standard_normal((4, 62)).astype(np.float32) * 2.0**-12
+    for a, b in ((10, 20), (50, 45)):  # (id that gets the extra 2^-23, its twin): higher, then lower id
+        w[a] = w[b] = torch.from_numpy(np.where(np.arange(64) == 0, 2.0, 0.0)).float()
+        w[a, 1] = 1.0
+    w = w.bfloat16()
+    ids = lm_head_of(checkpoint_with(tmp_path, w), chunk_rows=16).argmax(rows)
+    expected = exact_argmax(rows, stored(w))
+    assert set(expected) <= {10, 50}
+    np.testing.assert_array_equal(ids, expected)
+
+
+def test_many_survivors_one_bf16_ulp_apart_and_tied(tmp_path):
+    """Every row of W equal to one base row, some nudged by a bf16 ulp in one place: all of them survive the screen
+    and the rescoring must find the exactly largest, lowest id among equals."""
+    rng = np.random.default_rng(2)
+    base = torch.from_numpy(rng.standard_normal(256).astype(np.float32)).bfloat16()
+    w = base.repeat(300, 1)  # (300, 256)
+    bits = w.view(torch.int16)
+    nudged = rng.choice(300, 40, replace=False)
+    bits[nudged, rng.integers(0, 256, 40)] += torch.from_numpy(rng.choice([-1, 1], 40).astype(np.int16))
+    rows = rng.standard_normal((8, 256)).astype(np.float32)
+    rows[0] = stored(base)  # aligned with the base row: the nudges decide
+    ids = lm_head_of(checkpoint_with(tmp_path, w), chunk_rows=64).argmax(rows)
+    np.testing.assert_array_equal(ids, exact_argmax(rows, stored(w)))
+
+
+def test_ties_and_gaps_that_float64_summation_gets_wrong_are_decided_exactly(tmp_path):
+    """x = (1, 1, 1, 1, 0, ...). Id 5: (2^100, 1, -2^100, 0) and id 60: (2^100, -2^100, 1, 0) both sum to exactly
+    1, but float64 loses the 1 next to 2^100 in one of them: the lower id must win. Id 90 adds 2^-20 to id 5's row,
+    the exact maximum although float64 may sum it to 0."""
+    rng = np.random.default_rng(7)
+    w = torch.from_numpy(rng.standard_normal((96, 64)).astype(np.float32) * 0.01)
+    w[:, :4] = 0.0
+    w[5, :4] = torch.tensor([2.0**100, 1.0, -(2.0**100), 0.0])
+    w[60, :4] = torch.tensor([2.0**100, -(2.0**100), 1.0, 0.0])
+    rows = np.zeros((2, 64), dtype=np.float32)
+    rows[:, :4] = 1.0
+    rows[1, 10] = 2.0**-40  # a second row, nearly the same
+    head = lm_head_of(checkpoint_with(tmp_path / "tie", w.bfloat16()), chunk_rows=50)
+    np.testing.assert_array_equal(head.argmax(rows), [5, 5])
+    w[90, :4] = torch.tensor([2.0**100, 1.0, -(2.0**100), 2.0**-20])
+    head = lm_head_of(checkpoint_with(tmp_path / "gap", w.bfloat16()), chunk_rows=50)
+    np.testing.assert_array_equal(head.argmax(rows), [90, 90])
+
+
+def test_degenerate_rows_zero_negative_huge_and_tiny(tmp_path, trained_w):
+    """x = 0 (every logit 0: id 0), all logits negative, and rows scaled by 2^60 and 2^-120 (subnormal products)."""
+    w = trained_w
+    rng = np.random.default_rng(3)
+    rows = rng.standard_normal((6, 64)).astype(np.float32)
+    rows[0] = 0.0
+    rows[1] = np.abs(rows[1])
+    rows[2] *= 2.0**60
+    rows[3] *= 2.0**-120
+    negative = -torch.abs(w)  # with rows[1] >= 0 every logit is negative
+    for weights in (w, negative):
+        ids = lm_head_of(checkpoint_with(tmp_path, weights), chunk_rows=30).argmax(rows)
+        np.testing.assert_array_equal(ids, exact_argmax(rows, stored(weights)))
+    assert ids[0] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_the_screen_bound_holds_for_every_logit_at_real_width(tmp_path, dtype):
+    """The measured side of the bound's one assumption (the GEMM accumulates in float32): at D=5120, for every
+    (row, id), |exact logit - screen score| <= A + rel·|score|. Rows with a wide dynamic range included."""
+    rng = np.random.default_rng(4)
+    w = torch.from_numpy(rng.standard_normal((2048, 5120)).astype(np.float32) * 0.02).to(dtype)
+    rows = rng.standard_normal((16, 5120)).astype(np.float32)
+    rows[:4] *= np.exp2(rng.integers(-30, 30, (4, 5120))).astype(np.float32)
+    head = lm_head_of(checkpoint_with(tmp_path, w), chunk_rows=2048)
+    operand, weight, phi, rel = lm_head_module._screen_operand(rows, dtype == torch.bfloat16)
+    start, chunk = next(head._chunks())
+    colmax = head._colmax(start, chunk)
+    slack = weight @ colmax.astype(np.float64) + phi + lm_head_module.FLUSH * colmax.sum()
+    score = (operand @ chunk.T).double().numpy()
+    exact = rows.astype(np.float64) @ stored(w).astype(np.float64).T  # within ~1e-12 of the exact logits
+    used = np.abs(exact - score) / (slack[:, None] + rel * np.abs(score))
+    assert used.max() < 0.5, used.max()  # a kernel rounding partial sums to bf16 would use > 1
+
+
+def test_a_screen_that_breaks_its_bound_is_caught_not_trusted(tmp_path, trained_w, monkeypatch):
+    """Twin: scores 1% off (as a kernel that does not accumulate as assumed might give) raise, never answer."""
+    real = lm_head_module._screen_operand
+
+    def off(x, bf16):
+        operand, weight, phi, rel = real(x, bf16)
+        return operand * 1.01, weight, phi, rel
+
+    monkeypatch.setattr(lm_head_module, "_screen_operand", off)
+    rows = np.random.default_rng(5).standard_normal((8, 64)).astype(np.float32)
+    with pytest.raises(RuntimeError, match="error bound failed"):
+        lm_head_of(checkpoint_with(tmp_path, trained_w), chunk_rows=40).argmax(rows)
+
+
+def test_the_screen_keeps_few_candidates_on_the_trained_fixture(tmp_path, trained_w, monkeypatch):
+    """The bound is useful, not only safe: on trained-head-like rows most ids are pruned without rescoring."""
+    kept = []
+    screen = lm_head_module.LmHead._screen
+    monkeypatch.setattr(lm_head_module.LmHead, "_screen", lambda self, x: kept.append(screen(self, x)) or kept[-1])
+    rows = stored(trained_w)[np.random.default_rng(6).integers(0, 96, 30)] * 8.0  # peaked logits
+    ids = lm_head_of(checkpoint_with(tmp_path, trained_w)).argmax(rows)
+    np.testing.assert_array_equal(ids, exact_argmax(rows, stored(trained_w)))
+    assert len(kept[0].ids) <= 3 * len(rows)
+
+
+def test_rows_with_nan_or_inf_are_refused(tmp_path, trained_w):
+    rows = np.zeros((3, 64), dtype=np.float32)
+    rows[1, 5] = np.nan
+    with pytest.raises(InputError, match="NaN or Inf"):
+        lm_head_of(checkpoint_with(tmp_path, trained_w)).argmax(rows)
+    assert lm_head_of(checkpoint_with(tmp_path, trained_w)).argmax(rows[:0]).shape == (0,)
