@@ -31,7 +31,8 @@ def cli(ctx: click.Context) -> None:
               help="H [T, D] float32: FILE.npy, FILE.bin (raw little-endian) or FILE.h5:/dataset.")
 @click.option("--hidden-seed", type=int, help="Synthetic H: standard normal rows from this seed.")
 @click.option("--main-model", is_flag=True, help="H from the checkpoint's main model (post-final-norm).")
-@click.option("--first-token", type=int, help="With --main-model: x_0, the token before the first step token.")
+@click.option("--first-token", type=click.IntRange(0, 2**63 - 1),
+              help="With --main-model: x_0, the token before the first step token.")
 @click.option("--start-pos", type=int, default=0, show_default=True, help="Position p_0 of step 0.")
 @click.option("--mode", type=click.Choice(["batched", "stepwise"]), default="batched", show_default=True,
               help="One causal pass over all steps, or one step at a time through the KV cache.")

@@ -2,7 +2,8 @@
 
 Library code raises `MtpError` subclasses; `MtpGroup` (the click group of both CLIs) turns them into
 "Error: <message>" and exit code 2, so an input problem is never mistaken for a divergence (exit 1). Anything else
-is a bug: its traceback and exit code 4. An interrupt exits 128 + signal (130 for Ctrl-C). Every message says what is wrong, where (file, tensor, row) and what to do.
+is a bug: its traceback and exit code 4. An interrupt exits 128 + signal (130 for Ctrl-C). Every message says what
+is wrong, where (file, tensor, row) and what to do.
 """
 
 import signal

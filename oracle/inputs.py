@@ -111,7 +111,7 @@ def _split_h5_spec(spec: str) -> tuple[Path, str | None]:
 
 def _load_npy(path: Path) -> np.ndarray:
     if not path.is_file():
-        raise InputError(f"{path} does not exist.")
+        raise InputError(f"{path} is not a file." if path.exists() else f"{path} does not exist.")
     try:
         return np.load(path, allow_pickle=False)
     except (ValueError, OSError, EOFError) as err:
@@ -120,7 +120,7 @@ def _load_npy(path: Path) -> np.ndarray:
 
 def _load_bin(path: Path, num_tokens: int, hidden_size: int) -> np.ndarray:
     if not path.is_file():
-        raise InputError(f"{path} does not exist.")
+        raise InputError(f"{path} is not a file." if path.exists() else f"{path} does not exist.")
     expected = num_tokens * hidden_size * 4
     size = path.stat().st_size
     if size != expected:

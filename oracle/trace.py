@@ -419,6 +419,10 @@ def _check_datasets_group(f: h5py.File, name: str, path: Path) -> h5py.Group | d
         if group.get(member, getclass=True) is not h5py.Dataset:
             raise TraceFormatError(f"{path}: /{name}/{member} is a group where a dataset belongs; each member of "
                                    f"/{name} is a [T, ...] dataset (oracle/trace.py).")
+        dataset = group[member]
+        if dataset.dtype.kind not in "fiu" or dataset.ndim == 0:
+            raise TraceFormatError(f"{path}: /{name}/{member} holds {dataset.dtype} {list(dataset.shape)}; the "
+                                   f"schema says a numeric [T, ...] array (float32 for stages, oracle/trace.py).")
     return group
 
 

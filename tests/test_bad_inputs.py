@@ -514,6 +514,7 @@ def test_bad_tokens_files(tmp_path, content, name, pattern):
     (["--tokens", "5,-99999999999999999999999"], "does not fit in int64"),
     (["--tokens", "5,1e3"], "'1e3' is not an integer token id"),
     (["--tokens", "5", "--hidden-seed", "-1"], "--hidden-seed -1 is negative"),
+    (["--tokens", "5", "--main-model", "--first-token", str(2**70)], "--first-token"),
 ])
 def test_bad_token_and_seed_options(tmp_path, args, pattern):
     args = args if "--hidden-seed" in args else [*args, *SEED]
@@ -558,7 +559,17 @@ def _zero_tokens(f):
     f.attrs["num_tokens"] = 0
 
 
+def _replace(name, value):
+    def edit(f):
+        del f[name]
+        f[name] = value
+    return edit
+
+
 TRACE_CASES = {
+    "stage of strings": (_replace("stages/attn", np.array([b"x"] * 8)), r"/stages/attn holds \|S1"),
+    "stage scalar": (_replace("stages/out", np.float32(1)), r"/stages/out holds float32 \[\]"),
+    "token_ids strings": (_replace("inputs/token_ids", np.array([b"7"] * 8)), "/inputs/token_ids holds"),
     "config not JSON": (_set_attr("config", "{not json"), "'config' must be a string holding a JSON object"),
     "config JSON list": (_set_attr("config", "[1, 2]"), "'config' must be a string holding a JSON object"),
     "provenance integer": (_set_attr("provenance", 7), "'provenance' must be a string holding a JSON object"),
