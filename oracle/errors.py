@@ -6,6 +6,8 @@ is a bug: its traceback and exit code 4. An interrupt exits 128 + signal (130 fo
 is wrong, where (file, tensor, row) and what to do.
 """
 
+import io
+import os
 import signal
 import sys
 import threading
@@ -60,6 +62,9 @@ class MtpGroup(click.Group):
         except (KeyboardInterrupt, click.Abort):
             _echo_interrupted(signal.SIGINT)
             ctx.exit(128 + signal.SIGINT)
+        except BrokenPipeError:  # stdout closed by the reader (`| head`): the shell's status for SIGPIPE, quietly
+            _silence_stdout()
+            ctx.exit(128 + signal.SIGPIPE)
         except Exception:  # a bug of ours, not an input problem: say so, with the traceback
             traceback.print_exc()
             click.echo(_INTERNAL_NOTE, err=True)
@@ -96,6 +101,16 @@ def _owns_the_process(args: tuple, kwargs: dict) -> bool:
     """True when run as the program (arguments from sys.argv), not in-process (click's CliRunner, a library)."""
     given = args[0] if args else kwargs.get("args")
     return given is None and threading.current_thread() is threading.main_thread()
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that flushing it at exit does not fail a second time."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        pass  # not a real file descriptor (in-process runs): nothing will flush it
 
 
 def _echo_interrupted(signum: int) -> None:

@@ -623,3 +623,17 @@ def test_plot_with_a_broken_backend_or_without_matplotlib(tmp_path, monkeypatch,
         assert re.search(r"^(PASSED|INCONCLUSIVE) \|", result.stdout.splitlines()[-1]), result.output  # verdict printed
     else:  # the plot never uses a backend: a broken MPLBACKEND does not matter
         assert result.exit_code in (0, 3) and (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG", result.output
+
+
+def test_closed_stdout_is_not_an_internal_error():
+    """`mtp-probe diff ... | head -1`: the reader went away; exit 141 (SIGPIPE's shell status) without a traceback."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run([sys.executable, "-c", "from probe.cli import main; main()", "diff", str(TINY_REF),
+                               str(TINY_REF)], cwd=ROOT, stdout=write_end, stderr=subprocess.PIPE, text=True,
+                              timeout=120)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 141 and "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, \
+        proc.stderr
