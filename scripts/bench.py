@@ -5,7 +5,9 @@
 Generates the Qwen3.5-27B-shaped checkpoint (scripts/make_realscale_checkpoint.py) if DIR lacks one, then prints
 one table: export (T=169, T=1024) against the floor (bytes to read / measured read rate + matmul FLOPs / measured
 float32 GEMM rate) and against the naive approach; diff throughput and peak RSS at D=5120 for T=1024 and 4096
-against a raw h5py read of the same files; and the C ABI driver against the same C step in a plain C loop.
+against a raw h5py read of the same files; the C ABI driver against the same C step in a plain C loop; and
+`mtp-oracle accept` (169 chains, k=4) against its float32 lm_head floor (the lm_head matmul FLOPs of its sweeps /
+the float32 GEMM rate at the lm_head's own shape), with its drafts checked against a float32 GEMM argmax.
 Every measurement runs in a child measured with wait4 (wall time, peak RSS); the parent only orchestrates and stays
 small, because a child's peak RSS starts from its parent's at fork. The machine is noisy: read ratios, not times.
 """
@@ -25,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 BIN = Path(PY).parent
 TARGETS = {"export_rss": 1.3, "export_1024": 1.5, "export_169": 2.5, "diff_rate": 0.5, "diff_rss_mb": 300,
-           "cabi": 1.10}
+           "cabi": 1.10, "accept": 1.0}
 
 
 def run_child(cmd: list[str], env: dict | None = None) -> tuple[float, float, str]:
@@ -141,6 +143,66 @@ def child_cabi_prep(ckpt: str, work: str, t: int) -> None:
     cfg = c.config
     print(json.dumps([cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                       cfg.rotary_dim, cfg.intermediate_size, t, cfg.rms_norm_eps, cfg.rope_theta]))
+
+
+def child_accept(ckpt: str, chains: int, k: int) -> None:
+    """measure_acceptance in-process (imports excluded), its lm_head share and screen statistics; then, on the rows
+    the lm_head was asked about, the float32 chunked GEMM argmax (the pre-screen algorithm) timed and compared;
+    and the float32 GEMM rate at the lm_head's shape (chunk of 8192 rows), best of 3."""
+    import torch
+
+    from oracle import lm_head
+    from oracle.accept import measure_acceptance
+    from oracle.checkpoint import Checkpoint
+    from oracle.export import HiddenSource
+
+    asked, spent, kept = [], [0.0], []
+    argmax, screen = lm_head.LmHead.argmax, lm_head.LmHead._screen
+
+    def timed(self, rows):
+        begin = time.perf_counter()
+        ids = argmax(self, rows)
+        spent[0] += time.perf_counter() - begin
+        asked.append((np.array(rows, dtype=np.float32), ids))
+        return ids
+
+    lm_head.LmHead.argmax = timed
+    lm_head.LmHead._screen = lambda self, x: kept.append(screen(self, x)) or kept[-1]
+    begin = time.perf_counter()
+    result = measure_acceptance(Path(ckpt), token_ids(chains + 1 + k), HiddenSource(seed=0), k=k, target="text")
+    accept_s = time.perf_counter() - begin
+    head = lm_head.lm_head_of(Checkpoint(Path(ckpt)))
+    begin, same, total = time.perf_counter(), 0, 0
+    for rows, ids in asked:
+        same += int((float32_argmax(head, rows) == ids).sum())
+        total += len(ids)
+    f32_s = time.perf_counter() - begin
+    vocab, width = head.checkpoint.entry(head.name).shape
+    x, w, best = torch.randn(chains, width), torch.randn(8192, width), float("inf")
+    for _ in range(3):
+        begin = time.perf_counter()
+        x @ w.T
+        best = min(best, time.perf_counter() - begin)
+    per_row = np.concatenate([np.bincount(c.rows) for c in kept])
+    print(json.dumps({"accept_s": accept_s, "lm_head_s": spent[0], "f32_s": f32_s, "same": same, "rows": total,
+                      "gemm": 2.0 * chains * 8192 * width / best / 1e9, "flops": 2.0 * total * vocab * width,
+                      "kept_mean": float(per_row.mean()), "kept_max": int(per_row.max()),
+                      "summary": f"E[len]={result.metrics.e_len:.3f}"}))
+
+
+def float32_argmax(head, rows: np.ndarray) -> np.ndarray:
+    """The pre-screen algorithm: float32 chunks widened into one buffer, float32 GEMM, running argmax."""
+    import torch
+
+    vocab, width = head.checkpoint.entry(head.name).shape
+    x, wide = torch.from_numpy(rows), torch.empty(8192, width)
+    best, ids = torch.full((len(x),), -torch.inf), torch.zeros(len(x), dtype=torch.int64)
+    for start in range(0, vocab, 8192):
+        stored = head._stored(start, min(start + 8192, vocab))
+        value, index = (x @ wide[: len(stored)].copy_(stored).T).max(dim=1)  # (R, D) x (D, n) -> (R,)
+        better = value > best
+        best, ids = torch.where(better, value, best), torch.where(better, index + start, ids)
+    return ids.numpy()
 
 
 def token_ids(t: int) -> np.ndarray:
@@ -320,6 +382,26 @@ def bench_cabi(ckpt: Path, work: Path, rows: list, t: int = 4) -> None:
         (work / name).unlink()
 
 
+def bench_accept(ckpt: Path, rows: list, chains: int = 169, k: int = 4) -> None:
+    """Acceptance at real scale against its float32 lm_head floor, measured in the same child; best of 2 runs."""
+    runs = [run_child([PY, __file__, "child-accept", str(ckpt), str(chains), str(k)]) for _ in range(2)]
+    inner = [json.loads(out) for _, _, out in runs]
+    accept_s, lm_s, f32_s = (min(r[key] for r in inner) for key in ("accept_s", "lm_head_s", "f32_s"))
+    gemm = max(r["gemm"] for r in inner)
+    floor, last = inner[0]["flops"] / gemm / 1e9, inner[-1]
+    rows.append((f"accept in-process, {chains} chains k={k}", f"{accept_s:.2f} s",
+                 f"f32 lm_head floor {floor:.2f} s ({gemm:.0f} GFLOP/s)", f"{accept_s / floor:.2f}x",
+                 f"<= {TARGETS['accept']}x"))
+    rows.append(("accept: lm_head share (bf16 screen + exact rescoring)", f"{lm_s:.2f} s",
+                 f"f32 GEMM argmax, same rows {f32_s:.2f} s", f"{lm_s / f32_s:.2f}x", ""))
+    rows.append(("accept: drafts = f32 GEMM argmax", f"{last['same']}/{last['rows']} rows",
+                 f"rescored per row: mean {last['kept_mean']:.1f}, max {last['kept_max']}", "", "all"))
+    wall, rss, out = run_child([str(BIN / "mtp-oracle"), "accept", str(ckpt), "--k", str(k), "--target", "text",
+                                "--hidden-seed", "0", "--tokens", ",".join(map(str, token_ids(chains + 1 + k)))])
+    rows.append(("accept CLI wall / peak RSS", f"{wall:.2f} s", f"{rss:.2f} GB", "", ""))
+    print(f"accept: {out.strip().splitlines()[-1]}", file=sys.stderr)
+
+
 def machine() -> str:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
@@ -332,7 +414,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", type=Path, default=Path("/tmp/mtp-bench/q35_27b"))
     parser.add_argument("--work", type=Path, default=Path("/tmp/mtp-bench/work"))
-    parser.add_argument("--only", choices=("export", "diff", "cabi"), help="Run one part (floors always run).")
+    parser.add_argument("--only", choices=("export", "diff", "cabi", "accept"),
+                        help="Run one part (floors always run).")
     args = parser.parse_args()
     if not (args.checkpoint / "model.safetensors.index.json").is_file():
         subprocess.run([PY, str(ROOT / "scripts" / "make_realscale_checkpoint.py"), str(args.checkpoint)], check=True)
@@ -348,6 +431,8 @@ def main() -> None:
         bench_diff(args.work, rows)
     if args.only in (None, "cabi"):
         bench_cabi(args.checkpoint, args.work, rows)
+    if args.only in (None, "accept"):
+        bench_accept(args.checkpoint, rows)
     print(f"machine: {machine()}")
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     for r in rows:
@@ -362,6 +447,7 @@ if __name__ == "__main__":
          "child-rawread": lambda a: child_rawread(*a),
          "child-cabi-prep": lambda a: child_cabi_prep(a[0], a[1], int(a[2])),
          "child-naive": lambda a: child_naive(a[0], int(a[1])),
-         "child-diff": lambda a: child_diff(a[0], a[1])}[sys.argv[1]](sys.argv[2:])
+         "child-diff": lambda a: child_diff(a[0], a[1]),
+         "child-accept": lambda a: child_accept(a[0], int(a[1]), int(a[2]))}[sys.argv[1]](sys.argv[2:])
     else:
         main()
