@@ -1,9 +1,10 @@
 """Reading an MTP checkpoint directory in the HF release layout, without transformers (and without torch).
 
 A checkpoint is `config.json` (flat, or nested under `text_config`) plus either one `model.safetensors` or shards
-listed in `model.safetensors.index.json`. Only what the head needs is read: the `mtp.*` tensors and the embedding
-rows of the requested token ids, located from the safetensors headers and read with `os.pread` (the real
-embedding is 248320 x 5120: it is never read whole). Everything comes back as float32 numpy arrays.
+listed in `model.safetensors.index.json`. The family (oracle/families/registry.py) says which tensors are the
+head's and how they are laid out; only what the head needs is read: its tensors (mapped, so a MoE head's experts
+are read only where a traced token routes to them) and the embedding rows of the requested token ids, located from
+the safetensors headers and read with `os.pread` (a real embedding is 248320 x 5120: it is never read whole).
 """
 
 import hashlib
@@ -18,8 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from oracle.errors import CheckpointError, InputError
-from oracle.families.qwen3_5_layout import (MAIN_MODEL_PREFIXES, HeadConfig, head_config_from_json,
-                                            head_tensor_shapes)
+from oracle.families.registry import detect
+from oracle.families.spec import FamilySpec, HeadConfig, TensorLayout
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -42,6 +43,7 @@ class HeadWeights:
     tensors: dict[str, np.ndarray]  # checkpoint name -> array (float32, or as stored: see dtypes)
     dtypes: dict[str, str]  # checkpoint name -> "F32", "F16" or "BF16" (held as uint16 bit patterns)
     digest: str | None  # Checkpoint.head_digest(); None when read_head(digest=False)
+    layout: TensorLayout | None = None  # which tensors these are (dense + the experts' layout)
 
 
 class Checkpoint:
@@ -53,7 +55,8 @@ class Checkpoint:
             raise CheckpointError(f"checkpoint {self.path} is not a directory; pass the folder that holds "
                                   f"config.json and the safetensors files.")
         self.raw_config = _read_json(self.path / "config.json")
-        self.config: HeadConfig = head_config_from_json(self.raw_config, str(self.path / "config.json"))
+        self.family: FamilySpec = detect(self.raw_config, str(self.path / "config.json"))
+        self.config: HeadConfig = self.family.parse_config(self.raw_config, str(self.path / "config.json"))
         self._headers: dict[str, dict[str, TensorEntry]] = {}
         self._maps: dict[Path, mmap.mmap] = {}
         self._shard_of = self._weight_map()
@@ -135,27 +138,62 @@ class Checkpoint:
         digest is left to the caller (head_digest, e.g. in a thread while the head runs)."""
         tensors, dtypes = {}, {}
         for name, entry in self._head_entries().items():
-            stored = self._stored(entry)
+            stored = self._stored(entry)  # routed experts: mapped, read only where a token routes to them
             tensors[name] = _widen(stored, entry.dtype) if widen else stored
             dtypes[name] = "F32" if widen else entry.dtype
-        return HeadWeights(tensors=tensors, dtypes=dtypes, digest=self.head_digest() if digest else None)
+        return HeadWeights(tensors=tensors, dtypes=dtypes, digest=self.head_digest() if digest else None,
+                           layout=self.layout())
+
+    def layout(self) -> TensorLayout:
+        """The head's tensors as this checkpoint stores them (the family picks the experts' layout)."""
+        return self.family.layout(self.config, set(self._shard_of))
 
     def head_digest(self) -> str:
-        """sha256 over (name, dtype, shape, stored bytes) of every head tensor, in name order."""
+        """sha256 over (name, dtype, shape, stored bytes) of every head tensor but the routed experts, in name order.
+
+        Routed experts are left out so that a digest never reads gigabytes of experts no token uses; the experts a
+        trace used are covered by `experts_digest`."""
+        return self.digest(sorted(self.layout().dense))
+
+    def experts_digest(self, experts: list[int]) -> str:
+        """sha256 over the stored bytes of the given routed experts (their slices of a fused tensor, or their own
+        tensors), in expert order."""
+        layout = self.layout().experts
         digest = hashlib.sha256()
-        for name, entry in self._head_entries().items():
+        for e in sorted(set(int(x) for x in experts)):
+            for name, part in self.expert_parts(layout, e):
+                digest.update(f"{e}|{name}|".encode())
+                digest.update(np.ascontiguousarray(part))
+        return "sha256:" + digest.hexdigest()
+
+    def expert_parts(self, layout, e: int) -> list[tuple[str, np.ndarray]]:
+        """Expert `e`'s stored arrays: (gate [I, D], up [I, D], down [D, I]), as mapped views."""
+        if layout.kind == "fused":
+            gate_up = self._stored(self.entry(layout.names["gate_up"]))[e]
+            down = self._stored(self.entry(layout.names["down"]))[e]
+            half = gate_up.shape[0] // 2
+            return [("gate", gate_up[:half]), ("up", gate_up[half:]), ("down", down)]
+        return [(p, self._stored(self.entry(layout.names[p].format(e=e)))) for p in ("gate", "up", "down")]
+
+    def digest(self, names: list[str]) -> str:
+        """sha256 over (name, dtype, shape, stored bytes) of `names`, in the order given."""
+        digest = hashlib.sha256()
+        for name in names:
+            entry = self.entry(name)
             digest.update(f"{name}|{entry.dtype}|{list(entry.shape)}|".encode())
             digest.update(self._stored(entry))  # hashlib releases the GIL on large buffers
         return "sha256:" + digest.hexdigest()
 
     def _head_entries(self) -> dict[str, TensorEntry]:
-        """The head's tensor entries in name order, shape-checked; a tensor the head would not use is an error."""
-        expected = head_tensor_shapes(self.config)
-        unused = sorted(n for n in self._shard_of if n.startswith("mtp.") and n not in expected)
+        """The head's tensor entries in name order, shape-checked; a head tensor the family does not use is an
+        error (never silently ignored)."""
+        expected = self.layout().shapes()
+        prefix = self.family.head_prefix
+        unused = sorted(n for n in self._shard_of if n.startswith(prefix) and n not in expected)
         if unused:
-            raise CheckpointError(f"{self.path}: the head has tensors the dense Qwen3.5 head does not use: "
+            raise CheckpointError(f"{self.path}: the head has tensors the {self.family.name} head does not use: "
                                   f"{', '.join(unused[:5])}{' …' if len(unused) > 5 else ''} "
-                                  f"(a MoE or multi-layer head?). Refusing to ignore them.")
+                                  f"(another family, or a multi-layer head?). Refusing to ignore them.")
         entries = {}
         for name in sorted(expected):
             entries[name] = self.entry(name)
@@ -163,12 +201,13 @@ class Checkpoint:
         return entries
 
     def main_model_prefix(self) -> str:
-        """`model.language_model.` (VLM release) or `model.` (text-only), whichever holds the embedding."""
-        for prefix in MAIN_MODEL_PREFIXES:
+        """Where the shared embedding lies (e.g. `model.language_model.` in a VLM release, `model.` text-only)."""
+        prefixes = self.family.main_model_prefixes
+        for prefix in prefixes:
             if prefix + "embed_tokens.weight" in self._shard_of:
                 return prefix
         raise CheckpointError(f"{self.path}: no embedding table; looked for "
-                              f"{' and '.join(p + 'embed_tokens.weight' for p in MAIN_MODEL_PREFIXES)}.")
+                              f"{' and '.join(p + 'embed_tokens.weight' for p in prefixes)}.")
 
     def embedding_rows(self, token_ids: np.ndarray) -> np.ndarray:
         """Float32 rows [T, D] of the shared embedding for `token_ids`; only those rows are read."""
@@ -276,12 +315,11 @@ def _check_shape(entry: TensorEntry, expected: tuple[int, ...] | None, cfg: Head
         raise CheckpointError(f"{entry.name} in {entry.file.name} is {entry.dtype}; this reader handles "
                               f"{', '.join(_ITEMSIZE)}.")
     if expected is not None and tuple(entry.shape) != tuple(expected):
+        sizes = ", ".join(f"{k}={v}" for k, v in cfg.to_dict().items() if isinstance(v, int)
+                          and not isinstance(v, bool))
         raise CheckpointError(
             f"{entry.name} in {entry.file.name} has shape {list(entry.shape)}, but config.json implies "
-            f"{list(expected)} (hidden_size={cfg.hidden_size}, num_attention_heads={cfg.num_attention_heads}, "
-            f"num_key_value_heads={cfg.num_key_value_heads}, head_dim={cfg.head_dim}, "
-            f"intermediate_size={cfg.intermediate_size}, vocab_size={cfg.vocab_size}). "
-            f"The config and the weights come from different models.")
+            f"{list(expected)} ({sizes}). The config and the weights come from different models.")
 
 
 def _widen(stored: np.ndarray, dtype: str) -> np.ndarray:

@@ -15,7 +15,7 @@ import transformers
 from oracle.attention_evidence import qk_blind_tokens, qk_warning
 from oracle.checkpoint import Checkpoint, check_token_ids
 from oracle.errors import InputError
-from oracle.families import qwen3_5
+from oracle.families.registry import head_module
 from oracle.inputs import hidden_from_file, hidden_from_seed, positions_from_start
 from oracle.limits import check_export_limits
 from oracle.output import check_writable
@@ -44,36 +44,43 @@ class HiddenSource:
 def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden: HiddenSource,
                  start_pos: int = 0, mode: str = "batched", command: str = "",
                  log: Callable[[str], None] = lambda msg: None,
-                 warn: Callable[[str], None] = lambda msg: None) -> Path:
+                 warn: Callable[[str], None] = lambda msg: None, config_overrides: dict | None = None) -> Path:
     """Run the head on T teacher-forced steps and write every stage to `out` (atomically).
 
     `warn` receives what the user must know about the trace (e.g. inputs that cannot evidence q/k), even when
-    `log` is silenced."""
+    `log` is silenced. `config_overrides` sets head-config fields where engines disagree on a convention (e.g.
+    {"norm_topk_prob": False}); the trace's config records the value used."""
     check_writable(out)
     token_ids = np.asarray(token_ids, dtype=np.int64)
     ckpt = Checkpoint(checkpoint_dir)
-    cfg = ckpt.config
+    cfg = ckpt.config = _overridden(ckpt, config_overrides or {})
+    family = ckpt.family
     check_token_ids(token_ids, cfg.vocab_size)
     check_export_limits(cfg, len(token_ids), start_pos, mode)  # positions RoPE can represent, memory
     positions = positions_from_start(len(token_ids), start_pos)
-    log(f"checkpoint {ckpt.path}: D={cfg.hidden_size}, heads={cfg.num_attention_heads}/"
-        f"{cfg.num_key_value_heads} kv, head_dim={cfg.head_dim}, T={len(token_ids)} steps")
+    log(f"checkpoint {ckpt.path}: family {family.name}, D={cfg.hidden_size}, T={len(token_ids)} "
+        f"step{'s' if len(token_ids) != 1 else ''}")
     h = _resolve_hidden(ckpt, hidden, token_ids, start_pos, log)
     weights = ckpt.read_head(widen=False)  # bf16 stays bf16: half the memory
     inputs = TraceInputs(token_ids=token_ids, positions=positions, hidden=h,
                          embed=ckpt.embedding_rows(token_ids))
-    head, rotary = qwen3_5.build_head(cfg, qwen3_5.torch_weights(weights))
+    impl = head_module(family)
+    head, rotary = impl.build_head(cfg, impl.torch_weights(weights))
     log(f"running the head ({mode})")
     if mode == "batched":
-        stages = qwen3_5.run_batched(head, rotary, inputs)
+        stages = impl.run_batched(head, rotary, inputs)
     else:
-        stages = qwen3_5.run_stepwise(head, rotary, inputs)
-    evidence = {"attn_uniform": qwen3_5.attention_with_uniform_weights(head, rotary, inputs, stages["ah"])}
+        stages = impl.run_stepwise(head, rotary, inputs)
+    stage_list = family.stages(cfg)
+    if set(stages) != set(stage_list.names):  # a bug in the family's head, never the user's input
+        raise RuntimeError(f"the {family.name} head recorded {sorted(stages)}, its stage list is {stage_list.names}")
+    evidence = {"attn_uniform": impl.attention_with_uniform_weights(head, rotary, inputs, stages["ah"])}
     blind = qk_blind_tokens(stages["attn"], evidence["attn_uniform"])
     if blind.all():
         warn(qk_warning(inputs.num_tokens))
     attrs = {
-        "family": cfg.family,
+        "family": family.name,
+        "evidence_rules": family.evidence_rules(cfg),
         "producer": _producer(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "h5py": h5py.__version__, "numpy": np.__version__},
@@ -83,9 +90,26 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
                        "mode": mode, "dtype": "float32", "attn_implementation": "eager",
                        "oracle_commit": _git_commit(), "created": _now()},
     }
+    if weights.layout is not None and weights.layout.experts is not None:
+        # The head digest leaves the routed experts out (gigabytes); these are the ones this trace used.
+        used = sorted(int(e) for e in np.unique(stages["topk_ids"]))
+        attrs["experts"] = {"layout": weights.layout.experts.kind, "used": used,
+                            "digest": ckpt.experts_digest(used)}
     log(f"writing {out}")
-    write_trace(out, inputs, stages, attrs, evidence=evidence)
+    write_trace(out, inputs, stages, attrs, evidence=evidence, stage_list=stage_list, dims=family.dims(cfg))
     return Path(out)
+
+
+def _overridden(ckpt: Checkpoint, overrides: dict):
+    """The checkpoint's head config with `overrides` applied; a field the family's config lacks is an input
+    error (e.g. --no-norm-topk-prob on a dense head)."""
+    import dataclasses
+
+    unknown = sorted(k for k in overrides if k not in {f.name for f in dataclasses.fields(ckpt.config)}
+                     or (k == "norm_topk_prob" and not getattr(ckpt.config, "num_experts", 0)))
+    if unknown:
+        raise InputError(f"{', '.join(unknown)} does not apply to the {ckpt.family.name} head in {ckpt.path}.")
+    return dataclasses.replace(ckpt.config, **overrides) if overrides else ckpt.config
 
 
 def _resolve_hidden(ckpt: Checkpoint, source: HiddenSource, token_ids: np.ndarray, start_pos: int,
@@ -105,7 +129,8 @@ def _resolve_hidden(ckpt: Checkpoint, source: HiddenSource, token_ids: np.ndarra
     sequence = np.concatenate([[source.first_token], token_ids[:-1]]).astype(np.int64)
     check_token_ids(sequence[:1], ckpt.config.vocab_size)
     log("running the main model for H (post-final-norm)")
-    return qwen3_5.main_model_hidden(qwen3_5.load_main_model(ckpt), sequence)
+    impl = head_module(ckpt.family)
+    return impl.main_model_hidden(impl.load_main_model(ckpt), sequence)
 
 
 def _producer() -> str:

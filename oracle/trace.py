@@ -7,8 +7,11 @@ Root attributes
     schema             "mtp-trace/1"                                          (required)
     num_tokens         T, integer                                             (required)
     hidden_size        D, integer                                             (required)
-    stages             names of the /stages datasets present, in STAGES order (oracle/stages.py)
-    family             e.g. "qwen3_5"
+    stages             names of the /stages datasets present, in the family's stage order (oracle/stages.py);
+                       absent: the default order (e, h, fc_in, fc, ah, attn, res1, mh, mlp, res2, out)
+    family             e.g. "qwen3_5", "qwen3_5_moe" (oracle/families/registry.py); absent: "qwen3_5"
+    dims               JSON {"D", "E", "k", "hc"}: the sizes stage shapes are written in (absent: D = hidden_size)
+    evidence_rules     JSON {"qk_dependent": [stages that see q/k only through attention], "absolute_positions"}
     producer           package and version, e.g. "mtp-oracle 0.1.0"
     versions           JSON: {"torch", "transformers", "h5py", "numpy"}
     config             JSON of the head config used
@@ -21,7 +24,10 @@ Datasets
     /inputs/positions  int64   [T]      step i's RoPE position p_i
     /inputs/hidden     float32 [T, D]   H_i: the main model's post-final-norm hidden (the lm_head input)
     /inputs/embed      float32 [T, D]   embedding rows of token_ids as stored (bf16 widened exactly)
-    /stages/<name>     float32 [T, w]   w = 2D for fc_in, D otherwise; row t = step t; chunked by token rows
+    /stages/<name>     float32 [T, w]   row t = step t; chunked by token rows. Attributes: `doc` (one line: what the
+                                        stage is), `kind` ("rows": judged by the tolerance rule; "index_set": int64
+                                        [T, k] compared as sets, e.g. topk_ids) and `shape` (T×D, T×2D, T×E, T×k,
+                                        T×hc·D). Absent attributes mean kind "rows".
     /evidence/attn_uniform
                        float32 [T, D]   optional (the oracle always writes it): `attn` recomputed from the same
                                         `ah` rows with uniform attention weights over the visible keys. Where it
@@ -29,7 +35,7 @@ Datasets
                                         q, k, q_norm, k_norm or RoPE (oracle/attention_evidence.py); a reference
                                         without it can at best give an inconclusive verdict.
 
-The oracle writes all 11 stages. A candidate may omit stages it does not capture (never counted as passed) and
+The oracle writes every stage of its family. A candidate may omit stages it does not capture (never counted as passed) and
 may omit /inputs. Files are written under a temporary name beside the target and renamed when complete, so an
 interrupted write never leaves a file that looks finished.
 """
@@ -45,7 +51,7 @@ import numpy as np
 
 from oracle.errors import InputError, TraceFormatError
 from oracle.output import atomic_output, hdf5_target
-from oracle.stages import STAGE_BY_NAME, STAGE_NAMES
+from oracle.stages import KINDS, ROWS, SHAPES, STAGE_BY_NAME, STAGE_NAMES, STAGES, Dims, Stage, StageList
 
 SCHEMA = "mtp-trace/1"
 INPUT_NAMES = ("token_ids", "positions", "hidden", "embed")
@@ -55,7 +61,7 @@ EVIDENCE_DOCS = {
                     "where it passes the tolerance rule against attn, that attn row cannot witness q, k, q_norm, "
                     "k_norm or RoPE",
 }
-_JSON_ATTRS = ("versions", "config", "provenance")
+_JSON_ATTRS = ("versions", "config", "provenance", "dims", "evidence_rules", "experts")
 _CHUNK_BYTES = 1 << 20
 
 
@@ -94,25 +100,29 @@ def rows_per_chunk(width: int, num_tokens: int) -> int:
 
 
 def write_trace(path: Path, inputs: TraceInputs, stages: dict[str, np.ndarray], attrs: dict,
-                option: str = "--out", evidence: dict[str, np.ndarray] | None = None) -> None:
+                option: str = "--out", evidence: dict[str, np.ndarray] | None = None,
+                stage_list: StageList = STAGES, dims: Dims | None = None) -> None:
     """Write an `mtp-trace/1` file atomically.
 
     `stages` maps stage names (a subset of STAGES) to float32 [T, width] arrays; `attrs` holds the optional root
     attributes (family, producer, versions, config, checkpoint_digest, provenance); dict values are stored as JSON.
     The required attributes, `stages` and `inputs_digest` are derived here. `evidence` holds /evidence datasets
-    (EVIDENCE_DOCS names), each float32 [T, D].
+    (EVIDENCE_DOCS names), each float32 [T, w]. `stage_list` (the family's) gives order, widths, dtypes and the
+    metadata stored on each dataset; `dims` the sizes widths are written in (default: D only).
     """
-    names = [n for n in STAGE_NAMES if n in stages]
+    dims = dims or Dims(inputs.hidden_size)
+    names = [n for n in stage_list.names if n in stages]
     unknown = set(stages) - set(names)
     if unknown:
-        raise ValueError(f"unknown stage names {sorted(unknown)}; valid: {STAGE_NAMES}")
+        raise ValueError(f"unknown stage names {sorted(unknown)}; valid: {stage_list.names}")
+    attrs = {"dims": dims.to_dict()} | attrs
     # h5py writes through hdf5_target: HDF5 never sees a failed write (a full disk), which it does not survive
     with atomic_output(path, option) as tmp, hdf5_target(tmp) as sink, h5py.File(sink, "w") as f:
         _write_root_attrs(f, inputs, names, attrs)
         for name in INPUT_NAMES:
             f.create_dataset(f"inputs/{name}", data=getattr(inputs, name))
         for name in names:
-            _write_stage(f, name, stages[name], inputs)
+            _write_stage(f, stage_list[name], stages[name], inputs, dims)
         for name, values in (evidence or {}).items():
             _write_evidence(f, name, values, inputs)
 
@@ -127,19 +137,21 @@ def _write_root_attrs(f: h5py.File, inputs: TraceInputs, names: list[str], attrs
         f.attrs[key] = json.dumps(value, sort_keys=True) if isinstance(value, dict) else value
 
 
-def _write_stage(f: h5py.File, name: str, values: np.ndarray, inputs: TraceInputs) -> None:
-    width = STAGE_BY_NAME[name].width(inputs.hidden_size)
-    if values.shape != (inputs.num_tokens, width) or values.dtype != np.float32:
-        raise ValueError(f"stage {name}: got {values.dtype} {values.shape}, need float32 "
+def _write_stage(f: h5py.File, stage: Stage, values: np.ndarray, inputs: TraceInputs, dims: Dims) -> None:
+    width = stage.width(dims)
+    if values.shape != (inputs.num_tokens, width) or values.dtype != np.dtype(stage.dtype):
+        raise ValueError(f"stage {stage.name}: got {values.dtype} {values.shape}, need {stage.dtype} "
                          f"{(inputs.num_tokens, width)}")
-    f.create_dataset(f"stages/{name}", data=values, chunks=(rows_per_chunk(width, inputs.num_tokens), width))
+    ds = f.create_dataset(f"stages/{stage.name}", data=values,
+                          chunks=(rows_per_chunk(max(width, 1), inputs.num_tokens), max(width, 1)))
+    ds.attrs["doc"], ds.attrs["kind"], ds.attrs["shape"] = stage.doc, stage.kind, stage.shape
 
 
 def _write_evidence(f: h5py.File, name: str, values: np.ndarray, inputs: TraceInputs) -> None:
-    shape = (inputs.num_tokens, inputs.hidden_size)
+    shape = (inputs.num_tokens, values.shape[-1] if values.ndim == 2 else -1)
     if name not in EVIDENCE_DOCS or values.shape != shape or values.dtype != np.float32:
         raise ValueError(f"evidence {name}: got {values.dtype} {values.shape}, need one of {sorted(EVIDENCE_DOCS)} "
-                         f"as float32 {shape}")
+                         f"as float32 [T, w]")
     ds = f.create_dataset(f"evidence/{name}", data=values, chunks=(rows_per_chunk(shape[1], shape[0]), shape[1]))
     ds.attrs["doc"] = EVIDENCE_DOCS[name]
 
@@ -180,12 +192,50 @@ class TraceReader:
         self._file.close()
 
     def _present_stages(self) -> tuple[str, ...]:
+        """The stage datasets in the file's declared order (root `stages`); without it, the default order."""
         group = _check_datasets_group(self._file, "stages", self.path)
-        unknown = sorted(set(group) - set(STAGE_NAMES))
-        if unknown:
-            raise TraceFormatError(f"{self.path}: unknown stage datasets {unknown}; valid names are "
-                                   f"{', '.join(STAGE_NAMES)} (oracle/stages.py).")
-        return tuple(n for n in STAGE_NAMES if n in group)
+        declared = self.attrs.get("stages")
+        if declared is None:
+            unknown = sorted(set(group) - set(STAGE_NAMES))
+            if unknown:
+                raise TraceFormatError(f"{self.path}: unknown stage datasets {unknown} and no `stages` attribute "
+                                       f"declaring them; the default names are {', '.join(STAGE_NAMES)}.")
+            return tuple(n for n in STAGE_NAMES if n in group)
+        extra, missing = sorted(set(group) - set(declared)), sorted(set(declared) - set(group))
+        if extra:
+            raise TraceFormatError(f"{self.path}: unknown stage datasets {extra}; valid names are "
+                                   f"{', '.join(declared)} (the file's `stages` attribute).")
+        if missing or len(set(declared)) != len(declared):
+            raise TraceFormatError(f"{self.path}: the `stages` attribute lists {list(declared)}, but /stages holds "
+                                   f"{sorted(group)}; write them consistently (every dataset named once).")
+        return tuple(declared)
+
+    @property
+    def stage_list(self) -> StageList:
+        """The present stages with their metadata (dataset attributes; the default list's where absent)."""
+        return self._guard("/stages", lambda: StageList(self._stage_meta(n) for n in self.stages))
+
+    def _stage_meta(self, name: str) -> Stage:
+        attrs = self._dataset(f"stages/{name}").attrs
+        known = STAGE_BY_NAME.get(name)
+        doc = _as_str(attrs.get("doc", known.doc if known else ""))
+        shape = _as_str(attrs.get("shape", known.shape if known else "T×D"))
+        kind = _as_str(attrs.get("kind", ROWS))
+        if kind not in KINDS or shape not in SHAPES:
+            raise TraceFormatError(f"{self.path}: /stages/{name} has kind {kind!r} / shape {shape!r}; kinds are "
+                                   f"{', '.join(KINDS)}, shapes {', '.join(SHAPES)}.")
+        return Stage(name, shape, str(doc), kind)
+
+    @property
+    def dims(self) -> Dims:
+        d = self.attrs.get("dims")
+        if d is None:
+            return Dims(self.hidden_size)
+        try:
+            return Dims.from_dict(d)
+        except (KeyError, TypeError, ValueError):
+            raise TraceFormatError(f"{self.path}: root attribute 'dims' is {d}; expected integers "
+                                   f'{{"D", "E", "k", "hc"}}.') from None
 
     def _dataset(self, path: str) -> h5py.Dataset:
         # Looked up per read on purpose: a kept Dataset keeps its HDF5 chunk cache (measured: +240 MB in a diff).

@@ -151,3 +151,118 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# --- MoE families (Qwen3.5-MoE, Qwen3-Next): the head's MoE names transcribed from the release layouts in
+# shared/reference/mtp_wiring.md §3.1-3.2 (not from the oracle), the main model from the official classes. ---
+MOE_TINY = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 512,
+            "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+            "shared_expert_intermediate_size": 40, "num_hidden_layers": 4, "rms_norm_eps": 1e-6,
+            "partial_rotary_factor": 0.25}
+
+
+def moe_release_config(family: str, dims: dict) -> dict:
+    """config.json as released: Qwen3.5-MoE nested under text_config with no norm_topk_prob key (transformers
+    always renormalises), Qwen3-Next flat with norm_topk_prob true."""
+    text = {"hidden_size": dims["hidden_size"], "num_attention_heads": dims["num_attention_heads"],
+            "num_key_value_heads": dims["num_key_value_heads"], "head_dim": dims["head_dim"],
+            "vocab_size": dims["vocab_size"], "num_hidden_layers": dims["num_hidden_layers"],
+            "layer_types": ["linear_attention" if (i + 1) % 4 else "full_attention"
+                            for i in range(dims["num_hidden_layers"])],
+            "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "hidden_act": "silu",
+            "rms_norm_eps": dims["rms_norm_eps"], "max_position_embeddings": 4096, "attention_bias": False,
+            "tie_word_embeddings": False, "num_experts": dims["num_experts"],
+            "num_experts_per_tok": dims["num_experts_per_tok"], "moe_intermediate_size": dims["moe_intermediate_size"],
+            "shared_expert_intermediate_size": dims["shared_expert_intermediate_size"]}
+    if family == "qwen3_5_moe":
+        text |= {"model_type": "qwen3_5_moe_text", "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False,
+                 "rope_parameters": {"rope_type": "default", "rope_theta": 1e7,
+                                     "partial_rotary_factor": dims["partial_rotary_factor"],
+                                     "mrope_section": [2, 1, 1], "mrope_interleaved": True}}
+        vision = {"model_type": "qwen3_5_moe_vision", "depth": 1, "hidden_size": 32, "num_heads": 2,
+                  "intermediate_size": 64, "out_hidden_size": dims["hidden_size"], "patch_size": 4,
+                  "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 16}
+        return {"_generated_by": GENERATED_BY, "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+                "model_type": "qwen3_5_moe", "text_config": text, "vision_config": vision,
+                "tie_word_embeddings": False}
+    return {"_generated_by": GENERATED_BY, "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+            **text, "intermediate_size": 96, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "rope_parameters": {"rope_type": "default", "rope_theta": 5e6,
+                                "partial_rotary_factor": dims["partial_rotary_factor"]}}
+
+
+def moe_main_model_shapes(family: str, config: dict) -> dict[str, tuple[int, ...]]:
+    if family == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration as Model
+
+        cfg = Qwen3_5MoeConfig(text_config=config["text_config"], vision_config=config["vision_config"])
+    else:
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM as Model
+
+        cfg = Qwen3NextConfig(**{k: v for k, v in config.items() if not k.startswith("_")})
+    with torch.device("meta"):
+        model = Model(cfg)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def moe_mtp_shapes(dims: dict, layout: str) -> dict[str, tuple[int, ...]]:
+    """The MoE head: the dense head's stem and attention, the router, the shared expert and its gate, and the routed
+    experts per expert (`experts.{e}.{gate,up,down}_proj.weight`) or fused (`experts.gate_up_proj`, gate rows first,
+    and `experts.down_proj`)."""
+    d, e, i, s = dims["hidden_size"], dims["num_experts"], dims["moe_intermediate_size"], \
+        dims["shared_expert_intermediate_size"]
+    shapes = {n: v for n, v in mtp_shapes({**TINY, **dims, "intermediate_size": 1}).items() if ".mlp." not in n}
+    mlp = "mtp.layers.0.mlp."
+    shapes |= {mlp + "gate.weight": (e, d), mlp + "shared_expert.gate_proj.weight": (s, d),
+               mlp + "shared_expert.up_proj.weight": (s, d), mlp + "shared_expert.down_proj.weight": (d, s),
+               mlp + "shared_expert_gate.weight": (1, d)}
+    for x in range(e):
+        shapes |= {f"{mlp}experts.{x}.gate_proj.weight": (i, d), f"{mlp}experts.{x}.up_proj.weight": (i, d),
+                   f"{mlp}experts.{x}.down_proj.weight": (d, i)}
+    return shapes
+
+
+def write_moe_checkpoint(out_dir: Path, family: str, layout: str = "per_expert", dims: dict | None = None,
+                         seed: int = 0, sharded: bool = False, main_model: bool = True) -> Path:
+    """A tiny Qwen3.5-MoE or Qwen3-Next checkpoint (config.json + bf16 safetensors): the MTP head with its experts
+    in `layout`, the shared embedding and lm_head, and (with `main_model`) the whole main model."""
+    dims = {**MOE_TINY, **(dims or {})}
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = moe_release_config(family, dims)
+    prefix = "model.language_model." if family == "qwen3_5_moe" else "model."
+    shapes = moe_mtp_shapes(dims, layout)
+    if main_model:
+        shapes |= moe_main_model_shapes(family, config)
+    else:
+        shapes |= {prefix + "embed_tokens.weight": (dims["vocab_size"], dims["hidden_size"]),
+                   "lm_head.weight": (dims["vocab_size"], dims["hidden_size"])}
+    tensors = {n: torch.from_numpy(tensor_values(n, s, seed)).to(torch.bfloat16) for n, s in sorted(shapes.items())}
+    if layout == "fused":  # the same expert values, stacked: both layouts hold identical weights
+        tensors = _fused_experts(tensors, dims["num_experts"])
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    metadata = {"format": "pt"}
+    if not sharded:
+        save_file(tensors, out_dir / "model.safetensors", metadata=metadata)
+        return out_dir
+    names = sorted(tensors)
+    files = {k: f"model-{k:05d}-of-00003.safetensors" for k in (1, 2, 3)}
+    part = {n: 1 + (j * 3) // len(names) for j, n in enumerate(names)}  # experts spread over shards
+    for k, file in files.items():
+        save_file({n: t for n, t in tensors.items() if part[n] == k}, out_dir / file, metadata=metadata)
+    index = {"metadata": {"total_size": sum(t.numel() * 2 for t in tensors.values())},
+             "weight_map": {n: files[part[n]] for n in names}}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return out_dir
+
+
+def _fused_experts(tensors: dict, num_experts: int) -> dict:
+    """Per-expert head tensors -> `experts.gate_up_proj` [E, 2I, D] (gate rows first) and `experts.down_proj`."""
+    mlp = "mtp.layers.0.mlp.experts."
+    part = lambda e, p: tensors.pop(f"{mlp}{e}.{p}_proj.weight")  # noqa: E731
+    gate_up, down = [], []
+    for e in range(num_experts):
+        gate_up.append(torch.cat([part(e, "gate"), part(e, "up")]))
+        down.append(part(e, "down"))
+    return tensors | {mlp + "gate_up_proj": torch.stack(gate_up), mlp + "down_proj": torch.stack(down)}

@@ -12,6 +12,7 @@ so `run_batched` runs all T steps as one causal pass; `run_stepwise` feeds one s
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,10 +27,24 @@ from oracle.attention_evidence import uniform_weights
 from oracle.checkpoint import Checkpoint, HeadWeights
 from oracle.errors import CheckpointError
 from oracle.families.qwen3_5_layout import HeadConfig
-from oracle.stages import STAGE_NAMES
 from oracle.trace import TraceInputs
 
 Stages = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class QwenClasses:
+    """The official transformers classes a Qwen-stem family builds its head from."""
+
+    text_config: type
+    decoder_layer: type
+    rms_norm: type
+    rotary: type
+    text_model: type
+
+
+CLASSES = QwenClasses(Qwen3_5TextConfig, Qwen3_5DecoderLayer, Qwen3_5RMSNorm, Qwen3_5TextRotaryEmbedding,
+                      Qwen3_5TextModel)
 
 
 def head_text_config(cfg: HeadConfig) -> Qwen3_5TextConfig:
@@ -50,17 +65,21 @@ def head_text_config(cfg: HeadConfig) -> Qwen3_5TextConfig:
 
 
 class MtpHead(nn.Module):
-    """Module names mirror the checkpoint (`mtp.` stripped), so the state dict loads strictly by name."""
+    """Module names mirror the checkpoint (`mtp.` stripped), so the state dict loads strictly by name.
 
-    def __init__(self, text: Qwen3_5TextConfig):
+    The decoder layer and norms are the family's official classes (Qwen3.5 by default; Qwen3.5-MoE and Qwen3-Next
+    pass theirs). For a MoE layer, `tail` also records the MoE stages its block computes, through hooks on the
+    official router, experts, shared expert and shared-expert gate (`moe_capture`)."""
+
+    def __init__(self, text, classes: QwenClasses = CLASSES):
         super().__init__()
         d, eps = text.hidden_size, text.rms_norm_eps
         self.text_config = text
-        self.pre_fc_norm_embedding = Qwen3_5RMSNorm(d, eps=eps)
-        self.pre_fc_norm_hidden = Qwen3_5RMSNorm(d, eps=eps)
+        self.pre_fc_norm_embedding = classes.rms_norm(d, eps=eps)
+        self.pre_fc_norm_hidden = classes.rms_norm(d, eps=eps)
         self.fc = nn.Linear(2 * d, d, bias=False)
-        self.layers = nn.ModuleList([Qwen3_5DecoderLayer(text, layer_idx=0)])
-        self.norm = Qwen3_5RMSNorm(d, eps=eps)
+        self.layers = nn.ModuleList([classes.decoder_layer(text, layer_idx=0)])
+        self.norm = classes.rms_norm(d, eps=eps)
 
     def stem(self, embed: torch.Tensor, hidden: torch.Tensor) -> Stages:
         s = {}
@@ -82,7 +101,9 @@ class MtpHead(nn.Module):
         s["attn"] = layer.self_attn(s["ah"], position_embeddings=rope, attention_mask=mask, cache=cache)[0]
         s["res1"] = fc + s["attn"]
         s["mh"] = layer.post_attention_layernorm(s["res1"])
-        s["mlp"] = layer.mlp(s["mh"])
+        with moe_capture(layer.mlp) as moe:  # a dense MLP records nothing
+            s["mlp"] = layer.mlp(s["mh"])
+        s |= moe
         s["res2"] = s["res1"] + s["mlp"]
         s["out"] = self.norm(s["res2"])
         return s
@@ -120,6 +141,17 @@ class UpcastLinear(nn.Module):
         return out
 
 
+def _widen_non_linear_parameters(module: nn.Module) -> None:
+    """Parameters outside an nn.Linear (e.g. a MoE router's [E, D] weight) become float32 (exact from bf16);
+    nn.Linear weights stay stored and are widened block-wise by UpcastLinear."""
+    for child in module.modules():
+        if isinstance(child, nn.Linear):
+            continue
+        for name, param in child.named_parameters(recurse=False):
+            if not param.is_meta and param.dtype != torch.float32:
+                setattr(child, name, nn.Parameter(param.float(), requires_grad=False))
+
+
 def _upcast_linears(module: nn.Module) -> None:
     """Replace every nn.Linear under `module` (official modules included) by an UpcastLinear on its weight."""
     for name, child in module.named_children():
@@ -137,22 +169,34 @@ def torch_weights(weights: HeadWeights) -> dict[str, torch.Tensor]:
 
 
 def build_head(cfg: HeadConfig, weights: dict[str, torch.Tensor]) -> tuple[MtpHead, Qwen3_5TextRotaryEmbedding]:
-    """The head with every `mtp.*` tensor loaded (strict: none missing, none unused, none left at init).
+    """The dense head with every `mtp.*` tensor loaded (strict: none missing, none unused, none left at init)."""
+    return build_qwen_head(head_text_config(cfg), CLASSES, weights)
 
-    Linear weights keep their dtype (widened block-wise by UpcastLinear); norm weights become float32."""
-    text = head_text_config(cfg)
+
+def build_qwen_head(text, classes: QwenClasses, weights: dict[str, torch.Tensor], experts=None):
+    """A Qwen-stem head from `classes`, loaded strictly from `weights` (checkpoint names).
+
+    Linear weights keep their dtype (widened block-wise by UpcastLinear); norm weights become float32. `experts`
+    (oracle/families/moe_experts.py), when given, supplies the routed experts' two fused parameters, widened only
+    for the experts a forward pass routes to; every other parameter must come from `weights`."""
     with torch.device("meta"):  # no default init of full-size modules: every parameter must come from `weights`
-        head = MtpHead(text)
-    state = {name.removeprefix("mtp."): t if t.dim() == 2 else t.float() for name, t in weights.items()}
-    try:
-        head.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as err:
-        raise CheckpointError(f"the head's tensors do not match the Qwen3.5 head modules: {err}") from None
-    left_on_meta = [n for n, t in [*head.named_parameters(), *head.named_buffers()] if t.is_meta]
+        head = MtpHead(text, classes)
+    state = {name.removeprefix("mtp."): t if t.dim() >= 2 else t.float() for name, t in weights.items()}
+    lazy = experts.parameter_names("layers.0.mlp.experts.") if experts is not None else set()
+    state = {k: v for k, v in state.items() if not (experts is not None and experts.owns("mtp." + k))}
+    result = head.load_state_dict(state, strict=False, assign=True)
+    missing = set(result.missing_keys) - lazy
+    if missing or result.unexpected_keys:
+        raise CheckpointError(f"the head's tensors do not match the {type(head.layers[0]).__name__} head modules: "
+                              f"missing {sorted(missing)}, unexpected {sorted(result.unexpected_keys)}")
+    left_on_meta = [n for n, t in [*head.named_parameters(), *head.named_buffers()] if t.is_meta and n not in lazy]
     if left_on_meta:
         raise RuntimeError(f"parameters never loaded: {left_on_meta}")  # a bug: strict loading should prevent it
+    _widen_non_linear_parameters(head)
     _upcast_linears(head)
-    rotary = Qwen3_5TextRotaryEmbedding(text)  # built for real: its inv_freq buffer is computed, not loaded
+    if experts is not None:
+        experts.attach(head.layers[0].mlp.experts)
+    rotary = classes.rotary(text)  # built for real: its inv_freq buffer is computed, not loaded
     return head.eval(), rotary
 
 
@@ -170,7 +214,7 @@ def _step_tensors(inputs: TraceInputs) -> tuple[torch.Tensor, torch.Tensor, torc
 
 
 def _to_numpy(stages: Stages) -> dict[str, np.ndarray]:
-    return {name: stages[name][0].numpy() for name in STAGE_NAMES}  # (1, T, w) -> (T, w)
+    return {name: rows[0].numpy() for name, rows in stages.items()}  # (1, T, w) -> (T, w)
 
 
 @torch.inference_mode()
@@ -207,27 +251,28 @@ def run_stepwise(head: MtpHead, rotary: Qwen3_5TextRotaryEmbedding, inputs: Trac
         steps.append(head(embed[:, sl], hidden[:, sl], rope, mask=None, cache=cache))  # one query: sees all keys
         if on_step:
             on_step(t)
-    return _to_numpy({name: torch.cat([s[name] for s in steps], dim=1) for name in STAGE_NAMES})
+    return _to_numpy({name: torch.cat([s[name] for s in steps], dim=1) for name in steps[0]})
 
 
-def load_main_model(checkpoint: Checkpoint) -> Qwen3_5TextModel:
-    """The checkpoint's main text model (official Qwen3_5TextModel, float32), loaded strictly."""
+def load_main_model(checkpoint: Checkpoint, classes: QwenClasses = CLASSES) -> Qwen3_5TextModel:
+    """The checkpoint's main text model (the family's official text model class, float32), loaded strictly."""
     raw = checkpoint.raw_config
-    text = Qwen3_5TextConfig(**{k: v for k, v in raw.get("text_config", raw).items() if k != "model_type"})
+    text = classes.text_config(**{k: v for k, v in raw.get("text_config", raw).items() if k != "model_type"})
     text._attn_implementation = "sdpa"
     prefix = checkpoint.main_model_prefix()
     names = [n for n in checkpoint.names() if n.startswith(prefix) and not n.startswith("model.visual.")]
     if prefix == "model.":
         names = [n for n in names if not n.startswith("model.language_model.")]
     with torch.device("meta"):
-        model = Qwen3_5TextModel(text)
+        model = classes.text_model(text)
     state = {n.removeprefix(prefix): torch.from_numpy(checkpoint.read(n)) for n in names}
     try:
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as err:
         raise CheckpointError(f"{checkpoint.path}: the main model's tensors ({prefix}*) do not match "
-                              f"Qwen3_5TextModel: {err}") from None
-    model.rotary_emb = Qwen3_5TextRotaryEmbedding(text)
+                              f"{classes.text_model.__name__} (--main-model needs the whole main model): "
+                              f"{str(err)[:600]}") from None
+    model.rotary_emb = classes.rotary(text)
     return model.eval()
 
 
@@ -236,3 +281,40 @@ def main_model_hidden(model: Qwen3_5TextModel, sequence: np.ndarray) -> np.ndarr
     """Post-final-norm hidden [T, D] (the lm_head input) of the main model over `sequence` at positions 0..T-1."""
     ids = torch.from_numpy(np.asarray(sequence, dtype=np.int64))[None]  # (T,) -> (1, T)
     return model(input_ids=ids, use_cache=False).last_hidden_state[0].float().numpy()
+
+
+class moe_capture:
+    """Records the MoE stages a sparse MoE block computes in its official forward, through forward hooks on its
+    router (`gate`: logits, final top-k weights, indices), `experts` (the routed sum), `shared_expert` and
+    `shared_expert_gate`. `shared` = sigmoid(gate) * shared_expert(x): the block's own expression, evaluated on
+    the values it computed. A block without a router (a dense MLP) records nothing."""
+
+    def __init__(self, block: nn.Module):
+        self.block, self.stages, self.handles = block, {}, []
+
+    def __enter__(self) -> Stages:
+        if not hasattr(self.block, "gate") or not hasattr(self.block, "experts"):
+            return self.stages
+        seen = {}
+
+        def keep(name):
+            return lambda module, args, out: seen.__setitem__(name, out)
+
+        for name in ("gate", "experts", "shared_expert", "shared_expert_gate"):
+            self.handles.append(getattr(self.block, name).register_forward_hook(keep(name)))
+        self.seen = seen
+        return self.stages
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+        if exc[0] is not None or not self.handles:
+            return
+        seen = self.seen
+        logits, weights, ids = seen["gate"]  # (N, E), (N, k), (N, k), N = B*T with B = 1
+        rows = lambda t: t.reshape(1, -1, t.shape[-1])  # noqa: E731  (N, w) -> (1, N, w)
+        self.stages.update({
+            "router_logits": rows(logits), "topk_ids": rows(ids), "topk_weights": rows(weights),
+            "shared": rows(F.sigmoid(seen["shared_expert_gate"]) * seen["shared_expert"]),
+            "routed": rows(seen["experts"]),
+        })

@@ -1,13 +1,18 @@
-"""Qwen3.5 (dense) MTP head: config fields and checkpoint tensor layout, with no torch or transformers import.
+"""Qwen3.5 (dense) MTP head, torch-free half: config parsing, tensor names and shapes, stages, evidence rules,
+known wiring variants and a tiny config. The head itself, from the official transformers classes, is
+`oracle/families/qwen3_5.py`.
 
-This is the half of the Qwen3.5 family that `probe` may read (to hand an engine the head's weights and config);
-the head itself, built from the official transformers classes, is `oracle/families/qwen3_5.py`.
+The Qwen stem (two (1+w) norms, concat [e, h], fc, a gated full-attention layer, the final norm) is shared by
+Qwen3.5-MoE and Qwen3-Next, whose layout files reuse `parse_qwen_config` and `stem_and_attention_shapes` here and
+add the MoE block.
 """
 
 import math
 from dataclasses import asdict, dataclass
 
 from oracle.errors import CheckpointError
+from oracle.families.spec import FamilySpec, TensorLayout, Variant
+from oracle.stages import SPINE, Dims, StageList
 
 FAMILY = "qwen3_5"
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
@@ -35,44 +40,78 @@ class HeadConfig:
     mrope_interleaved: bool
     max_position_embeddings: int
     family: str = FAMILY
+    # MoE heads only (0 for the dense head; left out of to_dict then, so dense traces keep their config):
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k weights to sum 1 (an engine convention: recorded)
+    mrope: bool = True  # Qwen3.5 builds mrope rotary (3 equal sections for text); Qwen3-Next plain rotary
 
     @property
     def rotary_dim(self) -> int:
         """Leading dims of each head that RoPE rotates (NeoX halves); the rest pass through."""
         return int(self.head_dim * self.partial_rotary_factor)
 
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not d.pop("mrope"):
+            d.pop("mrope_section"), d.pop("mrope_interleaved")
+        if self.is_moe:
+            d.pop("intermediate_size")  # the MoE layer has no dense MLP
+        else:
+            for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                        "shared_expert_intermediate_size", "norm_topk_prob"):
+                d.pop(key)
+        return d
 
 
-def head_config_from_json(raw: dict, source: str) -> HeadConfig:
-    """HeadConfig from a config.json dict, flat (text model) or nested under `text_config` (VLM release).
-
-    Every field is checked for its JSON type where it is read (a string rope_theta, a null head_dim, a head_dim of
-    32.7 or true): CheckpointError naming the field, never a traceback and never a silent conversion."""
+def text_config_of(raw: dict, source: str) -> dict:
+    """The text model's config: `text_config` (VLM release) or the flat config itself."""
     text = raw.get("text_config", raw)
     if not isinstance(text, dict):
         raise CheckpointError(f"{source}: text_config is {_json_type(text)}; it must be an object holding the text "
                               f"model's config (or leave it out for a flat config).")
+    return text
+
+
+def head_config_from_json(raw: dict, source: str) -> HeadConfig:
+    """The dense Qwen3.5 head's config from a config.json dict, flat (text model) or nested under `text_config`."""
+    return parse_qwen_config(raw, source, FAMILY, MODEL_TYPES, moe=False)
+
+
+def parse_qwen_config(raw: dict, source: str, family: str, model_types: tuple[str, ...], moe: bool,
+                      mrope: bool = True, norm_topk_default: bool = True) -> HeadConfig:
+    """HeadConfig of a Qwen-stem head (Qwen3.5 dense or MoE, Qwen3-Next), flat or nested under `text_config`.
+
+    Every field is checked for its JSON type where it is read (a string rope_theta, a null head_dim, a head_dim of
+    32.7 or true): CheckpointError naming the field, never a traceback and never a silent conversion."""
+    text = text_config_of(raw, source)
     model_type = text.get("model_type", raw.get("model_type"))
-    if model_type not in MODEL_TYPES:
-        raise CheckpointError(f"{source}: model_type {model_type!r} is not a dense Qwen3.5 model "
-                              f"(expected one of {', '.join(MODEL_TYPES)}); this oracle builds only that head.")
-    for key, expected in (("mtp_num_hidden_layers", 1), ("hidden_act", "silu"), ("attention_bias", False)):
+    if model_type not in model_types:
+        raise CheckpointError(f"{source}: model_type {model_type!r} is not a {family} model "
+                              f"(expected one of {', '.join(model_types)}).")
+    for key, expected in (("mtp_num_hidden_layers", 1), ("num_nextn_predict_layers", 1), ("hidden_act", "silu"),
+                          ("attention_bias", False)):
         value = text.get(key, _TEXT_DEFAULTS.get(key, expected))
         if value != expected or type(value) is not type(expected):  # 1.0 or true is not the layer count 1
             raise CheckpointError(f"{source}: {key} = {value!r}; this oracle supports only {key} = {expected!r}.")
     rope = _rope_fields(text, source)
+    moe_fields = _moe_fields(text, source, norm_topk_default) if moe else {}
     cfg = HeadConfig(
         hidden_size=_required_int(text, "hidden_size", source),
         num_attention_heads=_required_int(text, "num_attention_heads", source),
         num_key_value_heads=_required_int(text, "num_key_value_heads", source),
         head_dim=_optional_int(text, "head_dim", source),
-        intermediate_size=_required_int(text, "intermediate_size", source),
+        intermediate_size=0 if moe else _required_int(text, "intermediate_size", source),
         vocab_size=_required_int(text, "vocab_size", source),
         rms_norm_eps=_number(text.get("rms_norm_eps", _TEXT_DEFAULTS["rms_norm_eps"]), "rms_norm_eps", source),
         max_position_embeddings=_optional_int(text, "max_position_embeddings", source),
-        **rope,
+        family=family, mrope=mrope, **rope, **moe_fields,
     )
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         raise CheckpointError(f"{source}: num_attention_heads {cfg.num_attention_heads} is not a multiple of "
@@ -82,6 +121,21 @@ def head_config_from_json(raw: dict, source: str) -> HeadConfig:
                               f"{cfg.partial_rotary_factor} gives rotary dim {cfg.rotary_dim}; it must be even "
                               f"and in 2..head_dim.")
     return cfg
+
+
+def _moe_fields(text: dict, source: str, norm_topk_default: bool) -> dict:
+    fields = {key: _required_int(text, key, source) for key in
+              ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")}
+    if fields["num_experts_per_tok"] > fields["num_experts"]:
+        raise CheckpointError(f"{source}: num_experts_per_tok {fields['num_experts_per_tok']} exceeds num_experts "
+                              f"{fields['num_experts']}.")
+    norm = text.get("norm_topk_prob", norm_topk_default)
+    if not isinstance(norm, bool):
+        raise CheckpointError(f"{source}: norm_topk_prob must be true or false, found {norm!r}.")
+    if text.get("decoder_sparse_step", 1) != 1:
+        raise CheckpointError(f"{source}: decoder_sparse_step {text['decoder_sparse_step']!r}: the MTP layer must be "
+                              f"MoE (decoder_sparse_step 1); this oracle does not build a dense-MLP head for it.")
+    return fields | {"norm_topk_prob": norm}
 
 
 def _rope_fields(text: dict, source: str) -> dict:
@@ -148,6 +202,27 @@ def _json_type(value) -> str:
             float: "a number"}.get(type(value), type(value).__name__)
 
 
+def stem_and_attention_shapes(cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
+    """The Qwen stem, gated attention, layer norms and final norm: every `mtp.*` tensor but the MLP's."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    layer = "mtp.layers.0."
+    return {
+        "mtp.pre_fc_norm_embedding.weight": (d,),
+        "mtp.pre_fc_norm_hidden.weight": (d,),
+        "mtp.fc.weight": (d, 2 * d),
+        layer + "input_layernorm.weight": (d,),
+        layer + "self_attn.q_proj.weight": (2 * q, d),  # rows per head: [q_h (hd) | gate_h (hd)]
+        layer + "self_attn.k_proj.weight": (kv, d),
+        layer + "self_attn.v_proj.weight": (kv, d),
+        layer + "self_attn.q_norm.weight": (hd,),
+        layer + "self_attn.k_norm.weight": (hd,),
+        layer + "self_attn.o_proj.weight": (d, q),
+        layer + "post_attention_layernorm.weight": (d,),
+        "mtp.norm.weight": (d,),
+    }
+
+
 def head_tensor_shapes(cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
     """The 15 `mtp.*` tensors of the dense head and the shape the config implies for each ([out, in] for linears)."""
     d, hd, ff = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
@@ -170,3 +245,48 @@ def head_tensor_shapes(cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
         layer + "mlp.down_proj.weight": (d, ff),
         "mtp.norm.weight": (d,),
     }
+
+
+# Known wiring mistakes of the Qwen stem and gated attention that still run (shared/reference/mtp_wiring.md §8).
+QWEN_VARIANTS = (
+    Variant("concat_swap", "fc_in is [h, e], expected [e, h]"),
+    Variant("plain_norm", "every RMSNorm of the head scales by w instead of (1 + w), q_norm and k_norm included"),
+    Variant("qgate_halves", "q_proj rows split as [all q | all gate] instead of per head [q_h | gate_h]"),
+    Variant("no_gate", "attention output not multiplied by sigmoid(gate)"),
+    Variant("no_qk_norm", "q_norm and k_norm skipped"),
+    Variant("rope_all_dims", "RoPE rotates the whole head instead of its partial rotary dims"),
+    Variant("rope_interleaved", "RoPE on GPT-J (interleaved) pairs instead of NeoX halves"),
+    Variant("no_rope", "no RoPE at all"),
+    Variant("pos_frozen", "every step at the first position"),
+    Variant("no_kv_append", "each step attends only to itself (the KV cache never grows)"),
+    Variant("pre_norm_hidden", "the main model's hidden taken before its final norm"),
+)
+
+
+def tiny_config(**overrides) -> dict:
+    """A config.json for a tiny dense Qwen3.5 head (fixtures and the family contract test)."""
+    text = {"model_type": "qwen3_5_text", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 32, "intermediate_size": 96, "vocab_size": 512, "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 4096, "num_hidden_layers": 1, "layer_types": ["full_attention"],
+            "mtp_num_hidden_layers": 1, "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                                "mrope_section": [2, 1, 1], "mrope_interleaved": True}}
+    text.update(overrides)
+    return {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": text}
+
+
+def dense_layout(cfg: HeadConfig, names: set[str]) -> TensorLayout:
+    return TensorLayout(head_tensor_shapes(cfg))
+
+
+def spine_dims(cfg: HeadConfig) -> Dims:
+    return Dims(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok)
+
+
+SPEC = FamilySpec(
+    name=FAMILY, model_types=MODEL_TYPES,
+    architectures=("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"),
+    parse_config=head_config_from_json, layout=dense_layout, head_prefix="mtp.",
+    stages=lambda cfg: SPINE, dims=spine_dims, main_model_prefixes=MAIN_MODEL_PREFIXES, lm_head=LM_HEAD,
+    head_module="oracle.families.qwen3_5", variants=QWEN_VARIANTS, tiny_config=tiny_config,
+)

@@ -94,11 +94,11 @@ def test_interrupted_write_leaves_nothing_and_keeps_the_old_file(tmp_path, monke
     path.write_bytes(b"previous contents")
     calls = []
 
-    def interrupted(f, name, values, inputs):
-        calls.append(name)
+    def interrupted(f, stage, values, inputs, dims):
+        calls.append(stage.name)
         if len(calls) == 3:
             raise KeyboardInterrupt
-        real_write_stage(f, name, values, inputs)
+        real_write_stage(f, stage, values, inputs, dims)
 
     real_write_stage = trace_mod._write_stage
     monkeypatch.setattr(trace_mod, "_write_stage", interrupted)

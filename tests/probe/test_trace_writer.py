@@ -56,7 +56,7 @@ def test_header_stage_list_is_the_registry():
     text = HEADER.read_text()
     macro = re.search(r"#define MTP_TW_STAGES\(X\)\s*\\\s*\n(.*?)\n", text).group(1)
     listed = re.findall(r"X\((\w+), (\d)\)", macro)
-    assert [(name, int(mult)) for name, mult in listed] == [(s.name, s.width_in_hidden) for s in STAGES]
+    assert [(name, int(mult)) for name, mult in listed] == [(s.name, s.width(1)) for s in STAGES]
     assert f"0x{POISON_BITS:08X}u" in text
 
 

@@ -1,0 +1,78 @@
+"""Qwen3.5-MoE (`qwen3_5_moe`) MTP head, torch-free half: the Qwen stem of oracle/families/qwen3_5_layout.py with a
+sparse MoE block (router, top-k, routed experts, a shared expert behind a sigmoid gate). The head itself is
+`oracle/families/qwen3_5_moe.py`.
+
+Experts come in two layouts, both found in released checkpoints (shared/reference/mtp_wiring.md §3.1):
+per-expert `mtp.layers.0.mlp.experts.{e}.{gate,up,down}_proj.weight`, or fused `mtp.layers.0.mlp.experts.gate_up_proj`
+[E, 2I, D] (gate rows first) and `experts.down_proj` [E, D, I].
+
+Top-k renormalisation: transformers' Qwen3_5MoeTopKRouter always renormalises the top-k weights to sum 1, and the
+release config has no `norm_topk_prob` key; engines read `norm_topk_prob`. The oracle follows the config when it
+has the key and transformers (true) otherwise, records the value in the trace's config, and
+`mtp-oracle export --norm-topk-prob/--no-norm-topk-prob` overrides it.
+"""
+
+from oracle.errors import CheckpointError
+from oracle.families.qwen3_5_layout import (LM_HEAD, MAIN_MODEL_PREFIXES, QWEN_VARIANTS, HeadConfig,
+                                            parse_qwen_config, spine_dims, stem_and_attention_shapes)
+from oracle.families.spec import ExpertLayout, FamilySpec, TensorLayout, Variant
+from oracle.stages import SPINE, with_moe
+
+FAMILY = "qwen3_5_moe"
+MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+MLP = "mtp.layers.0.mlp."
+FUSED = {"gate_up": MLP + "experts.gate_up_proj", "down": MLP + "experts.down_proj"}
+PER_EXPERT = {p: MLP + "experts.{e}." + p + "_proj.weight" for p in ("gate", "up", "down")}
+
+MOE_VARIANTS = (
+    Variant("topk_not_renormalised", "top-k weights used as softmax probabilities, not renormalised to sum 1"),
+    Variant("shared_ungated", "shared expert added without its sigmoid(shared_expert_gate) factor"),
+)
+
+
+def head_config_from_json(raw: dict, source: str) -> HeadConfig:
+    return parse_qwen_config(raw, source, FAMILY, MODEL_TYPES, moe=True, mrope=True)
+
+
+def moe_block_shapes(cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
+    """Router, shared expert and its gate (the routed experts are the ExpertLayout)."""
+    d, s = cfg.hidden_size, cfg.shared_expert_intermediate_size
+    return {MLP + "gate.weight": (cfg.num_experts, d),
+            MLP + "shared_expert.gate_proj.weight": (s, d), MLP + "shared_expert.up_proj.weight": (s, d),
+            MLP + "shared_expert.down_proj.weight": (d, s), MLP + "shared_expert_gate.weight": (1, d)}
+
+
+def moe_layout(cfg: HeadConfig, names: set[str]) -> TensorLayout:
+    """The stem, attention and MoE block, with the experts in whichever layout the checkpoint uses."""
+    fused = any(n in names for n in FUSED.values())
+    per_expert = any(n.startswith(MLP + "experts.") and n not in FUSED.values() for n in names)
+    if fused and per_expert:
+        raise CheckpointError("the checkpoint holds both fused (experts.gate_up_proj) and per-expert "
+                              "(experts.{e}.*_proj.weight) expert tensors; keep one layout.")
+    experts = ExpertLayout("fused" if fused else "per_expert", cfg.num_experts, cfg.moe_intermediate_size,
+                           cfg.hidden_size, FUSED if fused else PER_EXPERT)
+    return TensorLayout(stem_and_attention_shapes(cfg) | moe_block_shapes(cfg), experts)
+
+
+def tiny_config(**overrides) -> dict:
+    text = {"model_type": "qwen3_5_moe_text", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 32, "vocab_size": 512, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
+            "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+            "shared_expert_intermediate_size": 40, "num_hidden_layers": 1, "layer_types": ["full_attention"],
+            "mtp_num_hidden_layers": 1, "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                                "mrope_section": [2, 1, 1], "mrope_interleaved": True}}
+    text.update(overrides)
+    return {"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+            "text_config": text}
+
+
+SPEC = FamilySpec(
+    name=FAMILY, model_types=MODEL_TYPES,
+    architectures=("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"),
+    parse_config=head_config_from_json, layout=moe_layout, head_prefix="mtp.",
+    stages=lambda cfg: with_moe(SPINE), dims=spine_dims, main_model_prefixes=MAIN_MODEL_PREFIXES, lm_head=LM_HEAD,
+    head_module="oracle.families.qwen3_5_moe", variants=QWEN_VARIANTS + MOE_VARIANTS, tiny_config=tiny_config,
+    notes=("norm_topk_prob: transformers' Qwen3_5MoeTopKRouter always renormalises; the oracle follows the config's "
+           "norm_topk_prob when present, else true (recorded in config)",),
+)

@@ -1,0 +1,95 @@
+"""The family seam: what every model family declares, with no torch or transformers import.
+
+A family is two files: `oracle/families/<family>_layout.py` (torch-free: config parsing and validation, tensor
+names and shapes in each layout, the stage list, evidence rules, the catalogue of known wiring variants, a tiny
+config for fixtures) and `oracle/families/<family>.py` (the head built from the official transformers classes,
+named by `head_module`). The registry (oracle/families/registry.py) finds the family from config.json. Nothing
+outside oracle/families/ names a family.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from oracle.stages import Dims, StageList
+
+
+class HeadConfig(Protocol):
+    """What code outside a family may read from any family's head config."""
+
+    family: str
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+
+    def to_dict(self) -> dict: ...
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where a MoE head's routed experts lie in the checkpoint, in one of two layouts.
+
+    fused:       `gate_up` [E, 2I, D] (gate rows first) and `down` [E, D, I]
+    per_expert:  `gate`, `up` [I, D] and `down` [D, I] per expert, names from the templates with {e}
+    The head reads only the experts the traced tokens route to (widened one at a time)."""
+
+    kind: str  # "fused" | "per_expert"
+    num_experts: int
+    intermediate: int
+    hidden: int
+    names: dict[str, str]  # fused: {"gate_up", "down"}; per_expert: {"gate", "up", "down"} with "{e}"
+
+    def tensor_names(self) -> list[str]:
+        if self.kind == "fused":
+            return [self.names["gate_up"], self.names["down"]]
+        return [self.names[p].format(e=e) for e in range(self.num_experts) for p in ("gate", "up", "down")]
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        e, i, d = self.num_experts, self.intermediate, self.hidden
+        if self.kind == "fused":
+            return {self.names["gate_up"]: (e, 2 * i, d), self.names["down"]: (e, d, i)}
+        per = {"gate": (i, d), "up": (i, d), "down": (d, i)}
+        return {self.names[p].format(e=x): per[p] for x in range(e) for p in ("gate", "up", "down")}
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """The head's tensors as one checkpoint stores them: dense tensors (name -> shape) plus, for MoE, the experts."""
+
+    dense: dict[str, tuple[int, ...]]
+    experts: ExpertLayout | None = None
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return self.dense | (self.experts.shapes() if self.experts else {})
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A known wiring mistake that still runs (the probe's diagnosis uses these)."""
+
+    name: str
+    description: str  # what the candidate does, e.g. "fc_in is [h, e], expected [e, h]"
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    name: str
+    model_types: tuple[str, ...]  # config.json model_type (top level or text_config)
+    architectures: tuple[str, ...]
+    parse_config: Callable[[dict, str], HeadConfig]  # (raw config.json, its path) -> validated head config
+    layout: Callable[[HeadConfig, set[str]], TensorLayout]  # (config, checkpoint tensor names) -> the layout used
+    head_prefix: str  # every head tensor starts with it; one that the layout does not name is refused
+    stages: Callable[[HeadConfig], StageList]
+    dims: Callable[[HeadConfig], Dims]
+    main_model_prefixes: tuple[str, ...]  # where the shared embedding lies: <prefix>embed_tokens.weight
+    lm_head: str
+    head_module: str  # the torch half: build_head, run_batched, run_stepwise, ...
+    qk_dependent_from: str = "attn"  # this stage and every later one see q/k only through the attention weights
+    variants: tuple[Variant, ...] = ()
+    tiny_config: Callable[..., dict] | None = None  # (**overrides) -> a config.json dict for fixtures
+    notes: tuple[str, ...] = field(default=())  # conventions recorded in the trace (e.g. top-k renormalisation)
+
+    def evidence_rules(self, cfg: HeadConfig) -> dict:
+        """What the probe needs to know about this head's evidence, stored with the trace."""
+        return {"qk_dependent": list(self.stages(cfg).after(self.qk_dependent_from)),
+                "absolute_positions": "not evidenced"}
