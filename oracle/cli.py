@@ -8,7 +8,6 @@ from pathlib import Path
 import click
 
 from oracle.errors import MtpGroup
-from oracle.stages import STAGE_NAMES
 from oracle.output import check_writable, refuse_overwriting_inputs
 
 EXISTING_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
@@ -52,7 +51,11 @@ def export(obj, checkpoint, out, tokens, tokens_file, hidden_file, hidden_seed, 
     log = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))
     path = export_trace(checkpoint, out, ids, source, start_pos=start_pos, mode=mode,
                         command=obj["command"], log=log, warn=lambda msg: click.echo(msg, err=True))
-    click.echo(f"wrote {path}: {len(ids)} step{'s' if len(ids) != 1 else ''} x {len(STAGE_NAMES)} stages")
+    from oracle.trace import read_trace
+
+    with read_trace(path) as written:
+        count = len(written.stages)
+    click.echo(f"wrote {path}: {len(ids)} step{'s' if len(ids) != 1 else ''} x {count} stages")
 
 
 @cli.command()

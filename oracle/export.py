@@ -19,7 +19,7 @@ from oracle.families.registry import head_module
 from oracle.inputs import hidden_from_file, hidden_from_seed, positions_from_start
 from oracle.limits import check_export_limits
 from oracle.output import check_writable
-from oracle.trace import TraceInputs, write_trace
+from oracle.trace import EVIDENCE_DOCS, TraceInputs, write_trace
 
 MODES = ("batched", "stepwise")
 
@@ -72,9 +72,10 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     else:
         stages = impl.run_stepwise(head, rotary, inputs)
     stage_list = family.stages(cfg)
+    recorded = {k: stages.pop(k) for k in list(stages) if k in EVIDENCE_DOCS}  # e.g. topk_margin: evidence
     if set(stages) != set(stage_list.names):  # a bug in the family's head, never the user's input
         raise RuntimeError(f"the {family.name} head recorded {sorted(stages)}, its stage list is {stage_list.names}")
-    evidence = {"attn_uniform": impl.attention_with_uniform_weights(head, rotary, inputs, stages["ah"])}
+    evidence = recorded | {"attn_uniform": impl.attention_with_uniform_weights(head, rotary, inputs, stages["ah"])}
     blind = qk_blind_tokens(stages["attn"], evidence["attn_uniform"])
     if blind.all():
         warn(qk_warning(inputs.num_tokens))

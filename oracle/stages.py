@@ -133,6 +133,10 @@ def with_moe(spine: StageList) -> StageList:
     return StageList(spine[:at] + MOE + spine[at:])
 
 
+# Every stage name any family uses (for validating names before a reference says which family it is).
+KNOWN_STAGE_NAMES: tuple[str, ...] = with_moe(SPINE).names + ("x_in", "after_attn", "block_out", "head_collapsed",
+                                                               "e_proj", "h_proj")
+
 # The default list: a trace that records no stage metadata (written before families) has these stages.
 STAGES: StageList = SPINE
 STAGE_NAMES: tuple[str, ...] = STAGES.names

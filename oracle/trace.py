@@ -60,6 +60,9 @@ EVIDENCE_DOCS = {
     "attn_uniform": "attn recomputed from the same ah rows with uniform attention weights over the visible keys: "
                     "where it passes the tolerance rule against attn, that attn row cannot witness q, k, q_norm, "
                     "k_norm or RoPE",
+    "topk_margin": "[T, 1] per token, the k-th selected expert's selection score minus the best unselected one's, "
+                   "in router-logit units: where it is within the router_logits tolerance, a topk_ids flip is a "
+                   "near-tie (rounding), not a wiring bug",
 }
 _JSON_ATTRS = ("versions", "config", "provenance", "dims", "evidence_rules", "experts")
 _CHUNK_BYTES = 1 << 20

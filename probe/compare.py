@@ -111,7 +111,9 @@ def compare_rows(actual: np.ndarray, expected: np.ndarray, tol: Tol, zero_is_unw
                      _cosine(a, e), _stats(e), _stats(a), tol, _worst(rank, a, e))
 
 
-STATUSES = ("ok", "values", "nonfinite", "unwritten", "shape", "dtype")  # StageRows.status holds indices
+# `tie`: a row that differs only because the reference's own top-k selection was a near-tie at that token (a
+# routing flip within rounding), or a row downstream of such a flip: not a divergence, not evidence.
+STATUSES = ("ok", "values", "nonfinite", "unwritten", "shape", "dtype", "tie")  # StageRows.status holds indices
 _CODE = {name: code for code, name in enumerate(STATUSES)}
 
 
@@ -222,6 +224,36 @@ def rows_from_sums(stage: str, start: int, width: int, sums: np.ndarray, tol: To
                      _ratios(np.sqrt(sums["dd"]), np.sqrt(ee)), _cosines(aa, ee, sums["ae"]),
                      np.zeros(len(aa), dtype=bool) if qk_blind is None else np.asarray(qk_blind, dtype=bool),
                      (aa == 0) & (ee == 0), {}, zero_is_unwritten)
+
+
+def compare_index_sets(stage: str, start: int, actual: np.ndarray, expected: np.ndarray, tol: Tol,
+                       near_tie: np.ndarray | None = None) -> StageRows:
+    """Rows of an index-set stage (e.g. topk_ids, int64 [rows, k]): a row is ok when both rows hold the same set.
+
+    n_mismatch counts the reference's ids the candidate lacks; max_abs is that count too (budget inf when > 0).
+    A differing row where `near_tie` is set (the reference's own selection margin is within the tolerance of its
+    router logits) is `tie`, not `values`: a routing flip at a near-tie is rounding, not wiring. A negative id is
+    an unwritten row (the C and Python adapters fill index buffers with -1)."""
+    rows = len(expected)
+    exp_sorted, act_sorted = np.sort(expected, axis=1), np.sort(actual, axis=1)
+    same = (exp_sorted == act_sorted).all(axis=1)
+    missing = np.array([len(set(e.tolist()) - set(a.tolist())) for e, a in zip(expected, actual)], dtype=np.int64)
+    unwritten = (actual < 0).any(axis=1)
+    tie = ~same & (near_tie if near_tie is not None else np.zeros(rows, dtype=bool))
+    status = np.where(unwritten, _CODE["unwritten"],
+                      np.where(same, _CODE["ok"], np.where(tie, _CODE["tie"], _CODE["values"])))
+    zero = np.zeros(rows)
+    budget = np.where(same, 0.0, np.inf)
+    return StageRows(stage, start, expected.shape[1], tol, status.astype(np.int8), missing,
+                     np.zeros(rows, dtype=np.int64), missing.astype(float), np.full(rows, -1), np.where(same, 0.0, 1.0),
+                     budget, zero, np.ones(rows), np.zeros(rows, dtype=bool), np.zeros(rows, dtype=bool), {},
+                     zero_is_unwritten=False)
+
+
+def mark_ties(rows: StageRows, tokens: np.ndarray) -> None:
+    """Rows of `rows` at `tokens` (bool per row) that diverge become `tie` (downstream of a near-tie flip)."""
+    divergent = rows.has_status(DIVERGENT_STATUSES) & tokens
+    rows.status[divergent] = _CODE["tie"]
 
 
 def not_compared_rows(stage: str, num_rows: int, width: int, status: str, tol: Tol) -> StageRows:

@@ -15,13 +15,13 @@ from typing import Sequence
 
 import numpy as np
 
-from oracle.stages import STAGE_BY_NAME, STAGE_NAMES
+from oracle.stages import INDEX_SET
 from oracle.trace import rows_per_chunk
 
 from probe.adapters.trace_file import TraceSource, open_candidate, open_reference
-from probe.compare import (DIVERGENT_STATUSES, Cell, StageRows, join_rows, most_severe, not_compared_rows,
-                           oracle_finite, rows_from_sums)
-from probe.errors import ReferenceTraceError
+from probe.compare import (DIVERGENT_STATUSES, Cell, StageDiff, StageRows, compare_index_sets, join_rows,
+                           mark_ties, most_severe, not_compared_rows, oracle_finite, rows_from_sums)
+from probe.errors import ProbeError, ReferenceTraceError
 from probe.evidence import ATTENTION, QkSensitivity, Verdict, cell_at, decide
 from probe.localize import first_divergence, first_divergence_per_token
 from probe.rowdiff import row_sums
@@ -52,10 +52,14 @@ class DiffReport:
     qk: QkSensitivity  # which reference tokens' attn rows can witness the q/k path
     zero_is_unwritten: bool  # the candidate was not poison-filled: all-zero rows count as unwritten
     findings: tuple[str, ...] = ()  # measured observations about the candidate (e.g. rows shifted by one token)
+    stage_names: tuple[str, ...] = ()  # the reference's stages, in its order (columns of every rendering)
+    family: str = "qwen3_5"
+    stage_docs: dict = None  # stage name -> one-line doc (from the reference)
+    routing_ties: tuple[int, ...] = ()  # tokens whose routing flipped at a reference near-tie
 
     @property
     def not_captured(self) -> tuple[str, ...]:
-        return tuple(n for n in STAGE_NAMES if n not in self.captured)
+        return tuple(n for n in self.stage_names if n not in self.captured)
 
     def cell(self, stage: str, token: int) -> Cell | None:
         """The comparison of (stage, token), or None when it was not made."""
@@ -79,19 +83,25 @@ def diff_traces(ref_path: Path, cand_path: Path, tols: dict[str, Tol] | None = N
     """
     with open_reference(ref_path) as ref:
         check_reference(ref)
-        with open_candidate(cand_path, ref.num_tokens, ref.hidden_size) as cand:
-            return diff_sources(ref, cand, tols or tol_table(), fail_fast)
+        with open_candidate(cand_path, ref) as cand:
+            return diff_sources(ref, cand, tols if tols is not None else tol_table(), fail_fast)
 
 
 def diff_sources(ref: TraceSource, cand: TraceSource, tols: dict[str, Tol], fail_fast: bool = False) -> DiffReport:
     """`diff_traces` on opened sources (a checked reference and a candidate)."""
+    unknown = [n for n in cand.stages if n not in ref.stages]
+    if unknown:
+        raise ProbeError(f"candidate {cand.path} holds stages the reference does not: {', '.join(unknown)}; the "
+                         f"reference ({ref.attrs.get('family', 'qwen3_5')}) has {', '.join(ref.stages)}. Name each "
+                         f"stage as the reference does (mtp-oracle inspect {ref.path}).")
     issues = coverage_issues(cand) + integrity_issues(cand) + input_issues(ref, cand)
     qk = qk_sensitivity(ref, tols[ATTENTION])
     zero_is_unwritten = not getattr(cand, "poisoned", False)
+    kinds = {s.name: s.kind for s in ref.stage_list}
     rows: dict[str, StageRows] = {}
     comparable = []
-    for name in cand.stages:
-        problem = layout_problem(cand, name, expected_shape(ref, name))
+    for name in [n for n in ref.stages if n in cand.stages]:
+        problem = layout_problem(cand, name, expected_shape(ref, name), kinds[name])
         if problem is None:
             comparable.append(name)
             continue
@@ -99,31 +109,41 @@ def diff_sources(ref: TraceSource, cand: TraceSource, tols: dict[str, Tol], fail
         issues.append(Issue(status, name, tuple(range(ref.num_tokens)), message))
         rows[name] = not_compared_rows(name, ref.num_tokens, expected_shape(ref, name)[1], status, tols[name])
     stop_now = fail_fast and bool(issues)
+    routing = _Routing.of(ref, cand, tols)
     compared, compared_tokens = ({}, 0) if stop_now else _compare_stages(ref, cand, comparable, tols, fail_fast, qk,
-                                                                           zero_is_unwritten)
-    rows = {name: (rows | compared)[name] for name in STAGE_NAMES if name in rows or name in compared}
+                                                                           zero_is_unwritten, routing)
+    rows = {name: (rows | compared)[name] for name in ref.stages if name in rows or name in compared}
     issues += unwritten_issues(rows.values())
-    first = first_divergence(rows.values())  # its row holds full detail (_StageProgress)
+    first = first_divergence(rows.values(), ref.stages)  # its row holds full detail (_StageProgress)
     findings = candidate_findings(ref, cand, first, tols)
-    return DiffReport(str(ref.path), str(cand.path), cand.kind, ref.num_tokens, ref.hidden_size, cand.stages,
-                      cand.recorded_inputs, tols, rows, tuple(issues),
-                      decide(rows.values(), [i.message for i in issues], cand.stages, qk),
-                      first, first_divergence_per_token(rows.values()), compared_tokens, qk, zero_is_unwritten,
-                      findings)
+    captured = tuple(n for n in ref.stages if n in cand.stages)
+    return DiffReport(str(ref.path), str(cand.path), cand.kind, ref.num_tokens, ref.hidden_size, captured,
+                      cand.recorded_inputs, tols.for_stages(ref.stages) if hasattr(tols, "for_stages") else tols,
+                      rows, tuple(issues), decide(rows.values(), [i.message for i in issues], captured, qk),
+                      first, first_divergence_per_token(rows.values(), ref.stages), compared_tokens, qk,
+                      zero_is_unwritten, findings, tuple(ref.stages), ref.attrs.get("family", "qwen3_5"),
+                      {s.name: s.doc for s in ref.stage_list}, routing.tie_tokens())
 
 
 def _compare_stages(ref: TraceSource, cand: TraceSource, names: Sequence[str], tols: dict[str, Tol],
-                    fail_fast: bool, qk: QkSensitivity, zero_is_unwritten: bool) -> tuple[dict[str, StageRows], int]:
+                    fail_fast: bool, qk: QkSensitivity, zero_is_unwritten: bool,
+                    routing: "_Routing") -> tuple[dict[str, StageRows], int]:
     total = ref.num_tokens
     if not names:
         return {}, total
-    step = read_rows(ref.hidden_size, total, names)
+    widths = {n: ref.stage_shape(n)[1] for n in ref.stages}
+    step = read_rows(widths, total, names)
     blocks = [(name, start, min(start + step, total)) for start in range(0, total, step) for name in names]
     stages = {name: _StageProgress() for name in names}
     stop, chunk_ok = total, True
-    for (name, start, end), actual, expected, sums in _read_and_sum(ref, cand, blocks, tols):
-        block = _block_rows(ref.path, name, start, expected.shape[1], sums, tols[name], qk.blind(name, start, end),
-                            zero_is_unwritten)
+    for (name, start, end), actual, expected, sums in _read_and_sum(ref, cand, blocks, tols, widths):
+        if sums is None:  # an index-set stage (topk_ids): compared as sets
+            block = compare_index_sets(name, start, actual, expected, tols[name], routing.near_tie(start, end))
+            routing.saw_flips(block)
+        else:
+            block = _block_rows(ref.path, name, start, expected.shape[1], sums, tols[name],
+                                qk.blind(name, start, end), zero_is_unwritten)
+            routing.excuse(name, block)
         chunk_ok &= stages[name].add(block, actual, expected)
         if name == names[-1]:  # every stage of this chunk compared
             if fail_fast and not chunk_ok:
@@ -133,20 +153,31 @@ def _compare_stages(ref: TraceSource, cand: TraceSource, names: Sequence[str], t
     return {name: join_rows(progress.blocks) for name, progress in stages.items()}, stop
 
 
-def _read_and_sum(ref: TraceSource, cand: TraceSource, blocks: list[tuple[str, int, int]], tols: dict[str, Tol]):
-    """Yield (block, candidate rows, oracle rows, row sums) for each (stage, start, stop) block, in order.
+def _read_and_sum(ref: TraceSource, cand: TraceSource, blocks: list[tuple[str, int, int]], tols: dict[str, Tol],
+                  widths: dict[str, int]):
+    """Yield (block, candidate rows, oracle rows, row sums) for each (stage, start, stop) block, in order (sums
+    None for an index-set stage, read as int64 and compared as sets).
 
     The sums of block k are computed on a second thread while block k + 1 is read (the compiled kernel and
     os.preadv both release the GIL). Rows are read into two reused buffer pairs, so a block's arrays are valid
     only until the next block is asked for; fresh arrays for every read would fault in new pages each time
     (measured: a fifth of the diff's time)."""
-    widest = max(STAGE_BY_NAME[name].width(ref.hidden_size) for name, _, _ in blocks)
+    index_sets = {s.name for s in ref.stage_list if s.kind == INDEX_SET}
+    widest = max(widths[name] for name, _, _ in blocks)
     rows = max(stop - start for _, start, stop in blocks)
     pairs = [[np.empty(rows * widest, dtype=np.float32) for _ in range(2)] for _ in range(2)]
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtp-probe-rowdiff") as pool:
         pending = None
         for k, (name, start, stop) in enumerate(blocks):
-            shape = (stop - start, STAGE_BY_NAME[name].width(ref.hidden_size))
+            if name in index_sets:
+                current = ((name, start, stop), np.array(cand.stage_rows(name, start, stop), dtype=np.int64),
+                           np.array(ref.stage_rows(name, start, stop), dtype=np.int64), None)
+                if pending is not None:
+                    yield *pending[:3], pending[3].result()
+                pending = None
+                yield current
+                continue
+            shape = (stop - start, widths[name])
             into = [buffer[:shape[0] * shape[1]].reshape(shape) for buffer in pairs[k % 2]]
             actual, expected = cand.stage_rows(name, start, stop, into[0]), ref.stage_rows(name, start, stop, into[1])
             current = ((name, start, stop), actual, expected, pool.submit(row_sums, actual, expected, tols[name]))
@@ -157,10 +188,15 @@ def _read_and_sum(ref: TraceSource, cand: TraceSource, blocks: list[tuple[str, i
             yield *pending[:3], pending[3].result()
 
 
-def read_rows(hidden_size: int, num_tokens: int, names: Sequence[str]) -> int:
+def read_rows(widths: "dict[str, int] | int", num_tokens: int, names: Sequence[str]) -> int:
     """Token rows per read: READ_CHUNKS HDF5 chunks of the widest stage (4 MiB), few enough reads to keep their
-    fixed cost small and memory bounded whatever T."""
-    return READ_CHUNKS * min(rows_per_chunk(STAGE_BY_NAME[n].width(hidden_size), num_tokens) for n in names)
+    fixed cost small and memory bounded whatever T. `widths`: stage -> row width (an int: the default stages of
+    that hidden size)."""
+    if isinstance(widths, int):
+        from oracle.stages import STAGE_BY_NAME
+
+        widths = {n: STAGE_BY_NAME[n].width(widths) for n in names}
+    return READ_CHUNKS * min(rows_per_chunk(max(widths[n], 1), num_tokens) for n in names)
 
 
 class _StageProgress:
@@ -188,6 +224,12 @@ class _StageProgress:
 
     @staticmethod
     def _detail(block: StageRows, i: int, actual: np.ndarray, expected: np.ndarray) -> None:
+        if actual.dtype.kind in "iu":  # an index-set row: the two sets, side by side
+            d = block.diff(block.start + i)
+            worst = tuple((j, float(e), float(a)) for j, (e, a) in enumerate(zip(expected[i], actual[i])))
+            block.detail[block.start + i] = StageDiff(d.status, d.n_total, d.n_mismatch, 0, d.max_abs, -1, d.max_rel,
+                                                      d.budget_used, d.rel_l2, d.cosine, None, None, d.tol, worst)
+            return
         block.add_detail(block.start + i, actual[i], expected[i])
 
 
@@ -205,10 +247,12 @@ def qk_sensitivity(ref: TraceSource, tol: Tol) -> QkSensitivity:
     """Which reference tokens' attn rows depend on the attention weights: where /evidence/attn_uniform FAILS the
     attn stage's tolerance against /stages/attn (probe/evidence.py). None are, without the record."""
     total = ref.num_tokens
+    rules = ref.attrs.get("evidence_rules", {}) if hasattr(ref, "attrs") else {}
+    dependent = tuple(rules.get("qk_dependent", ())) or tuple(ref.stages[list(ref.stages).index(ATTENTION):])
     if not ref.has_evidence("attn_uniform"):
-        return QkSensitivity(np.zeros(total, dtype=bool), recorded=False)
+        return QkSensitivity(np.zeros(total, dtype=bool), recorded=False, dependent=dependent)
     sensitive = np.zeros(total, dtype=bool)
-    step = read_rows(ref.hidden_size, total, STAGE_NAMES)  # the same read size as the comparison itself
+    step = read_rows({n: ref.stage_shape(n)[1] for n in ref.stages}, total, ref.stages)  # as the comparison reads
     for start in range(0, total, step):
         stop = min(start + step, total)
         uniform, attn = ref.evidence_rows("attn_uniform", start, stop), ref.stage_rows(ATTENTION, start, stop)
@@ -222,4 +266,44 @@ def qk_sensitivity(ref: TraceSource, tol: Tol) -> QkSensitivity:
                                       f"{start}. Regenerate it with mtp-oracle export.")
         rows = rows_from_sums(ATTENTION, start, attn.shape[1], sums, tol, zero_is_unwritten=False)
         sensitive[start:stop] = ~rows.has_status({"ok"})
-    return QkSensitivity(sensitive, recorded=True)
+    return QkSensitivity(sensitive, recorded=True, dependent=dependent)
+
+
+class _Routing:
+    """Routing near-ties: where the reference's own top-k selection margin (/evidence/topk_margin, in router-logit
+    units) is below twice the router_logits tolerance, a candidate within tolerance there may select another expert
+    by rounding alone. Such a topk_ids row is `tie`, and so are the divergent rows of the stages that depend on the
+    selection (evidence_rules "routing_dependent") at that token: not a divergence, and not evidence. Where
+    topk_ids is not captured, every near-tie token counts as possibly flipped."""
+
+    def __init__(self, ties: np.ndarray | None, dependent: tuple[str, ...], topk_captured: bool):
+        self.ties, self.dependent = ties, dependent
+        self.flipped = np.zeros(0 if ties is None else len(ties), dtype=bool)
+        if ties is not None and not topk_captured:
+            self.flipped = ties.copy()
+
+    @staticmethod
+    def of(ref: TraceSource, cand: TraceSource, tols) -> "_Routing":
+        rules = ref.attrs.get("evidence_rules", {}) if hasattr(ref, "attrs") else {}
+        dependent = tuple(rules.get("routing_dependent", ("topk_weights", "routed", "mlp", "res2", "out")))
+        if "router_logits" not in ref.stages or not ref.has_evidence("topk_margin"):
+            return _Routing(None, dependent, True)
+        tol, total = tols["router_logits"], ref.num_tokens
+        margin = np.asarray(ref.evidence_rows("topk_margin", 0, total), dtype=np.float64).reshape(total, -1)[:, 0]
+        logits = np.asarray(ref.stage_rows("router_logits", 0, total), dtype=np.float64)
+        limit = 2 * np.maximum(tol.atol, tol.rtol * np.abs(logits).max(axis=1))
+        return _Routing(margin < limit, dependent, "topk_ids" in cand.stages)
+
+    def near_tie(self, start: int, stop: int) -> np.ndarray | None:
+        return None if self.ties is None else self.ties[start:stop]
+
+    def saw_flips(self, block: StageRows) -> None:
+        if self.ties is not None:
+            self.flipped[block.start:block.start + len(block)] |= block.has_status({"tie"})
+
+    def excuse(self, name: str, block: StageRows) -> None:
+        if self.ties is not None and name in self.dependent:
+            mark_ties(block, self.flipped[block.start:block.start + len(block)])
+
+    def tie_tokens(self) -> tuple[int, ...]:
+        return tuple(np.flatnonzero(self.flipped).tolist()) if self.ties is not None else ()

@@ -20,6 +20,8 @@ from oracle.stages import STAGE_BY_NAME, STAGE_NAMES, stage_index
 
 from probe.compare import DIVERGENT_STATUSES, INVALID_STATUSES, Cell, StageRows
 
+NOT_EVIDENCE = INVALID_STATUSES | {"tie"}  # a failed self-check, or a row excused by a routing near-tie
+
 ATTENTION = STAGE_BY_NAME["attn"].name
 HEAD_OUTPUT = STAGE_NAMES[-1]
 REQUIRED_FOR_PASS = (ATTENTION, HEAD_OUTPUT)
@@ -54,23 +56,24 @@ class QkSensitivity:
 
     sensitive: np.ndarray  # bool [T]
     recorded: bool  # False: the reference holds no /evidence/attn_uniform (every row counts as blind)
+    dependent: tuple[str, ...] = QK_DEPENDENT  # stages that see q/k only through attention (the family's rule)
 
     def blind(self, stage: str, start: int, stop: int) -> np.ndarray:
         """Rows start..stop of `stage` that cannot witness the q/k path."""
-        if stage not in QK_DEPENDENT:
+        if stage not in self.dependent:
             return np.zeros(stop - start, dtype=bool)
         return ~self.sensitive[start:stop]
 
 
 def evidential_rows(rows: StageRows) -> np.ndarray:
     """Rows of `rows` that count as evidence: a valid comparison that could witness everything feeding the stage."""
-    return ~rows.has_status(INVALID_STATUSES) & ~rows.qk_blind
+    return ~rows.has_status(NOT_EVIDENCE) & ~rows.qk_blind
 
 
 def cell_at(rows: StageRows, token: int) -> Cell:
     """Row `token` of `rows` as a Cell."""
     diff = rows.diff(token)
-    evidential = diff.status not in INVALID_STATUSES and not bool(rows.qk_blind[token - rows.start])
+    evidential = diff.status not in NOT_EVIDENCE and not bool(rows.qk_blind[token - rows.start])
     return Cell(rows.stage, token, diff, evidential)
 
 

@@ -104,7 +104,7 @@ def _first_divergence(report: DiffReport) -> str:
         return "no divergence: every compared row is within tolerance or failed a self-check (see Self-checks)"
     first = report.first
     return (f"first divergence: stage {first.stage} at token {first.token}\n\n"
-            + cell_detail(first, verbose=True))
+            + cell_detail(first, verbose=True, names=report.stage_names or STAGE_NAMES))
 
 
 def _stage_table(report: DiffReport) -> str:
@@ -112,8 +112,9 @@ def _stage_table(report: DiffReport) -> str:
             "<th>never written / wrong layout</th><th>worst budget (token)</th><th>first divergent token</th>"
             "<th>tolerance</th></tr>")
     lines = ["<table>", head]
-    for name in STAGE_NAMES:
-        doc, tol = _e(STAGE_BY_NAME[name].doc), report.tols[name]
+    docs = report.stage_docs or {n: STAGE_BY_NAME[n].doc for n in STAGE_NAMES}
+    for name in report.stage_names or STAGE_NAMES:
+        doc, tol = _e(docs.get(name, "")), report.tols[name]
         tol_text = f"rtol {tol.rtol:g}, atol {tol.atol:g}"
         rows = report.rows.get(name)
         if rows is None:

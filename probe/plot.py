@@ -4,7 +4,7 @@ from pathlib import Path
 
 import numpy as np
 
-from oracle.stages import STAGE_NAMES, stage_index
+from oracle.stages import STAGE_NAMES
 
 from oracle.output import agg_figure, atomic_output
 
@@ -35,10 +35,11 @@ def write_heatmap(report: DiffReport, path: Path) -> None:
             text = {"invalid": "X", "nonfinite": "NaN", "blind": "~"}.get(mark)
             if text:
                 ax.text(col, row, text, ha="center", va="center", color="white" if mark != "blind" else "black")
-    ax.set_yticks(range(len(STAGE_NAMES)), STAGE_NAMES)
+    names = report.stage_names or STAGE_NAMES
+    ax.set_yticks(range(len(names)), names)
     ax.set_xlabel("token")
     ax.set_title(f"{report.verdict.name.upper()}: {Path(report.candidate).name} vs oracle "
-                 f"({coverage_text(report.captured)})", fontsize=9)
+                 f"({coverage_text(report.captured, report.stage_names or STAGE_NAMES)})", fontsize=9)
     fig.colorbar(image, ax=ax, label="tolerance budget used (1 = limit, log)")
     fig.tight_layout()
     with atomic_output(path, "--plot") as tmp:
@@ -46,10 +47,11 @@ def write_heatmap(report: DiffReport, path: Path) -> None:
 
 
 def _grids(report: DiffReport) -> tuple[np.ndarray, np.ndarray]:
-    budget = np.full((len(STAGE_NAMES), report.num_tokens), np.nan)
+    names = list(report.stage_names or STAGE_NAMES)
+    budget = np.full((len(names), report.num_tokens), np.nan)
     marks = np.full(budget.shape, "", dtype=object)
     for name, rows in report.rows.items():
-        at, tokens = stage_index(name), rows.tokens
+        at, tokens = names.index(name), rows.tokens
         invalid, nonfinite = rows.has_status(INVALID_STATUSES), rows.has_status({"nonfinite"})
         valued = ~invalid & ~nonfinite
         marks[at, tokens[invalid]] = "invalid"

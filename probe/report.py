@@ -9,13 +9,13 @@ import math
 from pathlib import Path
 
 from oracle.output import atomic_output
-from oracle.stages import STAGE_NAMES, stage_index
+from oracle.stages import STAGE_NAMES
 
 from probe.adapters.trace_file import CHECKED_INPUTS
 
 from probe.compare import DIVERGENT_STATUSES, STATUSES, Cell, RowStats, StageDiff, StageRows, most_severe
 from probe.diff import DiffReport
-from probe.evidence import ATTENTION, NO_RECORD, POSITION_NOTE, QK_NOTE, cell_at, evidential_rows, qk_evidence_tokens
+from probe.evidence import ATTENTION, NO_RECORD, POSITION_NOTE, QK_DEPENDENT, QK_NOTE, cell_at, evidential_rows, qk_evidence_tokens
 from probe.selfcheck import Issue
 
 MAX_RULE = "pass iff max_rel < rtol or max_abs < atol, max_rel = max|a-e| / max|e| per (stage, token) row"
@@ -25,21 +25,25 @@ _STATUS_TEXT = {"unwritten": "UNWR", "shape": "SHAPE", "dtype": "DTYPE", "nonfin
 _ISSUE_LABEL = {"coverage": "no stage captured", "integrity": "inconsistent trace", "shape": "wrong shape", "dtype": "wrong dtype",
                 "inputs": "inputs differ", "unwritten": "unwritten rows"}
 LEGEND = ("cells: tolerance budget used (1 = at the limit; a row passes below 1)\n"
-          "       ! out of tolerance   ~ not evidential (t=0 attention)   NaN! computed NaN/Inf   UNWR never written\n"
+          "       ! out of tolerance   ~ not evidential (attention there does not depend on q/k)   NaN! computed NaN/Inf   UNWR never written\n"
           "       SHAPE/DTYPE wrong layout   - not captured   . not compared (--fail-fast)")
 
 
-def coverage_text(captured: tuple[str, ...]) -> str:
-    """`11 stages`, or `9/11 stages, not captured: mh, mlp`."""
-    missing = [n for n in STAGE_NAMES if n not in captured]
+def coverage_text(captured: tuple[str, ...], names: tuple[str, ...] = STAGE_NAMES) -> str:
+    """`11 stages`, or `9/11 stages, not captured: mh, mlp` (`names`: the reference's stages)."""
+    missing = [n for n in names if n not in captured]
     if not missing:
-        return f"{len(STAGE_NAMES)} stages"
-    return f"{len(captured)}/{len(STAGE_NAMES)} stages, not captured: {', '.join(missing)}"
+        return f"{len(names)} stages"
+    return f"{len(captured)}/{len(names)} stages, not captured: {', '.join(missing)}"
+
+
+def _names(report: DiffReport) -> tuple[str, ...]:
+    return report.stage_names or STAGE_NAMES
 
 
 def summary_line(report: DiffReport) -> str:
     """The last stdout line: VERDICT | what | coverage | ref=… candidate=…"""
-    coverage, where = coverage_text(report.captured), f"ref={report.reference} candidate={report.candidate}"
+    coverage, where = coverage_text(report.captured, _names(report)), f"ref={report.reference} candidate={report.candidate}"
     name = report.verdict.name
     if name == "pass":
         parts = ["PASSED", f"{len(report.captured)} stages x {report.num_tokens} tokens within tolerance"]
@@ -75,12 +79,12 @@ def budget_text(budget: float) -> str:
 
 def _header(report: DiffReport) -> str:
     lines = [f"oracle     {report.reference}  (mtp-trace/1, T={report.num_tokens}, D={report.hidden_size})",
-             f"candidate  {report.candidate}  ({report.candidate_kind}): {coverage_text(report.captured)}",
+             f"candidate  {report.candidate}  ({report.candidate_kind}): {coverage_text(report.captured, _names(report))}",
              f"inputs     {_inputs_text(report)}", f"tolerance  {MAX_RULE}"]
     tols = {tol for tol in report.tols.values()}
     for tol in sorted(tols, key=lambda t: t.why):
-        stages = [n for n in STAGE_NAMES if report.tols[n] == tol]
-        scope = "all stages" if len(stages) == len(STAGE_NAMES) else ", ".join(stages)
+        stages = [n for n in _names(report) if report.tols[n] == tol]
+        scope = "all stages" if len(stages) == len(_names(report)) else ", ".join(stages)
         lines.append(f"           {scope}: rtol {tol.rtol:g}, atol {tol.atol:g} ({tol.why})")
     return "\n".join(lines)
 
@@ -100,17 +104,19 @@ def _inputs_text(report: DiffReport) -> str:
 
 
 def _table(report: DiffReport) -> str:
-    lines = ["budget used per (token, stage)", "token " + "".join(f"{n:>{_COL}}" for n in STAGE_NAMES)]
+    names = _names(report)
+    col = {n: max(_COL, len(n) + 1) for n in names}
+    lines = ["budget used per (token, stage)", "token " + "".join(f"{n:>{col[n]}}" for n in names)]
     previous = -1
     for token in _tokens_shown(report):
         if token > previous + 1:
             lines.append(f"  ... tokens {previous + 1}-{token - 1} not shown (see the max row)")
-        lines.append(f"t{token:<5}" + "".join(f"{_grid_text(report, n, token):>{_COL}}" for n in STAGE_NAMES))
+        lines.append(f"t{token:<5}" + "".join(f"{_grid_text(report, n, token):>{col[n]}}" for n in names))
         previous = token
     if previous < report.num_tokens - 1:
         lines.append(f"  ... tokens {previous + 1}-{report.num_tokens - 1} not shown (see the max row)")
-    worst = [_worst_cell(report.rows[n]) if n in report.rows else None for n in STAGE_NAMES]
-    lines.append("max   " + "".join(f"{_cell_text(c) if c else '-':>{_COL}}" for c in worst))
+    worst = [_worst_cell(report.rows[n]) if n in report.rows else None for n in names]
+    lines.append("max   " + "".join(f"{_cell_text(c) if c else '-':>{col[n]}}" for n, c in zip(names, worst)))
     return "\n".join(lines)
 
 
@@ -207,14 +213,21 @@ def _divergence(report: DiffReport, verbose: bool) -> str:
     per_token = ", ".join(f"t{t} {s}" for t, s in list(report.first_per_token.items())[:12])
     lines += [f"first divergence: stage {first.stage} at token {first.token} (stage s at token t depends only on "
               f"tokens <= t, so this is the origin)", f"first divergent stage per token: {per_token}"
-              + (" ..." if len(report.first_per_token) > 12 else ""), cell_detail(first, verbose)]
+              + (" ..." if len(report.first_per_token) > 12 else ""), cell_detail(first, verbose, _names(report))]
     return "\n".join(lines)
 
 
-def cell_detail(cell: Cell, verbose: bool = False) -> str:
+def cell_detail(cell: Cell, verbose: bool = False, names: tuple[str, ...] = STAGE_NAMES) -> str:
     """A divergence message in the style of torch.testing: counts, greatest differences, what would pass."""
     d = cell.diff
-    lines = [f"FAILED | stage {stage_index(cell.stage) + 1}/{len(STAGE_NAMES)} '{cell.stage}' token {cell.token} "
+    where = f"stage {list(names).index(cell.stage) + 1}/{len(names)} '{cell.stage}' token {cell.token}"
+    if d.expected_stats is None and d.worst:  # an index-set row (topk_ids): the two sets
+        ref_ids = sorted(int(e) for _, e, _ in d.worst)
+        cand_ids = sorted(int(a) for _, _, a in d.worst)
+        return (f"FAILED | {where} | index set | status {d.status}\n"
+                f"  oracle     {{{', '.join(map(str, ref_ids))}}}\n  candidate  {{{', '.join(map(str, cand_ids))}}}"
+                f"\n  {d.n_mismatch} of {len(ref_ids)} selected ids differ")
+    lines = [f"FAILED | {where} "
              f"| width {d.n_total} float32 vs oracle float32 | status {d.status}",
              f"  mismatched elements: {d.n_mismatch} / {d.n_total} ({100 * d.n_mismatch / max(d.n_total, 1):.1f}%)",
              f"  greatest absolute difference: {d.max_abs:.3g} at index {d.max_abs_index} (atol {d.tol.atol:g})",
@@ -276,7 +289,8 @@ def qk_text(report: DiffReport) -> str:
 
 
 def _evidence(report: DiffReport) -> str:
-    lines = ["evidence:", f"  - {QK_NOTE}", f"  - {qk_text(report)}", f"  - {POSITION_NOTE}",
+    note = QK_NOTE.replace(", ".join(QK_DEPENDENT), ", ".join(report.qk.dependent))
+    lines = ["evidence:", f"  - {note}", f"  - {qk_text(report)}", f"  - {POSITION_NOTE}",
              f"  - inputs: {_inputs_text(report)}"]
     lines += [f"  - finding: {f}" for f in report.findings]
     if report.not_captured:
@@ -310,7 +324,7 @@ def _report_head(report: DiffReport) -> dict:
         "reference": report.reference, "candidate": report.candidate, "candidate_kind": report.candidate_kind,
         "num_tokens": report.num_tokens, "hidden_size": report.hidden_size,
         "stages": {"captured": list(report.captured), "not_captured": list(report.not_captured),
-                   "coverage": coverage_text(report.captured)},
+                   "coverage": coverage_text(report.captured, _names(report))},
         "compared_tokens": report.compared_tokens, "rule": MAX_RULE,
         "tolerances": {n: {"rtol": t.rtol, "atol": t.atol, "why": t.why} for n, t in report.tols.items()},
         "inputs": _inputs_text(report), "evidence_notes": [QK_NOTE, qk_text(report), POSITION_NOTE],

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from oracle.checkpoint import Checkpoint
-from oracle.stages import STAGE_BY_NAME, STAGE_NAMES
+from oracle.stages import STAGE_NAMES
 from oracle.trace import TraceInputs, read_trace, write_trace
 from probe.adapters.base import Adapter
 from probe.adapters.trace_file import open_reference
@@ -73,8 +73,8 @@ def run_and_diff(ref_path: Path, adapter: Adapter, tols: dict[str, Tol], out: Pa
             inputs, ref_digest = reader.inputs(), reader.attrs.get("checkpoint_digest")
         result = adapter.run(inputs)
         _check_weights(adapter, ref_digest, ref_path)
-        stages = _checked_result(result, adapter.name)
-        written = _write_candidate(out, inputs, stages, adapter, command) if out else None
+        stages = _checked_result(result, adapter.name, ref.stages)
+        written = _write_candidate(out, inputs, stages, adapter, command, ref) if out else None
         report = diff_sources(ref, ArraySource(adapter.name, inputs, stages), tols, fail_fast)
     return RunResult(adapter.name, adapter.deterministic, report, written)
 
@@ -107,28 +107,29 @@ def _check_weights(adapter: Adapter, ref_digest: str | None, ref_path: Path) -> 
                          f"was exported from weights of digest {ref_digest}; pass the reference's checkpoint.")
 
 
-def _checked_result(result, name: str) -> dict[str, np.ndarray]:
-    """The checks every adapter's result gets alike: a dict of arrays keyed by stage names."""
+def _checked_result(result, name: str, valid: tuple[str, ...] = STAGE_NAMES) -> dict[str, np.ndarray]:
+    """The checks every adapter's result gets alike: a dict of arrays keyed by the reference's stage names."""
     if not isinstance(result, dict):
         raise AdapterError(f"{name} returned {type(result).__name__}, not a dict of stage name -> array.")
-    unknown = sorted(set(result) - set(STAGE_NAMES))
+    unknown = sorted(set(result) - set(valid))
     if unknown:
-        raise AdapterError(f"{name} returned unknown stages {unknown}; valid names: {', '.join(STAGE_NAMES)}.")
+        raise AdapterError(f"{name} returned unknown stages {unknown}; valid names: {', '.join(valid)}.")
     not_arrays = sorted(k for k, v in result.items() if not isinstance(v, np.ndarray))
     if not_arrays:
         raise AdapterError(f"{name} returned non-arrays for {not_arrays}; return numpy arrays.")
-    return {n: result[n] for n in STAGE_NAMES if n in result}
+    return {n: result[n] for n in valid if n in result}
 
 
-def _write_candidate(out: Path, inputs: TraceInputs, stages: dict, adapter: Adapter, command: str) -> Path | None:
-    d = inputs.hidden_size
-    if any(a.dtype != np.float32 or a.shape != (inputs.num_tokens, STAGE_BY_NAME[n].width(d))
-           for n, a in stages.items()):
+def _write_candidate(out: Path, inputs: TraceInputs, stages: dict, adapter: Adapter, command: str,
+                     ref) -> Path | None:
+    listed = ref.stage_list
+    if any(a.dtype != np.dtype(listed[n].dtype) or a.shape != tuple(ref.stage_shape(n)) for n, a in stages.items()):
         return None  # a wrong layout is reported as invalid by the diff; it cannot be stored as mtp-trace/1
     attrs = {"producer": f"mtp-probe run --impl {adapter.name}", "checkpoint_digest": adapter.weights_digest,
+             "family": ref.attrs.get("family", "qwen3_5"),
              "poison_filled": True,  # the adapter poisoned every buffer: an all-zero row was computed
              "provenance": {"command": command, "adapter": adapter.name}}
-    write_trace(out, inputs, stages, attrs)
+    write_trace(out, inputs, stages, attrs, stage_list=listed, dims=ref.dims)
     return Path(out)
 
 

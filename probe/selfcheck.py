@@ -1,7 +1,8 @@
 """The probe's self-checks: a candidate that fails one is `invalid` (exit 2), whatever its numbers say.
 
-They hold for every source: the reference is complete; the candidate captures something; each captured stage has
-the reference's shape and is float32; recorded inputs equal the reference's (token ids and positions exactly,
+They hold for every source: the reference is complete (every stage of its family's list, each [T, width] as its
+shape symbol and dims say); the candidate captures something; each captured stage has the reference's shape and
+dtype (float32, int64 for index sets); recorded inputs equal the reference's (token ids and positions exactly,
 hidden bit for bit); every compared row was written (`unwritten` rows, found by probe/compare.py).
 """
 
@@ -10,7 +11,7 @@ from typing import Iterable
 
 import numpy as np
 
-from oracle.stages import STAGE_BY_NAME, STAGE_NAMES
+from oracle.stages import INDEX_SET, STAGE_NAMES
 from oracle.trace import inputs_digest, rows_per_chunk
 
 from probe.adapters.trace_file import CHECKED_INPUTS, TraceSource
@@ -28,22 +29,33 @@ class Issue:
 
 
 def check_reference(ref: TraceSource) -> None:
-    """Raise ReferenceTraceError unless `ref` holds every stage, float32 [T, width], and its inputs."""
+    """Raise ReferenceTraceError unless `ref` holds every stage of its family, each [T, width] of its kind's
+    dtype, and its inputs."""
     regenerate = f"Regenerate it with: mtp-oracle export CHECKPOINT --out {ref.path}"
-    missing = [n for n in STAGE_NAMES if n not in ref.stages]
+    required = _family_stages(ref)
+    missing = [n for n in required if n not in ref.stages]
     if missing:
         raise ReferenceTraceError(f"reference {ref.path} lacks stages {', '.join(missing)}; a reference must hold "
-                                  f"all {len(STAGE_NAMES)}. {regenerate}")
+                                  f"all {len(required)} of its family's. {regenerate}")
     if set(ref.recorded_inputs) != set(CHECKED_INPUTS):
         raise ReferenceTraceError(f"reference {ref.path} has no complete /inputs group. {regenerate}")
-    for name in STAGE_NAMES:
-        problem = layout_problem(ref, name, expected_shape(ref, name))
+    for stage in ref.stage_list:
+        want = (ref.num_tokens, stage.width(ref.dims))
+        problem = layout_problem(ref, stage.name, want, stage.kind)
         if problem:
             raise ReferenceTraceError(f"reference {problem[1]} {regenerate}")
     stale = _stale_digest(ref)
     if stale:
         raise ReferenceTraceError(f"reference trace inconsistent: {stale}. Its inputs were changed after export, so "
                                   f"its stages are not the oracle's output for them. {regenerate}")
+
+
+def _family_stages(ref: TraceSource) -> tuple[str, ...]:
+    """The stages a reference must hold: those it declares (an oracle trace declares its family's whole list,
+    `attn` and `out` included); a trace that declares no family has the default list."""
+    if "family" not in getattr(ref, "attrs", {}):
+        return STAGE_NAMES
+    return tuple(dict.fromkeys(ref.stages + ("attn", "out")))
 
 
 def _stale_digest(source: TraceSource) -> str | None:
@@ -68,14 +80,19 @@ def integrity_issues(cand: TraceSource) -> list[Issue]:
     return [Issue("integrity", "candidate", (), f"candidate trace inconsistent: {stale}; write it again.")]
 
 
-def layout_problem(source: TraceSource, name: str, want: tuple[int, int]) -> tuple[str, str] | None:
-    """(`shape` | `dtype`, message) when stage `name` is not float32 of shape `want`, else None."""
+def layout_problem(source: TraceSource, name: str, want: tuple[int, int], kind: str = "rows") -> tuple[str, str] | None:
+    """(`shape` | `dtype`, message) when stage `name` is not of shape `want` and of its kind's dtype (float32;
+    int64 for index sets), else None."""
     got = tuple(source.stage_shape(name))
+    expected = "int64" if kind == INDEX_SET else "float32"
     if got != want:
-        return "shape", (f"stage {name}: {source.describe(name)} has shape {got}, expected float32 {want} "
+        return "shape", (f"stage {name}: {source.describe(name)} has shape {got}, expected {expected} {want} "
                          f"= [T, width] of the reference; write row t of step t, width {want[1]}.")
     dtype = np.dtype(source.stage_dtype(name))
-    if not (dtype.kind == "f" and dtype.itemsize == 4):
+    if kind == INDEX_SET and not (dtype.kind in "iu" and dtype.itemsize == 8):
+        return "dtype", (f"stage {name}: {source.describe(name)} is {dtype}, expected int64 (expert ids, "
+                         f"compared as a set per row).")
+    if kind != INDEX_SET and not (dtype.kind == "f" and dtype.itemsize == 4):
         return "dtype", (f"stage {name}: {source.describe(name)} is {dtype}, expected float32; write the "
                          f"engine's float32 values (convert bf16/fp16 to float32 exactly, never round f64).")
     return None
@@ -133,7 +150,7 @@ def _input_issue(ref: TraceSource, cand: TraceSource, name: str) -> Issue | None
 def unwritten_issues(rows: Iterable[StageRows]) -> list[Issue]:
     """One issue per stage and cause (poison left, all-zero row) naming every unwritten token."""
     issues = []
-    for r in sorted(rows, key=lambda r: STAGE_NAMES.index(r.stage)):
+    for r in rows:  # in the reference's stage order
         unwritten = r.has_status({"unwritten"})
         for poisoned in (True, False):
             tokens = tuple(r.tokens[unwritten & ((r.n_poison > 0) == poisoned)].tolist())
@@ -148,5 +165,5 @@ def unwritten_issues(rows: Iterable[StageRows]) -> list[Issue]:
 
 
 def expected_shape(ref: TraceSource, name: str) -> tuple[int, int]:
-    """[T, width] of stage `name` in the reference's dimensions."""
-    return ref.num_tokens, STAGE_BY_NAME[name].width(ref.hidden_size)
+    """[T, width] of stage `name`: the reference's own (checked against its shape symbol by check_reference)."""
+    return tuple(ref.stage_shape(name))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from oracle.stages import STAGE_NAMES
+from oracle.stages import KNOWN_STAGE_NAMES
 from oracle.trace import TraceInputs, TraceReader, read_trace
 from probe.adapters.trace_file import TraceSource, open_candidate, open_reference
 from probe.diff import DiffReport, diff_sources
@@ -78,7 +78,7 @@ def failure_message(report: DiffReport) -> str:
     hint (an inconclusive verdict's reasons are already in the summary line)."""
     lines = [summary_line(report)]
     if report.first is not None:
-        lines.append(cell_detail(report.first))
+        lines.append(cell_detail(report.first, names=report.stage_names))
     if report.verdict.name == "invalid":
         lines += [f"  - {reason}" for reason in report.verdict.reasons]
     return "\n".join(lines)
@@ -92,18 +92,18 @@ def _tolerances(rtol, atol, profile: str, stage_tol) -> dict[str, Tol]:
     base = PROFILES[profile] if rtol is None else Tol(rtol, atol, "assert_trace_close(rtol, atol)")
     table = tol_table(base)
     for name, (stage_rtol, stage_atol) in (stage_tol or {}).items():
-        if name not in STAGE_NAMES:
+        if name not in KNOWN_STAGE_NAMES:
             raise ToleranceError(f"assert_trace_close: stage_tol names unknown stage {name!r}; valid stages are "
-                                 f"{', '.join(STAGE_NAMES)}.")
+                                 f"{', '.join(KNOWN_STAGE_NAMES)}.")
         table[name] = Tol(stage_rtol, stage_atol, f"stage_tol {name}=({stage_rtol:g}, {stage_atol:g})")
     return table
 
 
 def _candidate_source(candidate, ref: TraceSource, stack: ExitStack) -> TraceSource:
     if isinstance(candidate, (str, Path)):
-        return stack.enter_context(open_candidate(Path(candidate), ref.num_tokens, ref.hidden_size))
+        return stack.enter_context(open_candidate(Path(candidate), ref))
     if isinstance(candidate, TraceReader):  # oracle.trace's reader: reopened as a probe source (read-only)
-        return stack.enter_context(open_candidate(candidate.path, ref.num_tokens, ref.hidden_size))
+        return stack.enter_context(open_candidate(candidate.path, ref))
     if isinstance(candidate, Mapping):
         return _arrays_source(candidate, ref)
     if all(hasattr(candidate, attr) for attr in ("stages", "stage_rows", "stage_shape", "recorded_inputs")):
@@ -121,12 +121,14 @@ class _ArrayCandidate(ArraySource):
         shape_only = TraceInputs(np.empty(ref.num_tokens, np.int64), np.empty(ref.num_tokens, np.int64), empty, empty)
         super().__init__("arrays", shape_only, stages)
         self.kind = "arrays (in memory)"
+        self.poisoned = False  # nothing says the test filled its arrays with poison: a zero row may be unwritten
 
 
 def _arrays_source(candidate: Mapping, ref: TraceSource) -> _ArrayCandidate:
-    unknown = sorted(str(k) for k in candidate if k not in STAGE_NAMES)
+    unknown = sorted(str(k) for k in candidate if k not in ref.stages)
     if unknown:
-        raise AdapterError(f"assert_trace_close: unknown stage names {unknown}; valid: {', '.join(STAGE_NAMES)}.")
+        raise AdapterError(f"assert_trace_close: unknown stage names {unknown}; the reference's stages are "
+                           f"{', '.join(ref.stages)}.")
     # np.asarray keeps the dtype: a float64 or bf16-widened array is reported as a wrong dtype, never cast silently.
-    stages = {name: np.asarray(candidate[name]) for name in STAGE_NAMES if name in candidate}
+    stages = {name: np.asarray(candidate[name]) for name in ref.stages if name in candidate}
     return _ArrayCandidate(stages, ref)

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable
 
-from oracle.stages import STAGE_NAMES
+from oracle.stages import KNOWN_STAGE_NAMES
 
 from probe.errors import ToleranceError
 
@@ -40,9 +40,9 @@ def stage_tol_from_text(text: str) -> tuple[str, Tol]:
     """Parse one `--stage-tol STAGE=RTOL,ATOL` value, e.g. `fc=1e-3,1e-4`."""
     name, sep, numbers = text.partition("=")
     name = name.strip()
-    if name not in STAGE_NAMES:
+    if name not in KNOWN_STAGE_NAMES:
         raise ToleranceError(f"--stage-tol {text}: unknown stage '{name}'; valid stages are "
-                             f"{', '.join(STAGE_NAMES)}.")
+                             f"{', '.join(KNOWN_STAGE_NAMES)}.")
     parts = numbers.split(",")
     try:
         rtol, atol = (float(p) for p in parts) if sep and len(parts) == 2 else (None, None)
@@ -53,9 +53,27 @@ def stage_tol_from_text(text: str) -> tuple[str, Tol]:
     return name, Tol(rtol, atol, f"--stage-tol {text.strip()}")
 
 
-def tol_table(base: Tol = DEFAULT, overrides: Iterable[str] = ()) -> dict[str, Tol]:
+class TolTable(dict):
+    """Stage name -> Tol: the overrides given, `base` for every other stage (whatever the family's stage list)."""
+
+    def __init__(self, base: Tol, overrides: dict[str, Tol]):
+        super().__init__(overrides)
+        self.base = base
+
+    def __missing__(self, name: str) -> Tol:
+        return self.base
+
+    def __bool__(self) -> bool:  # a table with no overrides is still a table (never "no tolerances")
+        return True
+
+    def for_stages(self, names) -> dict[str, Tol]:
+        """The table restricted to `names`, in their order."""
+        return {name: self[name] for name in names}
+
+
+def tol_table(base: Tol = DEFAULT, overrides: Iterable[str] = ()) -> TolTable:
     """The tolerance of every stage: `base`, replaced per stage by `--stage-tol` overrides (each stage once)."""
-    table = {name: base for name in STAGE_NAMES}
+    table = TolTable(base, {})
     seen: set[str] = set()
     for text in overrides:
         name, tol = stage_tol_from_text(text)

@@ -283,6 +283,16 @@ def main_model_hidden(model: Qwen3_5TextModel, sequence: np.ndarray) -> np.ndarr
     return model(input_ids=ids, use_cache=False).last_hidden_state[0].float().numpy()
 
 
+def selection_margin(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Per token, how far the k-th selected expert's score lies above the best unselected one ((N, 1); inf when
+    every expert is selected). Softmax is monotone, so for a softmax top-k router this is in router-logit units;
+    the probe calls a topk_ids flip a near-tie where it is within the router_logits tolerance."""
+    if k >= scores.shape[-1]:
+        return torch.full((scores.shape[0], 1), float("inf"))
+    top = torch.topk(scores.float(), k + 1, dim=-1).values
+    return (top[:, k - 1] - top[:, k])[:, None]
+
+
 class moe_capture:
     """Records the MoE stages a sparse MoE block computes in its official forward, through forward hooks on its
     router (`gate`: logits, final top-k weights, indices), `experts` (the routed sum), `shared_expert` and
@@ -317,4 +327,5 @@ class moe_capture:
             "router_logits": rows(logits), "topk_ids": rows(ids), "topk_weights": rows(weights),
             "shared": rows(F.sigmoid(seen["shared_expert_gate"]) * seen["shared_expert"]),
             "routed": rows(seen["experts"]),
+            "topk_margin": rows(selection_margin(logits, ids.shape[-1])),  # evidence, not a stage
         })

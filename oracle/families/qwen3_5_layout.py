@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 from oracle.errors import CheckpointError
 from oracle.families.spec import FamilySpec, TensorLayout, Variant
-from oracle.stages import SPINE, Dims, StageList
+from oracle.stages import SPINE, Dims
 
 FAMILY = "qwen3_5"
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")

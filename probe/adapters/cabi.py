@@ -86,7 +86,12 @@ class CAbiAdapter:
                                f"CAbiAdapter(library=...)); build one with probe.adapters.cabi.build_library "
                                f"or gcc -shared -fPIC.")
         self.checkpoint = Path(checkpoint)
-        self.hidden_size = Checkpoint(self.checkpoint).config.hidden_size  # fails early on a bad checkpoint
+        ckpt = Checkpoint(self.checkpoint)  # fails early on a bad checkpoint
+        if ckpt.family.name != "qwen3_5":
+            raise AdapterError(f"--impl c:{library}: C ABI v1 (mtp_probe.h) drives the dense Qwen3.5 head only; "
+                               f"{self.checkpoint} is a {ckpt.family.name} head. Dump its stages with "
+                               f"fixtures/candidates/mtp_trace_writer.h and use mtp-probe diff.")
+        self.hidden_size = ckpt.config.hidden_size
         self.name = f"c:{self.library.name}"
 
     def run(self, inputs: TraceInputs) -> dict[str, np.ndarray]:

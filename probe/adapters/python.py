@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from oracle.checkpoint import Checkpoint
-from oracle.stages import STAGE_BY_NAME, TRACE_STAGE_NAMES
+from oracle.stages import INDEX_SET
 from oracle.trace import TraceInputs
 from probe.errors import AdapterError, CandidateError
 from probe.poison import poison
@@ -43,7 +43,9 @@ class PythonAdapter:
         self.weights_digest = head.digest
         self._make = lambda: factory(ckpt.config, head.tensors)
         self._factory_name = factory_name
-        self._module_file = getattr(importlib.import_module(module_name), "__file__", None)
+        # Every stage of the checkpoint's family but `out` (which the step writes into `out`).
+        self._stages = ckpt.family.stages(ckpt.config)
+        self._dims = ckpt.family.dims(ckpt.config)
 
     def run(self, inputs: TraceInputs) -> dict[str, np.ndarray]:
         try:
@@ -52,9 +54,10 @@ class PythonAdapter:
             raise self._raised(err, f"in {self._factory_name}()") from None
         if not callable(getattr(impl, "step", None)):
             raise AdapterError(f"{self.name}: the object {self._factory_name}() returned has no step() method.")
-        capture = _captured_stages(impl, self.name)
+        traceable = tuple(n for n in self._stages.names if n != "out")
+        capture = _captured_stages(impl, self.name, traceable)
         t, d = inputs.num_tokens, inputs.hidden_size
-        buffers = {n: poison((t, STAGE_BY_NAME[n].width(d))) for n in capture}
+        buffers = {n: _unwritten(self._stages[n], (t, self._stages[n].width(self._dims))) for n in capture}
         buffers["out"] = poison((t, d))
         for i in range(t):
             rows = {n: buffers[n][i] for n in capture}  # views: the impl writes into the buffers
@@ -77,9 +80,14 @@ def _is_probe_frame(filename: str) -> bool:
     return Path(filename).resolve().is_relative_to(Path(__file__).resolve().parents[1])
 
 
-def _captured_stages(impl, name: str) -> tuple[str, ...]:
-    declared = getattr(impl, "capture", TRACE_STAGE_NAMES)
-    unknown = sorted(set(declared) - set(TRACE_STAGE_NAMES))
+def _captured_stages(impl, name: str, traceable: tuple[str, ...]) -> tuple[str, ...]:
+    declared = getattr(impl, "capture", traceable)
+    unknown = sorted(set(declared) - set(traceable))
     if unknown:
-        raise AdapterError(f"{name}: capture lists unknown stages {unknown}; valid: {', '.join(TRACE_STAGE_NAMES)}.")
-    return tuple(n for n in TRACE_STAGE_NAMES if n in declared)
+        raise AdapterError(f"{name}: capture lists unknown stages {unknown}; valid: {', '.join(traceable)}.")
+    return tuple(n for n in traceable if n in declared)
+
+
+def _unwritten(stage, shape) -> np.ndarray:
+    """A buffer that shows which rows were never written: poison for float rows, -1 for index sets (ids >= 0)."""
+    return np.full(shape, -1, dtype=np.int64) if stage.kind == INDEX_SET else poison(shape)

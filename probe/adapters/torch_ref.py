@@ -29,6 +29,10 @@ class TorchAdapter:
         if device == "cuda" and not torch.cuda.is_available():
             raise AdapterError("torch:cuda asked for, but torch sees no CUDA device; use torch:cpu.")
         ckpt = Checkpoint(checkpoint)
+        if ckpt.family.name != "qwen3_5":
+            raise AdapterError(f"--impl torch: the built-in transcription implements the dense Qwen3.5 head only; "
+                               f"{checkpoint} is a {ckpt.family.name} head. Use python:MODULE:FACTORY, or diff a "
+                               f"trace your engine wrote.")
         self.cfg = ckpt.config
         self.name = f"torch:{device}:{dtype}"
         self.deterministic = device == "cpu"  # GPU kernels may pick other algorithms run to run

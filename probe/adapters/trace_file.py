@@ -7,9 +7,11 @@ layout to the oracle's (native float32 rows) and does nothing else: checks live 
 
 Raw directory layout (for engines that do not write HDF5):
 
-    <stage>.bin    one per captured stage, named as in oracle/stages.py (e, h, fc_in, fc, ah, attn, res1, mh,
-                   mlp, res2, out); little-endian float32, row-major [T, width], width 2D for fc_in, D otherwise.
-                   The files carry no header: T and D are the reference's. Omit the stages you do not capture.
+    <stage>.bin    one per captured stage, named as the reference's stages (`mtp-oracle inspect REF` lists them;
+                   Qwen3.5: e, h, fc_in, fc, ah, attn, res1, mh, mlp, res2, out); row-major [T, width], width as
+                   in the reference: little-endian float32, or little-endian int64 for index-set stages
+                   (topk_ids). The files carry no header: T and widths are the reference's. Omit the stages you
+                   do not capture.
     inputs.json    optional: {"token_ids": [T ints], "positions": [T ints]} as the engine consumed them
     hidden.bin     optional: the hidden H [T, D] float32 the engine consumed (must be the reference's, bit for bit)
 
@@ -23,7 +25,7 @@ from typing import Protocol
 import numpy as np
 
 from oracle.errors import TraceFormatError
-from oracle.stages import STAGE_BY_NAME, STAGE_NAMES
+from oracle.stages import INDEX_SET, STAGES, Dims, StageList
 from oracle.trace import INPUT_NAMES, read_trace
 
 CHECKED_INPUTS = ("token_ids", "positions", "hidden")  # the inputs a candidate is given; embed comes from weights
@@ -35,7 +37,8 @@ class TraceSource(Protocol):
     kind: str
     num_tokens: int
     hidden_size: int
-    stages: tuple[str, ...]  # present stages, in STAGES order
+    stages: tuple[str, ...]  # present stages, in the reference's stage order
+    stage_list: StageList  # the stages present, with their metadata (kind, doc)
     recorded_inputs: tuple[str, ...]  # subset of CHECKED_INPUTS, each checked on its own
     poisoned: bool  # every buffer was poison-filled before the candidate wrote it: an all-zero row was computed
 
@@ -56,11 +59,15 @@ def open_reference(path: Path) -> "Hdf5Trace":
     return Hdf5Trace(path)
 
 
-def open_candidate(path: Path, num_tokens: int, hidden_size: int) -> TraceSource:
-    """A candidate trace: an `mtp-trace/1` file, or a raw directory read with the reference's T and D."""
+def open_candidate(path: Path, ref: "Hdf5Trace | int", hidden_size: int | None = None) -> TraceSource:
+    """A candidate trace: an `mtp-trace/1` file, or a raw directory read with the reference's T, stages and widths
+    (`ref` an opened reference; or, for the default stage list, T and D as `ref, hidden_size`)."""
     path = Path(path)
     if path.is_dir():
-        return RawDirTrace(path, num_tokens, hidden_size)
+        if isinstance(ref, int):
+            return RawDirTrace(path, ref, hidden_size)
+        return RawDirTrace(path, ref.num_tokens, ref.hidden_size, ref.stage_list,
+                           {n: ref.stage_shape(n)[1] for n in ref.stages})
     return Hdf5Trace(path)
 
 
@@ -86,6 +93,8 @@ class Hdf5Trace(_Closing):
         self.num_tokens = self._reader.num_tokens
         self.hidden_size = self._reader.hidden_size
         self.stages = self._reader.stages
+        self.stage_list = self._reader.stage_list
+        self.dims = self._reader.dims
         present = self._reader.input_names()
         self.recorded_inputs = tuple(n for n in CHECKED_INPUTS if n in present)
         # `mtp-probe run --out` writes rows the candidate wrote into poison-filled buffers, and says so.
@@ -133,20 +142,24 @@ class RawDirTrace(_Closing):
     poisoned = False  # nothing says the engine pre-filled its files: an all-zero row may be an unwritten one
     attrs: dict = {}
 
-    def __init__(self, path: Path, num_tokens: int, hidden_size: int):
+    def __init__(self, path: Path, num_tokens: int, hidden_size: int, stage_list: StageList = STAGES,
+                 widths: dict[str, int] | None = None):
         self.path = Path(path)
         self.num_tokens, self.hidden_size = num_tokens, hidden_size
+        self._widths = widths or {s.name: s.width(Dims(hidden_size)) for s in stage_list}
+        self._kinds = {s.name: s.kind for s in stage_list}
         try:
             files = {p.name for p in self.path.iterdir() if p.is_file()}
         except OSError as err:
             raise TraceFormatError(f"raw trace directory {self.path} is not readable: {err}.") from None
-        known = {f"{n}.bin" for n in STAGE_NAMES} | {"hidden.bin"}
+        known = {f"{n}.bin" for n in stage_list.names} | {"hidden.bin"}
         unknown = sorted(f for f in files if f.endswith(".bin") and f not in known)
         if unknown:
             raise TraceFormatError(f"{self.path}: unknown stage files {', '.join(unknown)}; name each file "
-                                   f"<stage>.bin with a stage from oracle/stages.py: {', '.join(STAGE_NAMES)} "
+                                   f"<stage>.bin with a stage of the reference: {', '.join(stage_list.names)} "
                                    f"(or hidden.bin for the consumed hidden).")
-        self.stages = tuple(n for n in STAGE_NAMES if f"{n}.bin" in files)
+        self.stages = tuple(n for n in stage_list.names if f"{n}.bin" in files)
+        self.stage_list = StageList(s for s in stage_list if s.name in self.stages)
         self._ids = _inputs_from_json(self.path / "inputs.json") if "inputs.json" in files else {}
         recorded = set(self._ids) | ({"hidden"} if "hidden.bin" in files else set())
         self.recorded_inputs = tuple(n for n in CHECKED_INPUTS if n in recorded)
@@ -155,26 +168,32 @@ class RawDirTrace(_Closing):
         return self.path / f"{name}.bin"
 
     def _width(self, name: str) -> int:
-        return self.hidden_size if name == "hidden" else STAGE_BY_NAME[name].width(self.hidden_size)
+        return self.hidden_size if name == "hidden" else self._widths[name]
+
+    def _stored(self, name: str) -> np.dtype:
+        """Little-endian int64 for index-set stages, float32 for every other file."""
+        return np.dtype("<i8") if self._kinds.get(name) == INDEX_SET else np.dtype("<f4")
 
     def _shape(self, name: str) -> tuple[int, ...]:
-        nbytes = self._file(name).stat().st_size
-        rows, rest = divmod(nbytes, 4 * self._width(name))
-        return (rows, self._width(name)) if rest == 0 else (nbytes // 4,)
+        nbytes, item = self._file(name).stat().st_size, self._stored(name).itemsize
+        rows, rest = divmod(nbytes, item * self._width(name)) if self._width(name) else (0, nbytes)
+        return (rows, self._width(name)) if rest == 0 else (nbytes // item,)
 
     def _rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        width = self._width(name)
-        flat = np.fromfile(self._file(name), dtype="<f4", count=(stop - start) * width, offset=start * width * 4)
-        return flat.reshape(-1, width).astype(np.float32, copy=False)  # little-endian file -> native float32
+        width, stored = self._width(name), self._stored(name)
+        flat = np.fromfile(self._file(name), dtype=stored, count=(stop - start) * width,
+                           offset=start * width * stored.itemsize)
+        return flat.reshape(-1, width).astype(stored.newbyteorder("="), copy=False)  # little-endian -> native
 
     def stage_shape(self, name: str) -> tuple[int, ...]:
         return self._shape(name)
 
     def stage_dtype(self, name: str) -> np.dtype:
-        return np.dtype(np.float32)  # raw files are float32 by definition; a wider dtype shows as a wrong size
+        # raw files are float32 (int64 for index sets) by definition; another dtype shows as a wrong size
+        return self._stored(name).newbyteorder("=")
 
     def stage_rows(self, name: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
-        if out is None or out.dtype != np.dtype("<f4"):  # (a big-endian host converts through _rows)
+        if out is None or out.dtype != np.dtype("<f4") or self._stored(name) != np.dtype("<f4"):
             return self._rows(name, start, stop)
         with open(self._file(name), "rb") as f:
             f.seek(start * self._width(name) * 4)

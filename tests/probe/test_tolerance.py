@@ -9,7 +9,9 @@ from probe.tolerance import DEFAULT, Tol, stage_tol_from_text, tol_table
 
 def test_default_matches_the_design():
     assert (DEFAULT.rtol, DEFAULT.atol) == (1e-4, 1e-5)
-    assert tol_table() == {name: DEFAULT for name in STAGE_NAMES}
+    table = tol_table()
+    assert table.for_stages(STAGE_NAMES) == {name: DEFAULT for name in STAGE_NAMES}
+    assert table["router_logits"] == DEFAULT  # any family's stage gets the base
 
 
 def test_override_applies_to_one_stage_and_records_why():
