@@ -156,7 +156,7 @@ def test_the_screen_bound_holds_for_every_logit_at_real_width(tmp_path, dtype):
     operand, weight, phi, rel = lm_head_module._screen_operand(rows, dtype == torch.bfloat16)
     start, chunk = next(head._chunks())
     colmax = head._colmax(start, chunk)
-    slack = weight @ colmax.astype(np.float64) + phi + lm_head_module.FLUSH * colmax.sum()
+    slack = weight.numpy() @ colmax.astype(np.float64) + phi + lm_head_module.FLUSH * colmax.sum()
     score = (operand @ chunk.T).double().numpy()
     exact = rows.astype(np.float64) @ stored(w).astype(np.float64).T  # within ~1e-12 of the exact logits
     used = np.abs(exact - score) / (slack[:, None] + rel * np.abs(score))
