@@ -329,3 +329,19 @@ class moe_capture:
             "routed": rows(seen["experts"]),
             "topk_margin": rows(selection_margin(logits, ids.shape[-1])),  # evidence, not a stage
         })
+
+
+@torch.inference_mode()
+def official_layer_stepwise(head: MtpHead, rotary, inputs: TraceInputs, fc: np.ndarray) -> np.ndarray:
+    """res2 [T, D] as the official decoder layer's own forward computes it from the `fc` rows, one step at a time
+    through a DynamicCache (the family contract test holds the head's transcribed tail equal to it)."""
+    embed, _, positions = _step_tensors(inputs)
+    x = torch.from_numpy(np.ascontiguousarray(fc))[None]
+    cache = DynamicCache(config=head.text_config)
+    rows = []
+    for t in range(inputs.num_tokens):
+        sl = slice(t, t + 1)
+        out = head.layers[0](x[:, sl], position_embeddings=rotary(embed[:, sl], positions[:, sl]),
+                             attention_mask=None, cache=cache)
+        rows.append((out[0] if isinstance(out, tuple) else out)[0])
+    return torch.cat(rows).numpy()

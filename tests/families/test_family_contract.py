@@ -1,0 +1,164 @@
+"""The family contract: every family in the registry, on a tiny checkpoint of its own, must
+
+1. export with the CLI, writing exactly its stage list (with docs and kinds) and evidence;
+2. agree with the official transformers decoder layer stepping through its KV cache (the transcribed tail);
+3. agree between its stepwise and batched runs;
+4. load strictly: a missing or an extra head tensor is an error naming it;
+5. localise a perturbation of each stage's computation at that very stage.
+
+A new family adds a tiny-checkpoint writer to WRITERS; the first test fails until it does.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file, save_file
+
+from oracle.checkpoint import Checkpoint
+from oracle.cli import cli as oracle_cli
+from oracle.errors import CheckpointError
+from oracle.families.registry import FAMILIES, head_module
+from oracle.trace import read_trace
+from probe.diff import diff_traces
+from tests.helpers import load_script, run_cli
+from tests.probe.tracekit import load_trace
+
+FIXTURES = load_script("make_fixtures")
+TOKENS = "5,17,3,99,200,7,42,5"
+
+
+def _qwen3_5(path: Path) -> Path:
+    return FIXTURES.write_checkpoint(path)
+
+
+WRITERS = {
+    "qwen3_5": _qwen3_5,
+    "qwen3_5_moe": lambda path: FIXTURES.write_moe_checkpoint(path, "qwen3_5_moe", "fused", main_model=False),
+    "qwen3_next": lambda path: FIXTURES.write_moe_checkpoint(path, "qwen3_next", "per_expert", main_model=False),
+}
+FAMILY_NAMES = sorted(FAMILIES)
+
+
+def test_every_registered_family_has_a_tiny_checkpoint_writer():
+    assert sorted(WRITERS) == FAMILY_NAMES
+
+
+@pytest.fixture(scope="module", params=FAMILY_NAMES)
+def family(request, tmp_path_factory):
+    """(name, checkpoint dir, batched trace, stepwise trace) of one family."""
+    name = request.param
+    if name not in WRITERS:
+        pytest.skip(f"no tiny-checkpoint writer for {name} (test_every_registered_family_has... fails)")
+    root = tmp_path_factory.mktemp(name)
+    ckpt = WRITERS[name](root / "ckpt")
+    traces = {}
+    for mode in ("batched", "stepwise"):
+        out = root / f"{mode}.h5"
+        result = run_cli(oracle_cli, ["export", ckpt, "--out", out, "--tokens", TOKENS, "--hidden-seed", "0",
+                                      "--mode", mode, "-q"])
+        assert result.exit_code == 0, result.output
+        traces[mode] = out
+    return name, ckpt, traces["batched"], traces["stepwise"]
+
+
+def test_export_writes_the_familys_stage_list_with_docs_and_evidence(family):
+    name, ckpt, batched, _ = family
+    spec = FAMILIES[name]
+    cfg = Checkpoint(ckpt).config
+    with read_trace(batched) as trace:
+        assert trace.attrs["family"] == name
+        assert trace.stages == spec.stages(cfg).names
+        assert all(s.doc for s in trace.stage_list)
+        assert {s.name: s.kind for s in trace.stage_list} == {s.name: s.kind for s in spec.stages(cfg)}
+        assert trace.has_evidence("attn_uniform")
+        assert trace.attrs["evidence_rules"]["qk_dependent"][0] == spec.qk_dependent_from
+
+
+def test_the_transcribed_tail_equals_the_official_decoder_layer_stepping_through_its_cache(family):
+    name, ckpt, batched, _ = family
+    inputs, stages = load_trace(batched)
+    checkpoint = Checkpoint(ckpt)
+    impl = head_module(checkpoint.family)
+    head, rotary = impl.build_head(checkpoint.config, impl.torch_weights(checkpoint.read_head(widen=False)))
+    official = impl.official_layer_stepwise(head, rotary, inputs, stages["fc"])
+    np.testing.assert_allclose(official, stages["res2"], rtol=0, atol=1e-5 * np.abs(stages["res2"]).max())
+    # twin: the comparison sees a wiring change in the tail (a dropped residual)
+    assert np.abs(official - (stages["res2"] - stages["fc"])).max() > 1e-3
+
+
+def test_stepwise_and_batched_runs_agree(family):
+    _, _, batched, stepwise = family
+    _, a = load_trace(batched)
+    _, b = load_trace(stepwise)
+    assert a.keys() == b.keys()
+    for stage in a:
+        if a[stage].dtype.kind == "i":
+            np.testing.assert_array_equal(np.sort(a[stage], axis=1), np.sort(b[stage], axis=1), err_msg=stage)
+        else:
+            scale = max(np.abs(a[stage]).max(), 1e-30)
+            assert np.abs(a[stage] - b[stage]).max() <= 1e-5 * scale, stage
+
+
+def _rewrite(ckpt: Path, out: Path, change) -> Path:
+    out.mkdir()
+    (out / "config.json").write_text((ckpt / "config.json").read_text())
+    tensors = load_file(ckpt / "model.safetensors")
+    change(tensors)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def test_loading_is_strict_missing_and_extra_head_tensors_are_errors(family, tmp_path):
+    name, ckpt, _, _ = family
+    head = sorted(n for n in load_file(ckpt / "model.safetensors") if n.startswith(FAMILIES[name].head_prefix))
+    victim = head[len(head) // 2]
+    missing = _rewrite(ckpt, tmp_path / "missing", lambda t: t.pop(victim))
+    result = run_cli(oracle_cli, ["export", missing, "--out", tmp_path / "m.h5", "--tokens", "5,6", "--hidden-seed", "0"])
+    assert result.exit_code == 2 and victim in result.output, result.output
+    extra = _rewrite(ckpt, tmp_path / "extra", lambda t: t.__setitem__(head[0] + ".extra", t[head[0]].clone()))
+    result = run_cli(oracle_cli, ["export", extra, "--out", tmp_path / "x.h5", "--tokens", "5,6", "--hidden-seed", "0"])
+    assert result.exit_code == 2 and ".extra" in result.output, result.output
+    checkpoint = Checkpoint(ckpt)
+    impl = head_module(checkpoint.family)
+    weights = impl.torch_weights(checkpoint.read_head(widen=False))
+    weights.pop(victim)
+    with pytest.raises((CheckpointError, ValueError)):
+        impl.build_head(checkpoint.config, weights)
+
+
+def test_a_perturbation_of_each_stage_is_first_seen_at_that_stage(family, tmp_path):
+    name, ckpt, batched, _ = family
+    inputs, stages = load_trace(batched)
+    with read_trace(batched) as trace:
+        order = trace.stages
+    for k, stage in enumerate(order):
+        cand = {}
+        for later in order:
+            rows = stages[later].copy()
+            if order.index(later) >= k:
+                if rows.dtype.kind == "i":  # a wrong expert: an id the reference did not select
+                    experts = stages["router_logits"].shape[1]
+                    for row in rows:
+                        row[0] = next(e for e in range(experts) if e not in row)
+                else:
+                    rows = (rows + 0.01 * np.abs(rows).max() + 0.01).astype(np.float32)
+            cand[later] = rows
+        path = tmp_path / f"{stage}.h5"
+        _write_like(batched, path, inputs, cand)
+        report = diff_traces(batched, path)
+        assert report.first is not None and report.first.stage == stage, (stage, report.first)
+
+
+def _write_like(ref: Path, path: Path, inputs, stages) -> None:
+    from oracle.trace import write_trace
+
+    with read_trace(ref) as trace:
+        write_trace(path, inputs, stages, {"producer": "contract test"}, stage_list=trace.stage_list, dims=trace.dims)
+
+
+def test_the_registry_refuses_an_unknown_family_listing_the_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(CheckpointError, match="not a supported MTP family. Supported: .*qwen3_5"):
+        Checkpoint(tmp_path)
