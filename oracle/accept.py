@@ -28,13 +28,14 @@ from transformers import DynamicCache
 from oracle.checkpoint import Checkpoint, check_token_ids
 from oracle.errors import InputError
 from oracle.export import HiddenSource
-from oracle.families import qwen3_5
+from oracle.families.qwen3_5 import MtpHead, causal_mask
+from oracle.families.registry import head_module
 from oracle.inputs import hidden_from_file, hidden_from_seed
 from oracle.lm_head import CHUNK_ROWS, LmHead, lm_head_of
 
 TARGETS = ("greedy", "text")
 CHAIN_BLOCK = 256  # chains per attention call: its scores take heads x block x (bridge + block * k) floats
-Head, Rotary = qwen3_5.MtpHead, qwen3_5.Qwen3_5TextRotaryEmbedding
+Head, Rotary = MtpHead, torch.nn.Module  # every family's head is an MtpHead-like module: stages in, out
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ def bridge_pass(ckpt: Checkpoint, head: Head, rotary: Rotary, sequence: np.ndarr
     h = torch.from_numpy(np.ascontiguousarray(hidden[:chains]))[None]  # (C, D) -> (1, C, D)
     rope = rotary(embed, torch.arange(chains)[None])
     cache = DynamicCache(config=head.text_config)  # the head's own cache
-    out = head(embed, h, rope, qwen3_5.causal_mask(chains), cache)["out"][0]  # (1, C, D) -> (C, D)
+    out = head(embed, h, rope, causal_mask(chains), cache)["out"][0]  # (1, C, D) -> (C, D)
     keys, values, _ = next(iter(cache))
     return Bridge(out, keys, values)
 
@@ -199,7 +200,8 @@ def measure_acceptance(checkpoint_dir: Path, sequence: np.ndarray, hidden: Hidde
     lm_head = lm_head_of(ckpt, chunk_rows)
     target = _resolved_target(target, hidden)
     h = _hidden_of(ckpt, hidden, sequence, log)
-    head, rotary = qwen3_5.build_head(ckpt.config, _head_tensors(ckpt, head_weights))
+    impl = head_module(ckpt.family)
+    head, rotary = impl.build_head(ckpt.config, _head_tensors(ckpt, head_weights))
     chains = len(sequence) - 1 - k
     log(f"drafting {chains} chains of k={k} (N={len(sequence)} tokens); lm_head {lm_head.name} in chunks of "
         f"{chunk_rows} rows")
@@ -214,7 +216,7 @@ def measure_acceptance(checkpoint_dir: Path, sequence: np.ndarray, hidden: Hidde
 
 def _head_tensors(ckpt: Checkpoint, given: dict[str, np.ndarray] | None) -> dict[str, torch.Tensor]:
     if given is None:
-        return qwen3_5.torch_weights(ckpt.read_head(widen=False))  # bf16 stays bf16, widened exactly in use
+        return head_module(ckpt.family).torch_weights(ckpt.read_head(widen=False))  # bf16 widened exactly in use
     return {name: torch.from_numpy(np.asarray(arr, dtype=np.float32)) for name, arr in given.items()}
 
 
@@ -254,4 +256,5 @@ def _hidden_of(ckpt: Checkpoint, source: HiddenSource, sequence: np.ndarray,
     if source.seed is not None:
         return hidden_from_seed(source.seed, n, d)
     log("running the main model over x_0..x_(N-1) for H (post-final-norm)")
-    return qwen3_5.main_model_hidden(qwen3_5.load_main_model(ckpt), sequence)
+    impl = head_module(ckpt.family)
+    return impl.main_model_hidden(impl.load_main_model(ckpt), sequence)

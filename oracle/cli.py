@@ -33,12 +33,16 @@ def cli(ctx: click.Context) -> None:
 @click.option("--first-token", type=click.IntRange(0, 2**63 - 1),
               help="With --main-model: x_0, the token before the first step token.")
 @click.option("--start-pos", type=int, default=0, show_default=True, help="Position p_0 of step 0.")
+@click.option("--norm-topk-prob/--no-norm-topk-prob", default=None,
+              help="MoE heads: renormalise the top-k router weights to sum 1, or not [default: config.json's "
+                   "norm_topk_prob; without the key, transformers' convention (Qwen3.5-MoE: on)]. Recorded in the "
+                   "trace.")
 @click.option("--mode", type=click.Choice(["batched", "stepwise"]), default="batched", show_default=True,
               help="One causal pass over all steps, or one step at a time through the KV cache.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress messages.")
 @click.pass_obj
 def export(obj, checkpoint, out, tokens, tokens_file, hidden_file, hidden_seed, main_model, first_token, start_pos,
-           mode, quiet) -> None:
+           norm_topk_prob, mode, quiet) -> None:
     """Run the head on T teacher-forced steps and write every stage to an mtp-trace/1 file."""
     from oracle.export import HiddenSource, export_trace
     from oracle.inputs import token_ids_from_file, token_ids_from_text
@@ -49,7 +53,8 @@ def export(obj, checkpoint, out, tokens, tokens_file, hidden_file, hidden_seed, 
     ids = token_ids_from_file(tokens_file) if tokens_file else token_ids_from_text(tokens, "--tokens")
     source = HiddenSource(file=hidden_file, seed=hidden_seed, main_model=main_model, first_token=first_token)
     log = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))
-    path = export_trace(checkpoint, out, ids, source, start_pos=start_pos, mode=mode,
+    overrides = {} if norm_topk_prob is None else {"norm_topk_prob": norm_topk_prob}
+    path = export_trace(checkpoint, out, ids, source, start_pos=start_pos, mode=mode, config_overrides=overrides,
                         command=obj["command"], log=log, warn=lambda msg: click.echo(msg, err=True))
     from oracle.trace import read_trace
 

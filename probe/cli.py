@@ -13,7 +13,7 @@ from oracle.output import check_writable, refuse_overwriting_inputs
 from probe.diff import DiffReport, diff_traces
 from probe.report import render_text, summary_line, write_json
 from probe.rowdiff import kernel_note
-from probe.run import SPEC_HELP, adapter_from_spec, checkpoint_for, run_and_diff
+from probe.run import SPEC_HELP, adapter_from_spec, checkpoint_for, reference_conventions, run_and_diff
 from probe.tolerance import DEFAULT, PROFILES, Tol, tol_table
 
 EXISTING_FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
@@ -102,7 +102,7 @@ def run(ctx, ref, spec, checkpoint, out, profile, rtol, atol, stage_tol, json_pa
                               {"REF": ref, "checkpoint": checkpoint, "--impl library": library})
     if out:
         check_writable(out, "--out")
-    adapter = adapter_from_spec(spec, checkpoint)
+    adapter = adapter_from_spec(spec, checkpoint, reference_conventions(ref))
     result = run_and_diff(ref, adapter, tols, out=out, fail_fast=fail_fast,
                           command=shlex.join(["mtp-probe", *sys.argv[1:]]))
     # Determinism is not measured here (one run), so it is not claimed; an adapter that knows it is not

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from oracle.checkpoint import Checkpoint
+from oracle.families.spec import CONVENTIONS
 from oracle.stages import STAGE_NAMES
 from oracle.trace import TraceInputs, read_trace, write_trace
 from probe.adapters.base import Adapter
@@ -23,8 +24,9 @@ from probe.tolerance import Tol
 SPEC_HELP = "c:LIB.so | python:MODULE:FACTORY | torch[:cpu|cuda[:float32|bfloat16]]"
 
 
-def adapter_from_spec(spec: str, checkpoint: Path) -> Adapter:
-    """The adapter an `--impl` SPEC names (SPEC_HELP)."""
+def adapter_from_spec(spec: str, checkpoint: Path, conventions: dict | None = None) -> Adapter:
+    """The adapter an `--impl` SPEC names (SPEC_HELP); `conventions` are the reference's convention fields
+    (oracle/families/spec.py CONVENTIONS), handed to the candidate in its config."""
     kind, _, rest = spec.partition(":")
     if kind == "c" and rest:
         from probe.adapters.cabi import CAbiAdapter
@@ -33,7 +35,7 @@ def adapter_from_spec(spec: str, checkpoint: Path) -> Adapter:
     if kind == "python":
         from probe.adapters.python import PythonAdapter
 
-        return PythonAdapter(rest, checkpoint)
+        return PythonAdapter(rest, checkpoint, conventions or {})
     if kind == "torch":
         from probe.adapters.torch_ref import TorchAdapter
 
@@ -85,13 +87,21 @@ def check_config(config: dict | None, ref_config: dict | None, ref_path: Path) -
     if config is None or ref_config is None:
         return
     ours, theirs = _plain(config), _plain(ref_config)
-    differ = sorted(k for k in set(ours) | set(theirs) if ours.get(k, "(absent)") != theirs.get(k, "(absent)"))
+    differ = sorted(k for k in set(ours) | set(theirs) if ours.get(k, "(absent)") != theirs.get(k, "(absent)")
+                    and k not in CONVENTIONS)  # conventions come from the reference (reference_conventions)
     if differ:
         fields = "; ".join(f"{k}: checkpoint {ours.get(k, '(absent)')!r}, reference {theirs.get(k, '(absent)')!r}"
                            for k in differ)
         raise ProbeError(f"the checkpoint's head config differs from the one {ref_path} was exported with ({fields}); "
                          f"the candidate would run another head. Pass the reference's checkpoint (--checkpoint) "
                          f"with its original config.json.")
+
+
+def reference_conventions(ref_path: Path) -> dict:
+    """The convention fields (e.g. norm_topk_prob) the reference was exported with: the candidate gets these."""
+    with read_trace(ref_path) as ref:
+        config = ref.attrs.get("config") or {}
+    return {k: config[k] for k in CONVENTIONS if k in config}
 
 
 def _plain(config: dict) -> dict:

@@ -14,6 +14,11 @@ from typing import Protocol
 from oracle.stages import Dims, StageList
 
 
+# Head-config fields that are engine conventions, not facts of the checkpoint: set by export options, recorded in
+# the trace's config, and handed to a candidate from the reference (not from config.json) by `mtp-probe run`.
+CONVENTIONS = ("norm_topk_prob", "mask_pos0_embedding")
+
+
 class HeadConfig(Protocol):
     """What code outside a family may read from any family's head config."""
 

@@ -12,6 +12,7 @@ captures, in any order; the others are "not captured". The impl keeps its own KV
 FACTORY is called once per run, so every run starts with an empty cache.
 """
 
+import dataclasses
 import importlib
 import traceback
 from pathlib import Path
@@ -28,7 +29,7 @@ from probe.poison import poison
 class PythonAdapter:
     deterministic = True
 
-    def __init__(self, spec: str, checkpoint: Path):
+    def __init__(self, spec: str, checkpoint: Path, conventions: dict | None = None):
         module_name, _, factory_name = spec.partition(":")
         if not module_name or not factory_name:
             raise AdapterError(f"--impl python:{spec}: expected python:MODULE:FACTORY, e.g. python:my_engine:make_head.")
@@ -41,7 +42,10 @@ class PythonAdapter:
         self.name = f"python:{spec}"
         head = ckpt.read_head()
         self.weights_digest = head.digest
-        self._make = lambda: factory(ckpt.config, head.tensors)
+        # The reference's conventions (e.g. norm_topk_prob), not config.json's, where the reference records them.
+        fields = {f.name for f in dataclasses.fields(ckpt.config)}
+        config = dataclasses.replace(ckpt.config, **{k: v for k, v in (conventions or {}).items() if k in fields})
+        self._make = lambda: factory(config, head.tensors)
         self._factory_name = factory_name
         # Every stage of the checkpoint's family but `out` (which the step writes into `out`).
         self._stages = ckpt.family.stages(ckpt.config)
