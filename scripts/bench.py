@@ -396,9 +396,11 @@ def bench_accept(ckpt: Path, rows: list, chains: int = 169, k: int = 4) -> None:
                  f"f32 GEMM argmax, same rows {f32_s:.2f} s", f"{lm_s / f32_s:.2f}x", ""))
     rows.append(("accept: drafts = f32 GEMM argmax", f"{last['same']}/{last['rows']} rows",
                  f"rescored per row: mean {last['kept_mean']:.1f}, max {last['kept_max']}", "", "all"))
-    wall, rss, out = run_child([str(BIN / "mtp-oracle"), "accept", str(ckpt), "--k", str(k), "--target", "text",
-                                "--hidden-seed", "0", "--tokens", ",".join(map(str, token_ids(chains + 1 + k)))])
-    rows.append(("accept CLI wall / peak RSS", f"{wall:.2f} s", f"{rss:.2f} GB", "", ""))
+    cli = [run_child([str(BIN / "mtp-oracle"), "accept", str(ckpt), "--k", str(k), "--target", "text", "--hidden-seed",
+                      "0", "--tokens", ",".join(map(str, token_ids(chains + 1 + k)))]) for _ in range(2)]
+    (wall, rss, out), worst = min(cli), max(c[0] for c in cli)
+    rows.append(("accept CLI wall / peak RSS, best of 2", f"{wall:.2f} s", f"{rss:.2f} GB (worst {worst:.2f} s)",
+                 "", ""))
     print(f"accept: {out.strip().splitlines()[-1]}", file=sys.stderr)
 
 
