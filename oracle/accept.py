@@ -12,8 +12,8 @@ E[len] = 1 + Σ_j Π_{m<=j} α_m; the naive 1 + Σ_j p_j of unconditional hit ra
 Both targets are teacher-forced on x: `greedy` (the main model's argmax, lm_head(H)) is exactly what greedy
 verification checks only when x is the main model's own greedy output; `text` (x itself) is a proxy.
 
-The cost is the lm_head (real scale 248320 x 5120): it is read in vocabulary chunks with a running argmax, one
-sweep per depth for all chains together, in float32 (the stored bf16 widened exactly; no bf16 screening).
+The cost is the lm_head (real scale 248320 x 5120): one sweep per depth for all chains together, the argmax of the
+exact logits found by a bf16 screen under a proven bound and an exact rescoring of the survivors (oracle/lm_head.py).
 """
 
 from collections.abc import Callable
