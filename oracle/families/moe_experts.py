@@ -8,6 +8,9 @@ rest of each parameter is allocated but never touched (no memory is committed fo
 the forward. Widening bf16 -> float32 is exact, so the result is bit-identical to a fully loaded float32 module.
 """
 
+import ctypes
+import mmap
+
 import torch
 from torch import nn
 
@@ -50,11 +53,14 @@ class RoutedExperts:
         e, i, d = self.layout.num_experts, self.layout.intermediate, self.layout.hidden
         gate_up = torch.empty(e, 2 * i, d)  # committed only where written: the routed experts
         down = torch.empty(e, d, i)
+        file_backed = _file_mappings()
         for expert in torch.unique(top_k_index).tolist():
             gate, up, dn = self.parts(expert)
             gate_up[expert, :i].copy_(gate)  # gate rows first, as the fused layout and the official forward use
             gate_up[expert, i:].copy_(up)
             down[expert].copy_(dn)
+            for part in (gate, up, dn):
+                _drop_pages(part, file_backed)  # widened: the stored copy's mapped pages need not stay resident
             self.touched.add(int(expert))
         module.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
         module.down_proj = nn.Parameter(down, requires_grad=False)
@@ -63,3 +69,36 @@ class RoutedExperts:
         e, i, d = self.layout.num_experts, self.layout.intermediate, self.layout.hidden
         module.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d, device="meta"), requires_grad=False)
         module.down_proj = nn.Parameter(torch.empty(e, d, i, device="meta"), requires_grad=False)
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_MADV_DONTNEED = 4
+
+
+def _file_mappings() -> list[tuple[int, int]]:
+    """Address ranges of this process's file-backed mappings (/proc/self/maps lines with a path)."""
+    ranges = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].startswith("/"):
+                    lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                    ranges.append((lo, hi))
+    except OSError:
+        return []  # unknown: never drop anything
+    return ranges
+
+
+def _drop_pages(stored: torch.Tensor, file_backed: list[tuple[int, int]]) -> None:
+    """Let the kernel drop the whole pages of a tensor that lies in a file mapping (a checkpoint shard, mapped
+    copy-on-write and never written): they are re-read from the file (page cache) if touched again. Without it a
+    MoE export's resident set holds every routed expert twice (mapped bf16 and widened float32). Only file-backed
+    ranges: on anonymous memory MADV_DONTNEED would zero the data. Best effort: a failure leaves pages resident."""
+    start, size = stored.data_ptr(), stored.numel() * stored.element_size()
+    if not any(lo <= start and start + size <= hi for lo, hi in file_backed):
+        return
+    first = (start + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE  # whole pages inside the tensor only
+    last = (start + size) // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)

@@ -173,3 +173,18 @@ def test_accept_runs_on_the_moe_heads(exported, family, tmp_path):
     result = run_cli(oracle_cli, ["accept", ckpt, "--k", "2", "--tokens", ",".join(map(str, range(1, 25))),
                                   "--hidden", tmp_path / "h.npy", "-q"])
     assert result.exit_code == 0 and last_line(result).startswith("ACCEPT | k=2 chains=21"), result.output
+
+
+def test_experts_in_ordinary_memory_are_never_dropped_and_repeated_passes_agree(exported):
+    """The mapped-page release (moe_experts._drop_pages) must only touch file mappings: on heap memory it would zero
+    the weights, and a second pass (accept runs many) would silently differ."""
+    ckpt, trace = exported["qwen3_next", "per_expert"]
+    checkpoint = Checkpoint(ckpt)
+    impl = head_module(checkpoint.family)
+    inputs, stages = load_trace(trace)
+    heap = {n: t.clone() for n, t in impl.torch_weights(checkpoint.read_head(widen=False)).items()}
+    head, rotary = impl.build_head(checkpoint.config, heap)
+    first, second = impl.run_batched(head, rotary, inputs), impl.run_batched(head, rotary, inputs)
+    for stage in stages:
+        np.testing.assert_array_equal(first[stage], stages[stage], err_msg=stage)
+        np.testing.assert_array_equal(second[stage], stages[stage], err_msg=stage)
