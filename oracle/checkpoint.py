@@ -156,15 +156,36 @@ class Checkpoint:
         return self.digest(sorted(self.layout().dense))
 
     def experts_digest(self, experts: list[int]) -> str:
-        """sha256 over the stored bytes of the given routed experts (their slices of a fused tensor, or their own
-        tensors), in expert order."""
+        """sha256 over the stored bytes of the given routed experts (gate, up, down: their slices of a fused tensor,
+        or their own tensors), in expert order. Read with os.pread into one reused buffer, not through the mapping:
+        it can run on a thread beside the head (hashlib and pread release the GIL) without growing the resident
+        set by the experts it hashes."""
         layout = self.layout().experts
         digest = hashlib.sha256()
+        buffer = memoryview(bytearray(8 << 20))
         for e in sorted(set(int(x) for x in experts)):
-            for name, part in self.expert_parts(layout, e):
+            for name, (path, offset, nbytes) in self._expert_extents(layout, e):
                 digest.update(f"{e}|{name}|".encode())
-                digest.update(np.ascontiguousarray(part))
+                with open(path, "rb", buffering=0) as f:
+                    while nbytes:
+                        got = os.preadv(f.fileno(), [buffer[:min(nbytes, len(buffer))]], offset)
+                        if got <= 0:
+                            raise CheckpointError(f"{path} ended inside expert {e}; re-copy the shard.")
+                        digest.update(buffer[:got])
+                        offset, nbytes = offset + got, nbytes - got
         return "sha256:" + digest.hexdigest()
+
+    def _expert_extents(self, layout, e: int) -> list[tuple[str, tuple[Path, int, int]]]:
+        """(part, (file, byte offset, bytes)) of expert `e`'s gate, up and down as stored."""
+        if layout.kind == "fused":
+            gate_up, down = self.entry(layout.names["gate_up"]), self.entry(layout.names["down"])
+            per, half = gate_up.nbytes // gate_up.shape[0], gate_up.nbytes // gate_up.shape[0] // 2
+            per_down = down.nbytes // down.shape[0]
+            return [("gate", (gate_up.file, gate_up.offset + e * per, half)),
+                    ("up", (gate_up.file, gate_up.offset + e * per + half, half)),
+                    ("down", (down.file, down.offset + e * per_down, per_down))]
+        entries = [(p, self.entry(layout.names[p].format(e=e))) for p in ("gate", "up", "down")]
+        return [(p, (x.file, x.offset, x.nbytes)) for p, x in entries]
 
     def expert_parts(self, layout, e: int) -> list[tuple[str, np.ndarray]]:
         """Expert `e`'s stored arrays: (gate [I, D], up [I, D], down [D, I]), as mapped views."""

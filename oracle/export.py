@@ -66,6 +66,7 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
                          embed=ckpt.embedding_rows(token_ids))
     impl = head_module(family)
     head, rotary = impl.build_head(cfg, impl.torch_weights(weights))
+    experts_hash = _ExpertsDigest(ckpt, head) if weights.layout is not None and weights.layout.experts else None
     log(f"running the head ({mode})")
     if mode == "batched":
         stages = impl.run_batched(head, rotary, inputs)
@@ -94,11 +95,34 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     if weights.layout is not None and weights.layout.experts is not None:
         # The head digest leaves the routed experts out (gigabytes); these are the ones this trace used.
         used = sorted(int(e) for e in np.unique(stages["topk_ids"]))
-        attrs["experts"] = {"layout": weights.layout.experts.kind, "used": used,
-                            "digest": ckpt.experts_digest(used)}
+        attrs["experts"] = {"layout": weights.layout.experts.kind, "used": used, "digest": experts_hash.of(used)}
     log(f"writing {out}")
     write_trace(out, inputs, stages, attrs, evidence=evidence, stage_list=stage_list, dims=family.dims(cfg))
     return Path(out)
+
+
+class _ExpertsDigest:
+    """Hashes the routed experts on a thread while the head runs: started as soon as the batched pass has routed
+    (the experts' pre-forward), so the digest costs nothing beside the forward; computed afterwards otherwise."""
+
+    def __init__(self, ckpt: Checkpoint, head) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from oracle.families.moe_experts import routed_experts_of
+
+        self.ckpt, self.pool, self.started = ckpt, ThreadPoolExecutor(1, thread_name_prefix="experts-digest"), {}
+        for routed in routed_experts_of(head):
+            routed.on_route = self._start
+
+    def _start(self, used: list[int]) -> None:
+        self.started.setdefault(tuple(used), self.pool.submit(self.ckpt.experts_digest, used))
+
+    def of(self, used: list[int]) -> str:
+        future = self.started.get(tuple(used))
+        try:
+            return future.result() if future is not None else self.ckpt.experts_digest(used)
+        finally:
+            self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _overridden(ckpt: Checkpoint, overrides: dict):

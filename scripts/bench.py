@@ -416,7 +416,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", type=Path, default=Path("/tmp/mtp-bench/q35_27b"))
     parser.add_argument("--work", type=Path, default=Path("/tmp/mtp-bench/work"))
-    parser.add_argument("--only", choices=("export", "diff", "cabi", "accept"),
+    parser.add_argument("--only", choices=("export", "diff", "cabi", "accept", "moe"),
                         help="Run one part (floors always run).")
     args = parser.parse_args()
     if not (args.checkpoint / "model.safetensors.index.json").is_file():
@@ -435,6 +435,11 @@ def main() -> None:
         bench_cabi(args.checkpoint, args.work, rows)
     if args.only in (None, "accept"):
         bench_accept(args.checkpoint, rows)
+    if args.only in (None, "moe"):  # the Qwen3-Next-shaped MoE layer (scripts/bench_moe.py)
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from bench_moe import bench_moe
+
+        bench_moe(args.work.parent / "q3next", args.work / "moe", rows)
     print(f"machine: {machine()}")
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     for r in rows:

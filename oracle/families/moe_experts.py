@@ -1,11 +1,13 @@
-"""Routed experts for a MoE head, read and widened only where the traced tokens route.
+"""Routed experts for a MoE head, read and widened one at a time, only where the traced tokens route.
 
 A 512-expert MTP layer is gigabytes of bf16, and a short trace touches a fraction of it. The official experts
-module (transformers' eager experts forward: for each expert hit, `F.linear(x, gate_up_proj[e])`, ...) reads only
-the experts its tokens route to; `RoutedExperts` keeps the stored (mapped) checkpoint tensors and, in a forward
-pre-hook that sees the routing, fills the module's two fused float32 parameters for exactly those experts: the
-rest of each parameter is allocated but never touched (no memory is committed for it), and both are released after
-the forward. Widening bf16 -> float32 is exact, so the result is bit-identical to a fully loaded float32 module.
+module (transformers' eager experts forward) reads its weights only as `gate_up_proj[e]` and `down_proj[e]`, for
+each expert e its tokens route to. `RoutedExperts` gives it, in place of those two parameters, objects whose
+indexing widens expert e's stored (mapped) checkpoint tensors into one reused float32 buffer each, exactly as
+`UpcastLinear` widens a dense weight block by block: the official forward runs unchanged, the result is
+bit-identical to a fully loaded float32 module (bf16 -> float32 is exact), and memory holds one expert in float32
+instead of all of them. Each expert's mapped pages are populated in one call and released once widened (only
+file-backed ranges), so the resident set does not keep the stored experts either.
 """
 
 import ctypes
@@ -15,6 +17,9 @@ import torch
 from torch import nn
 
 from oracle.families.spec import ExpertLayout
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_MADV_DONTNEED, _MADV_POPULATE_READ = 4, 22
 
 
 class RoutedExperts:
@@ -26,6 +31,11 @@ class RoutedExperts:
             raise ValueError(f"expert tensors missing from the weights: {missing[:3]}")
         self._weights = {n: weights[n] for n in self._names}
         self.touched: set[int] = set()  # every expert widened so far (the trace's routed set)
+        self.on_route = None  # called with the sorted experts a forward routes to, before it reads them
+        i, d = layout.intermediate, layout.hidden
+        self._gate_up = torch.empty(2 * i, d)  # allocated once: fresh buffers would fault in pages every time
+        self._down = torch.empty(d, i)
+        self._file_backed = _file_mappings()
 
     def owns(self, name: str) -> bool:
         return name in self._names
@@ -44,35 +54,44 @@ class RoutedExperts:
         return tuple(self._weights[n[p].format(e=e)] for p in ("gate", "up", "down"))
 
     def attach(self, module: nn.Module) -> None:
-        """Fill `module`'s gate_up_proj [E, 2I, D] and down_proj [E, D, I] for the routed experts of each call."""
-        module.register_forward_pre_hook(self._fill)
-        module.register_forward_hook(self._release)
+        """Replace `module`'s gate_up_proj [E, 2I, D] and down_proj [E, D, I] by widening views."""
+        for name in ("gate_up_proj", "down_proj"):
+            if name in module._parameters:
+                del module._parameters[name]
+        object.__setattr__(module, "gate_up_proj", _Widened(self, "gate_up"))
+        object.__setattr__(module, "down_proj", _Widened(self, "down"))
+        module.register_forward_pre_hook(self._routed)
 
-    def _fill(self, module: nn.Module, args) -> None:
-        top_k_index = args[1]
-        e, i, d = self.layout.num_experts, self.layout.intermediate, self.layout.hidden
-        gate_up = torch.empty(e, 2 * i, d)  # committed only where written: the routed experts
-        down = torch.empty(e, d, i)
-        file_backed = _file_mappings()
-        for expert in torch.unique(top_k_index).tolist():
-            gate, up, dn = self.parts(expert)
-            gate_up[expert, :i].copy_(gate)  # gate rows first, as the fused layout and the official forward use
-            gate_up[expert, i:].copy_(up)
-            down[expert].copy_(dn)
-            for part in (gate, up, dn):
-                _drop_pages(part, file_backed)  # widened: the stored copy's mapped pages need not stay resident
-            self.touched.add(int(expert))
-        module.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
-        module.down_proj = nn.Parameter(down, requires_grad=False)
+    def _routed(self, module: nn.Module, args) -> None:
+        if self.on_route is not None:  # e.g. export starts hashing these experts on a thread beside the forward
+            self.on_route(sorted(int(e) for e in torch.unique(args[1]).tolist()))
 
-    def _release(self, module: nn.Module, args, output) -> None:
-        e, i, d = self.layout.num_experts, self.layout.intermediate, self.layout.hidden
-        module.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d, device="meta"), requires_grad=False)
-        module.down_proj = nn.Parameter(torch.empty(e, d, i, device="meta"), requires_grad=False)
+    def widen(self, which: str, e: int) -> torch.Tensor:
+        """Expert e's `gate_up` [2I, D] (gate rows first) or `down` [D, I] in float32, in the reused buffer."""
+        gate, up, down = self.parts(e)
+        if which == "gate_up":
+            _populate(gate, self._file_backed), _populate(up, self._file_backed)
+            half = gate.shape[0]
+            self._gate_up[:half].copy_(gate)
+            self._gate_up[half:].copy_(up)
+            _release(gate, self._file_backed), _release(up, self._file_backed)
+            self.touched.add(e)
+            return self._gate_up
+        _populate(down, self._file_backed)
+        self._down.copy_(down)
+        _release(down, self._file_backed)
+        return self._down
 
 
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_MADV_DONTNEED = 4
+class _Widened:
+    """Stands in for a fused experts parameter: `[e]` is expert e widened to float32 (valid until the next `[e]`;
+    the official eager forward uses each at once in F.linear)."""
+
+    def __init__(self, experts: RoutedExperts, which: str):
+        self.experts, self.which = experts, which
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.experts.widen(self.which, int(index))
 
 
 def _file_mappings() -> list[tuple[int, int]]:
@@ -86,19 +105,41 @@ def _file_mappings() -> list[tuple[int, int]]:
                     lo, hi = (int(x, 16) for x in fields[0].split("-"))
                     ranges.append((lo, hi))
     except OSError:
-        return []  # unknown: never drop anything
+        return []  # unknown: never advise anything
     return ranges
 
 
-def _drop_pages(stored: torch.Tensor, file_backed: list[tuple[int, int]]) -> None:
-    """Let the kernel drop the whole pages of a tensor that lies in a file mapping (a checkpoint shard, mapped
-    copy-on-write and never written): they are re-read from the file (page cache) if touched again. Without it a
-    MoE export's resident set holds every routed expert twice (mapped bf16 and widened float32). Only file-backed
-    ranges: on anonymous memory MADV_DONTNEED would zero the data. Best effort: a failure leaves pages resident."""
+def _pages(stored: torch.Tensor, file_backed: list[tuple[int, int]]) -> tuple[int, int] | None:
+    """The whole pages inside a tensor that lies in a file mapping (a checkpoint shard), else None."""
     start, size = stored.data_ptr(), stored.numel() * stored.element_size()
     if not any(lo <= start and start + size <= hi for lo, hi in file_backed):
-        return
-    first = (start + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE  # whole pages inside the tensor only
+        return None
+    first = (start + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
     last = (start + size) // mmap.PAGESIZE * mmap.PAGESIZE
-    if last > first:
-        _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+    return (first, last - first) if last > first else None
+
+
+def _populate(stored: torch.Tensor, file_backed) -> None:
+    """Map a stored expert's pages in one call (MADV_POPULATE_READ, Linux >= 5.14) instead of a fault per page.
+    Best effort: without it the copy faults them in."""
+    pages = _pages(stored, file_backed)
+    if pages:
+        _LIBC.madvise(ctypes.c_void_p(pages[0]), ctypes.c_size_t(pages[1]), _MADV_POPULATE_READ)
+
+
+def _release(stored: torch.Tensor, file_backed) -> None:
+    """Let the kernel drop a widened expert's mapped pages (re-read from the page cache if touched again). Only
+    file-backed ranges: on anonymous memory MADV_DONTNEED would zero the data."""
+    pages = _pages(stored, file_backed)
+    if pages:
+        _LIBC.madvise(ctypes.c_void_p(pages[0]), ctypes.c_size_t(pages[1]), _MADV_DONTNEED)
+
+
+def routed_experts_of(module: nn.Module) -> list[RoutedExperts]:
+    """The RoutedExperts behind every experts module inside `module` (a head)."""
+    found = []
+    for child in module.modules():
+        widened = child.__dict__.get("gate_up_proj")
+        if isinstance(widened, _Widened) and widened.experts not in found:
+            found.append(widened.experts)
+    return found
