@@ -9,6 +9,7 @@ import click
 
 from oracle.errors import MtpGroup
 from oracle.output import check_writable, refuse_overwriting_inputs
+from oracle.progress import reporting, say
 
 EXISTING_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
 EXISTING_FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
@@ -52,10 +53,11 @@ def export(obj, checkpoint, out, tokens, tokens_file, hidden_file, hidden_seed, 
     _refuse_overwriting_inputs({"--out": out}, checkpoint, tokens_file, hidden_file)
     ids = token_ids_from_file(tokens_file) if tokens_file else token_ids_from_text(tokens, "--tokens")
     source = HiddenSource(file=hidden_file, seed=hidden_seed, main_model=main_model, first_token=first_token)
-    log = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))
+    log = (lambda msg: None) if quiet else say
     overrides = {} if norm_topk_prob is None else {"norm_topk_prob": norm_topk_prob}
-    path = export_trace(checkpoint, out, ids, source, start_pos=start_pos, mode=mode, config_overrides=overrides,
-                        command=obj["command"], log=log, warn=lambda msg: click.echo(msg, err=True))
+    with reporting(enabled=not quiet):
+        path = export_trace(checkpoint, out, ids, source, start_pos=start_pos, mode=mode, config_overrides=overrides,
+                            command=obj["command"], log=log, warn=lambda msg: click.echo(msg, err=True))
     from oracle.trace import read_trace
 
     with read_trace(path) as written:
@@ -95,9 +97,10 @@ def accept(obj, checkpoint, k, tokens, tokens_file, hidden_file, main_model, hid
         if path is not None:
             check_writable(path, option)  # fail before the work, not after it
     ids = token_ids_from_file(tokens_file) if tokens_file else token_ids_from_text(tokens, "--tokens")
-    log = (lambda msg: None) if quiet else (lambda msg: click.echo(msg, err=True))
-    result = measure_acceptance(checkpoint, ids, HiddenSource(file=hidden_file, seed=hidden_seed,
-                                main_model=main_model), k=k, target=target, chunk_rows=chunk_rows, log=log)
+    log = (lambda msg: None) if quiet else say
+    with reporting(enabled=not quiet):
+        result = measure_acceptance(checkpoint, ids, HiddenSource(file=hidden_file, seed=hidden_seed,
+                                    main_model=main_model), k=k, target=target, chunk_rows=chunk_rows, log=log)
     click.echo(render_report(result))
     if json_out is not None:
         write_json(result, json_out, command=obj["command"])

@@ -19,6 +19,7 @@ from oracle.families.registry import head_module
 from oracle.inputs import hidden_from_file, hidden_from_seed, positions_from_start
 from oracle.limits import check_export_limits
 from oracle.output import check_writable
+from oracle.progress import Progress
 from oracle.trace import EVIDENCE_DOCS, TraceInputs, write_trace
 
 MODES = ("batched", "stepwise")
@@ -68,10 +69,12 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     head, rotary = impl.build_head(cfg, impl.torch_weights(weights))
     experts_hash = _ExpertsDigest(ckpt, head) if weights.layout is not None and weights.layout.experts else None
     log(f"running the head ({mode})")
-    if mode == "batched":
-        stages = impl.run_batched(head, rotary, inputs)
-    else:
-        stages = impl.run_stepwise(head, rotary, inputs)
+    with Progress(f"export ({mode})", total=len(token_ids)) as bar:  # one pass: no ETA before it ends
+        if mode == "batched":
+            stages = impl.run_batched(head, rotary, inputs)
+            bar.update(len(token_ids))
+        else:
+            stages = impl.run_stepwise(head, rotary, inputs, on_step=lambda t: bar.update())
     stage_list = family.stages(cfg)
     recorded = {k: stages.pop(k) for k in list(stages) if k in EVIDENCE_DOCS}  # e.g. topk_margin: evidence
     if set(stages) != set(stage_list.names):  # a bug in the family's head, never the user's input
