@@ -32,6 +32,7 @@ from oracle.families.qwen3_5 import MtpHead, causal_mask
 from oracle.families.registry import head_module
 from oracle.inputs import hidden_from_file, hidden_from_seed
 from oracle.lm_head import CHUNK_ROWS, LmHead, lm_head_of
+from oracle.progress import Progress
 
 TARGETS = ("greedy", "text")
 CHAIN_BLOCK = 256  # chains per attention call: its scores take heads x block x (bridge + block * k) floats
@@ -136,7 +137,8 @@ def _draft_step(head: Head, rotary: Rotary, cache: DynamicCache, embed: torch.Te
 
 @torch.inference_mode()
 def extend_chains(ckpt: Checkpoint, head: Head, rotary: Rotary, lm_head: LmHead, bridge: Bridge,
-                  first_drafts: np.ndarray, k: int, chain_block: int = CHAIN_BLOCK) -> np.ndarray:
+                  first_drafts: np.ndarray, k: int, chain_block: int = CHAIN_BLOCK,
+                  on_depth: Callable[[int], None] = lambda drafts: None) -> np.ndarray:
     """Drafts [C, k]: depth by depth, all chains (in blocks) through the head, then one lm_head sweep."""
     chains = len(first_drafts)
     drafts = np.empty((chains, k), dtype=np.int64)
@@ -151,12 +153,14 @@ def extend_chains(ckpt: Checkpoint, head: Head, rotary: Rotary, lm_head: LmHead,
         out = torch.cat([_draft_step(head, rotary, cache, embed[a:b], out[a:b], a, depth)
                          for (a, b), cache in zip(blocks, caches)])
         drafts[:, depth - 1] = lm_head.argmax(out.numpy())
+        on_depth(chains)
     return drafts
 
 
 def draft_chains(ckpt: Checkpoint, head: Head, rotary: Rotary, sequence: np.ndarray, hidden: np.ndarray, k: int,
                  chunk_rows: int = CHUNK_ROWS, chain_block: int = CHAIN_BLOCK,
-                 also_score: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                 also_score: np.ndarray | None = None,
+                 on_depth: Callable[[int], None] = lambda drafts: None) -> tuple[np.ndarray, np.ndarray]:
     """Drafts [C, k], C = N-1-k: row i is the chain drafted after bridge step i; and the lm_head argmax of the
     `also_score` rows [R, D], which ride along the first vocabulary sweep (empty when not given)."""
     lm_head = lm_head_of(ckpt, chunk_rows)
@@ -164,7 +168,9 @@ def draft_chains(ckpt: Checkpoint, head: Head, rotary: Rotary, sequence: np.ndar
     bridge = bridge_pass(ckpt, head, rotary, sequence, hidden, chains)
     extra = [] if also_score is None else [np.asarray(also_score, dtype=np.float32)]
     scored = lm_head.argmax(np.concatenate([bridge.out.numpy(), *extra]))
-    return extend_chains(ckpt, head, rotary, lm_head, bridge, scored[:chains], k, chain_block), scored[chains:]
+    on_depth(chains)
+    return (extend_chains(ckpt, head, rotary, lm_head, bridge, scored[:chains], k, chain_block, on_depth),
+            scored[chains:])
 
 
 def target_table(sequence: np.ndarray, main_argmax: np.ndarray | None, k: int, target: str) -> np.ndarray:
@@ -206,8 +212,9 @@ def measure_acceptance(checkpoint_dir: Path, sequence: np.ndarray, hidden: Hidde
     log(f"drafting {chains} chains of k={k} (N={len(sequence)} tokens); lm_head {lm_head.name} in chunks of "
         f"{chunk_rows} rows")
     # For greedy, the main model's own argmax at positions 1..N-2 rides along the first drafts' lm_head sweep.
-    drafts, main_argmax = draft_chains(ckpt, head, rotary, sequence, h, k, chunk_rows,
-                                       also_score=h[1:-1] if target == "greedy" else None)
+    with Progress("accept", total=chains * k, unit="draft") as bar:
+        drafts, main_argmax = draft_chains(ckpt, head, rotary, sequence, h, k, chunk_rows,
+                                           also_score=h[1:-1] if target == "greedy" else None, on_depth=bar.update)
     targets = target_table(sequence, main_argmax, k, target)
     source = {"checkpoint": str(ckpt.path), "hidden": hidden.describe(), "lm_head": lm_head.name,
               "head": "checkpoint mtp.*" if head_weights is None else "weights given by the caller"}
