@@ -40,7 +40,8 @@ def timing_line(desc: str, done: int, total: int | None, unit: str, seconds: flo
     """`export: 8/8 steps in 0.42 s (19.0 steps/s)`: what a non-terminal stderr gets when a loop ends."""
     count = f"{done}/{total}" if total is not None and total != done else f"{done}"
     units = unit if done == 1 else f"{unit}s"
-    rate = f" ({done / seconds:.3g} {unit}s/s)" if seconds > 0 and done else ""
+    per_second = done / seconds if seconds > 0 else 0.0
+    rate = f" ({per_second:.0f} {unit}s/s)" if per_second >= 100 else f" ({per_second:.3g} {unit}s/s)" if done else ""
     return f"{desc}: {count} {units} in {seconds:.2f} s{rate}"
 
 
@@ -58,6 +59,11 @@ class Progress:
             self._bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=True,
                              **({"dynamic_ncols": True} if _has_width() else {"ncols": 80, "nrows": 24}))
             _ACTIVE_BARS.append(self._bar)
+
+    @property
+    def shown(self) -> bool:
+        """Whether this loop's progress is reported at all (reporting on, not closed)."""
+        return self._enabled
 
     def update(self, n: int = 1) -> None:
         self.done += n

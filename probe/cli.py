@@ -9,6 +9,7 @@ import click
 
 from oracle.errors import MtpError, MtpGroup, OutputError
 from oracle.output import check_writable, refuse_overwriting_inputs
+from oracle.progress import reporting, say
 
 from probe.diff import DiffReport, diff_traces
 from probe.report import render_text, summary_line, write_json
@@ -41,6 +42,7 @@ def diff_options(command):
                      help="Write the report as one self-contained HTML file (verdict, table, heatmap; no network)."),
         click.option("--fail-fast", is_flag=True, help="Stop after the first token chunk that diverges."),
         click.option("-v", "--verbose", is_flag=True, help="Show the worst elements side by side, for every stage."),
+        click.option("-q", "--quiet", is_flag=True, help="No progress on stderr."),
     ]
     for option in reversed(options):
         command = option(command)
@@ -71,7 +73,7 @@ def invalid_line_on_error(command):
 @click.pass_context
 @invalid_line_on_error
 def diff(ctx, ref, candidate, profile, rtol, atol, stage_tol, json_path, plot_path, fail_fast, verbose,
-         html_path) -> None:
+         html_path, quiet) -> None:
     """Compare CANDIDATE (an mtp-trace/1 file, or a raw dir of <stage>.bin) with the oracle trace REF.
 
     A (stage, token) row passes iff max_rel < rtol or max_abs < atol. Exit 0 pass, 1 diverged, 2 invalid or bad
@@ -80,7 +82,8 @@ def diff(ctx, ref, candidate, profile, rtol, atol, stage_tol, json_path, plot_pa
     tols = _tols(profile, rtol, atol, stage_tol, json_path, plot_path, html_path)
     refuse_overwriting_inputs({"--json": json_path, "--plot": plot_path, "--html": html_path},
                               {"REF": ref, "CANDIDATE": candidate})
-    report = diff_traces(ref, candidate, tols, fail_fast=fail_fast)
+    with reporting(enabled=not quiet):
+        report = diff_traces(ref, candidate, tols, fail_fast=fail_fast)
     ctx.exit(_render(report, json_path, plot_path, verbose, html_path))
 
 
@@ -93,7 +96,7 @@ def diff(ctx, ref, candidate, profile, rtol, atol, stage_tol, json_path, plot_pa
 @click.pass_context
 @invalid_line_on_error
 def run(ctx, ref, spec, checkpoint, out, profile, rtol, atol, stage_tol, json_path, plot_path, fail_fast,
-        verbose, html_path) -> None:
+        verbose, html_path, quiet) -> None:
     """Run an implementation on REF's recorded inputs and the reference's weights, then diff it like `diff`."""
     tols = _tols(profile, rtol, atol, stage_tol, json_path, plot_path, html_path)
     checkpoint = checkpoint_for(ref, checkpoint)
@@ -103,8 +106,9 @@ def run(ctx, ref, spec, checkpoint, out, profile, rtol, atol, stage_tol, json_pa
     if out:
         check_writable(out, "--out")
     adapter = adapter_from_spec(spec, checkpoint, reference_conventions(ref))
-    result = run_and_diff(ref, adapter, tols, out=out, fail_fast=fail_fast,
-                          command=shlex.join(["mtp-probe", *sys.argv[1:]]))
+    with reporting(enabled=not quiet):
+        result = run_and_diff(ref, adapter, tols, out=out, fail_fast=fail_fast,
+                              command=shlex.join(["mtp-probe", *sys.argv[1:]]))
     # Determinism is not measured here (one run), so it is not claimed; an adapter that knows it is not
     # deterministic (e.g. torch on a GPU) says so.
     determinism = "" if result.deterministic else " (declares itself NOT deterministic: two runs may differ)"
@@ -118,12 +122,14 @@ def run(ctx, ref, spec, checkpoint, out, profile, rtol, atol, stage_tol, json_pa
 @click.option("--checkpoint", type=EXISTING_DIR, help="Its checkpoint [default: the bundled fixture].")
 @click.option("--build-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Keep the built libraries here [default: a temporary directory].")
+@click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
 @click.pass_context
-def selftest(ctx, reference, checkpoint, build_dir) -> None:
+def selftest(ctx, reference, checkpoint, build_dir, quiet) -> None:
     """Prove the probe on itself: every mutant caught and localised, every correct candidate passing."""
     from probe.selftest import render_table, run_selftest
 
-    rows = run_selftest(reference, checkpoint, build_dir, log=lambda msg: click.echo(msg, err=True))
+    with reporting(enabled=not quiet):
+        rows = run_selftest(reference, checkpoint, build_dir, log=(lambda msg: None) if quiet else say)
     click.echo(render_table(rows))
     ctx.exit(0 if all(r.ok is not False for r in rows) else 1)
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from oracle.progress import tracked
 from oracle.trace import TraceInputs, read_trace, write_trace
 from probe.adapters.cabi import CAbiAdapter, build_library
 from probe.diff import DiffReport
@@ -90,7 +91,7 @@ def run_selftest(reference: Path | None = None, checkpoint: Path | None = None, 
         builds.mkdir(parents=True, exist_ok=True)
         one_step = first_step_reference(reference, Path(tmp) / "t1.h5")
         rows = []
-        for case in CASES:
+        for case in tracked(CASES, "selftest", len(CASES), unit="case"):
             log(f"selftest: {case.name}")
             rows += _run_case(case, reference, one_step, checkpoint, builds)
     return rows

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from oracle.checkpoint import Checkpoint
+from oracle.progress import Progress
 from oracle.trace import TraceInputs
 from probe.adapters import cabi_worker as worker
 from probe.errors import AdapterError, CandidateError
@@ -103,7 +104,7 @@ class CAbiAdapter:
             np.save(work / "embed.npy", np.ascontiguousarray(inputs.embed, dtype=np.float32))
             np.save(work / "hidden.npy", np.ascontiguousarray(inputs.hidden, dtype=np.float32))
             np.save(work / "positions.npy", np.asarray(inputs.positions, dtype=np.int64))
-            proc = subprocess.run(self._worker_command(work), capture_output=True, text=True, env=_worker_env())
+            proc = _run_worker(self._worker_command(work), work / worker.PROGRESS_FILE, self.name, inputs.num_tokens)
             if proc.returncode != 0:
                 raise self._failure(proc, work)
             if not (work / worker.MANIFEST_FILE).is_file():  # e.g. the library called exit(0) inside a step
@@ -141,6 +142,39 @@ class CAbiAdapter:
                                 f"Its stderr:\n{stderr}")
         return AdapterError(f"the worker running {self.name} exited with status {proc.returncode} {where}. "
                             f"Its stderr:\n{stderr}")
+
+
+def _run_worker(command: list[str], progress_file: Path, name: str, num_steps: int) -> subprocess.CompletedProcess:
+    """Run the worker to the end; while progress is shown, its steps are read from the phases it appends to
+    progress.txt (the file a crash is located by) four times a second."""
+    with Progress(f"candidate {name}", num_steps) as bar:
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_worker_env())
+        try:
+            while True:
+                try:
+                    out, err = proc.communicate(timeout=0.25 if bar.shown else None)
+                    break
+                except subprocess.TimeoutExpired:
+                    bar.update(max(0, _steps_done(progress_file, num_steps) - bar.done))
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        if proc.returncode == 0:
+            bar.update(num_steps - bar.done)
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def _steps_done(progress: Path, num_steps: int) -> int:
+    """Steps the worker has finished: the last `step t` line means t are done; after the loop, all of them."""
+    try:
+        phases = progress.read_text().splitlines() if progress.is_file() else []
+        phase = phases[-1].split("\t")[0] if phases else ""
+        if phase.startswith("step "):
+            return int(phase.split()[1])
+    except (OSError, ValueError, IndexError):  # a line being written
+        return 0
+    return num_steps if phase in ("destroy", "save") else 0
 
 
 def _worker_env() -> dict[str, str]:

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from oracle.checkpoint import Checkpoint
+from oracle.progress import Progress
 from oracle.stages import INDEX_SET
 from oracle.trace import TraceInputs
 from probe.errors import AdapterError, CandidateError
@@ -63,13 +64,15 @@ class PythonAdapter:
         t, d = inputs.num_tokens, inputs.hidden_size
         buffers = {n: _unwritten(self._stages[n], (t, self._stages[n].width(self._dims))) for n in capture}
         buffers["out"] = poison((t, d))
-        for i in range(t):
-            rows = {n: buffers[n][i] for n in capture}  # views: the impl writes into the buffers
-            try:
-                impl.step(int(inputs.positions[i]), inputs.embed[i].copy(), inputs.hidden[i].copy(),
-                          buffers["out"][i], rows)
-            except Exception as err:  # the candidate's own code: report it, never crash the probe
-                raise self._raised(err, f"at step {i}") from None
+        with Progress(f"candidate {self.name}", t) as bar:
+            for i in range(t):
+                rows = {n: buffers[n][i] for n in capture}  # views: the impl writes into the buffers
+                try:
+                    impl.step(int(inputs.positions[i]), inputs.embed[i].copy(), inputs.hidden[i].copy(),
+                              buffers["out"][i], rows)
+                except Exception as err:  # the candidate's own code: report it, never crash the probe
+                    raise self._raised(err, f"at step {i}") from None
+                bar.update()
         return buffers
 
     def _raised(self, err: Exception, where: str) -> CandidateError:
