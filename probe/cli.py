@@ -99,7 +99,7 @@ def run(ctx, ref, spec, checkpoint, out, profile, rtol, atol, stage_tol, json_pa
         verbose, html_path, quiet) -> None:
     """Run an implementation on REF's recorded inputs and the reference's weights, then diff it like `diff`."""
     tols = _tols(profile, rtol, atol, stage_tol, json_path, plot_path, html_path)
-    checkpoint = checkpoint_for(ref, checkpoint)
+    checkpoint = checkpoint_for(ref, checkpoint, log=lambda msg: click.echo(msg, err=True))
     library = Path(spec.partition(":")[2]) if spec.startswith("c:") else None
     refuse_overwriting_inputs({"--out": out, "--json": json_path, "--plot": plot_path, "--html": html_path},
                               {"REF": ref, "checkpoint": checkpoint, "--impl library": library})

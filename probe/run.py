@@ -5,12 +5,15 @@ of the checkpoint the reference was exported from (checked by digest). Its rows 
 comparison and verdict as a trace file given to `mtp-probe diff`.
 """
 
+import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from oracle.checkpoint import Checkpoint
+from oracle.errors import MtpError
 from oracle.families.spec import CONVENTIONS
 from oracle.stages import STAGE_NAMES
 from oracle.trace import TraceInputs, read_trace, write_trace
@@ -44,18 +47,83 @@ def adapter_from_spec(spec: str, checkpoint: Path, conventions: dict | None = No
     raise AdapterError(f"--impl {spec}: unknown implementation; use one of {SPEC_HELP}.")
 
 
-def checkpoint_for(ref_path: Path, given: Path | None) -> Path:
-    """--checkpoint, or the checkpoint recorded in the reference's provenance if it is here; its head config must
-    be the one the reference records."""
+def checkpoint_for(ref_path: Path, given: Path | None, log: Callable[[str], None] = lambda msg: None) -> Path:
+    """--checkpoint, or the checkpoint recorded in the reference's provenance if it is here, or else one found
+    nearby by its head digest (`find_checkpoint`); its head config must be the one the reference records."""
     with read_trace(ref_path) as ref:
         recorded = ref.attrs.get("provenance", {}).get("checkpoint")
-        ref_config = ref.attrs.get("config")
+        ref_config, digest = ref.attrs.get("config"), ref.attrs.get("checkpoint_digest")
     path = Path(given) if given is not None else Path(recorded) if recorded and Path(recorded).is_dir() else None
+    if path is None and digest:
+        path = find_checkpoint(ref_path, recorded, ref_config, digest)
+        if path is not None:
+            log(f"using checkpoint {path}: {ref_path} records {recorded}, which is not a directory here; {path} "
+                f"holds the same head weights (digest {digest[:19]}…).")
     if path is not None:
         check_config(Checkpoint(path).config.to_dict(), ref_config, ref_path)
         return path
+    looked = (f"; no checkpoint with its head digest ({digest[:19]}…) is beside the reference or under the current "
+              f"directory" if digest else "")
     raise ProbeError(f"{ref_path} was exported from checkpoint {recorded or '(not recorded)'}, which is not a "
-                     f"directory here; pass --checkpoint DIR (the same weights: their digest is checked).")
+                     f"directory here{looked}. Pass --checkpoint DIR (the same weights: their digest is checked).")
+
+
+def find_checkpoint(ref_path: Path, recorded: str | None, ref_config: dict | None, digest: str) -> Path | None:
+    """A directory near the reference whose head digest is `digest`: the recorded path read from the reference's
+    folder and its parents, then the reference's sibling folders and the current directory's (two levels). Only
+    folders whose config.json gives the reference's head config are hashed; at most _MAX_CHECKPOINTS of them."""
+    hashed = 0
+    for folder in _nearby_folders(Path(ref_path).resolve().parent, recorded):
+        try:
+            ckpt = Checkpoint(folder)
+            check_config(ckpt.config.to_dict(), ref_config, ref_path)
+        except MtpError:  # not a checkpoint, or another head: not worth hashing
+            continue
+        hashed += 1
+        try:
+            if ckpt.head_digest() == digest:
+                return folder
+        except MtpError:
+            pass
+        if hashed >= _MAX_CHECKPOINTS:
+            return None
+    return None
+
+
+_MAX_CHECKPOINTS, _MAX_FOLDERS = 8, 400  # checkpoints hashed, folders looked at
+
+
+def _nearby_folders(ref_dir: Path, recorded: str | None):
+    """Candidate checkpoint folders, most likely first, each once; only folders holding a config.json."""
+    seen: set[Path] = set()
+    first = []
+    if recorded:
+        rec = Path(recorded)
+        if not rec.is_absolute():  # exported from elsewhere: relative to the reference's folder or an ancestor
+            first += [base / rec for base in [ref_dir, *list(ref_dir.parents)[:4]]]
+        first += [ref_dir / rec.name, Path.cwd() / rec.name]
+    roots = [ref_dir, Path.cwd()]
+    listed = (sub for root in roots for sub in _subfolders(root, depth=2))
+    for folder in itertools.chain(first, itertools.islice(listed, _MAX_FOLDERS)):
+        try:
+            key = folder.resolve()
+            if key in seen or not (folder / "config.json").is_file():
+                continue
+        except OSError:
+            continue
+        seen.add(key)
+        yield folder
+
+
+def _subfolders(root: Path, depth: int):
+    try:
+        children = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    except OSError:
+        return
+    yield from children
+    if depth > 1:
+        for child in children:
+            yield from _subfolders(child, depth - 1)
 
 
 @dataclass(frozen=True)
