@@ -183,7 +183,7 @@ class TraceReader:
             return read()
         except (OSError, RuntimeError, KeyError) as err:
             raise TraceFormatError(f"{self.path} is corrupt or truncated: reading {what} failed ({err}). Write "
-                                   f"the file again (a reference: mtp-oracle export ... --out {self.path}).") from None
+                                   f"the trace again ({export_hint(self.path)}).") from None
 
     def __enter__(self) -> "TraceReader":
         return self
@@ -379,6 +379,16 @@ class _PlainRows:
         return out
 
 
+def export_hint(path: Path) -> str:
+    """`mtp-oracle export CHECKPOINT --out NEW`, NEW a free name beside `path` (ref.h5, ref-2.h5, ...): never
+    `path` itself, which may be the user's weights or the only copy of a damaged trace, nor any existing file."""
+    folder = Path(path).parent
+    names = ["ref.h5", *(f"ref-{n}.h5" for n in range(2, 100))]
+    fresh = next((folder / n for n in names if not (folder / n).exists() and folder / n != Path(path)),
+                 folder / "new-ref.h5")
+    return f"mtp-oracle export CHECKPOINT --out {fresh}"
+
+
 def read_trace(path: Path) -> TraceReader:
     """Open an `mtp-trace/1` file for reading (use as a context manager).
 
@@ -395,7 +405,7 @@ def _open_hdf5(path: Path) -> h5py.File:
         return h5py.File(path, "r")
     except OSError as err:
         raise TraceFormatError(f"{path} is not a readable HDF5 file (truncated or corrupt?): {err}. "
-                               f"Regenerate it with: mtp-oracle export CHECKPOINT --out {path}") from None
+                               f"A reference trace is written by: {export_hint(path)}") from None
 
 
 def _read_root_attrs(f: h5py.File, path: Path) -> dict:
@@ -405,7 +415,7 @@ def _read_root_attrs(f: h5py.File, path: Path) -> dict:
     schema = _as_str(schema)
     if schema != SCHEMA:
         raise TraceFormatError(f"{path} has schema {schema}, this tool reads {SCHEMA}. "
-                               f"Regenerate with: mtp-oracle export CHECKPOINT --out {path}")
+                               f"Regenerate with: {export_hint(path)}")
     attrs = {}
     for key, value in f.attrs.items():
         value = _as_str(value)

@@ -12,7 +12,7 @@ from typing import Iterable
 import numpy as np
 
 from oracle.stages import INDEX_SET, STAGE_NAMES
-from oracle.trace import inputs_digest, rows_per_chunk
+from oracle.trace import export_hint, inputs_digest, rows_per_chunk
 
 from probe.adapters.trace_file import CHECKED_INPUTS, TraceSource
 from probe.compare import StageRows
@@ -31,7 +31,7 @@ class Issue:
 def check_reference(ref: TraceSource) -> None:
     """Raise ReferenceTraceError unless `ref` holds every stage of its family, each [T, width] of its kind's
     dtype, and its inputs."""
-    regenerate = f"Regenerate it with: mtp-oracle export CHECKPOINT --out {ref.path}"
+    regenerate = f"Write a complete one with: {export_hint(ref.path)}"
     required = _family_stages(ref)
     missing = [n for n in required if n not in ref.stages]
     if missing:
