@@ -53,15 +53,30 @@ def render_inspection(path: Path) -> str:
             inputs = reader.inputs()
             lines.append(f"  token_ids          {_preview(inputs.token_ids)}")
             lines.append(f"  positions          {_preview(inputs.positions)}")
-        lines.append(f"  {'stage':<7}{'width':>7}  {'dtype':<8}{'mean':>11}{'std':>11}{'absmax':>11}{'nonfinite':>10}")
-        for name in reader.stages:
+        stage_list = reader.stage_list  # the trace's own stages, with the doc/kind/shape it stores
+        lines += stage_meanings(stage_list)
+        w = max(7, *(len(n) + 2 for n in stage_list.names))
+        lines.append(f"  {'stage':<{w}}{'width':>7}  {'dtype':<8}{'mean':>11}{'std':>11}{'absmax':>11}{'nonfinite':>10}")
+        for name in stage_list.names:
             s = stage_stats(reader, name)
-            lines.append(f"  {name:<7}{s.shape[-1]:>7}  {s.dtype:<8}{s.mean:>11.4g}{s.std:>11.4g}"
+            lines.append(f"  {name:<{w}}{s.shape[-1]:>7}  {s.dtype:<8}{s.mean:>11.4g}{s.std:>11.4g}"
                          f"{s.absmax:>11.4g}{s.nonfinite:>10}")
-        missing = [n for n in STAGE_BY_NAME if n not in reader.stages]
-        lines.append(f"  {len(reader.stages)}/{len(STAGE_BY_NAME)} stages"
+        # A trace declares its own list; one written before families (no `family`) has the default one.
+        expected = stage_list.names if "family" in attrs else tuple(STAGE_BY_NAME)
+        missing = [n for n in expected if n not in stage_list.names]
+        lines.append(f"  {len(stage_list.names)}/{len(expected)} stages"
                      + (f", not captured: {', '.join(missing)}" if missing else ""))
     return "\n".join(lines)
+
+
+def stage_meanings(stage_list) -> list[str]:
+    """One line per stage: name, shape, and its one-line doc (`index_set` stages are compared as sets)."""
+    w = max(len(n) for n in stage_list.names) if stage_list.names else 5
+    lines = ["  stages (in order; the first divergent stage is the first in this order):"]
+    for stage in stage_list:
+        kind = "  [compared as a set]" if stage.kind != "rows" else ""
+        lines.append(f"    {stage.name:<{w}}  {stage.shape:<7} {stage.doc}{kind}")
+    return lines
 
 
 def _preview(arr: np.ndarray, limit: int = 12) -> str:
