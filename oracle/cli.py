@@ -22,7 +22,12 @@ def cli(ctx: click.Context) -> None:
     ctx.obj = ctx.obj or {"command": shlex.join(["mtp-oracle", *sys.argv[1:]])}
 
 
-@cli.command()
+@cli.command(epilog="""\b
+Examples:
+  mtp-oracle export fixtures/qwen3_5_tiny --out ref.h5 --tokens 17,42,3,255,100,7,511,64 --hidden-seed 0
+  mtp-oracle export CHECKPOINT --out ref.h5 --tokens-file steps.txt --hidden H.npy --start-pos 100
+  mtp-oracle export CHECKPOINT --out ref.h5 --tokens 17,42,3 --main-model --first-token 9 --mode stepwise
+""")
 @click.argument("checkpoint", type=EXISTING_DIR)
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Trace file to write (HDF5).")
 @click.option("--tokens", help="Step token ids t_1..t_T, comma separated (already shifted: step i reads t_{i+1}).")
@@ -65,7 +70,12 @@ def export(obj, checkpoint, out, tokens, tokens_file, hidden_file, hidden_seed, 
     click.echo(f"wrote {path}: {len(ids)} step{'s' if len(ids) != 1 else ''} x {count} stages")
 
 
-@cli.command()
+@cli.command(epilog="""\b
+Examples:
+  mtp-oracle accept fixtures/qwen3_5_trained --tokens-file fixtures/qwen3_5_trained/heldout_tokens.txt --main-model
+  mtp-oracle accept CHECKPOINT --tokens-file text.txt --hidden H.npy --json acc.json --plot acc.png
+  mtp-oracle accept CHECKPOINT --tokens-file text.txt --hidden-seed 0 --target text -q
+""")
 @click.argument("checkpoint", type=EXISTING_DIR)
 @click.option("--k", type=int, default=4, show_default=True, help="Drafts per chain (speculation depth).")
 @click.option("--tokens", help="The sequence x_0..x_{N-1}, comma separated (NOT shifted: bridge step i reads x_{i+1}).")
@@ -109,7 +119,11 @@ def accept(obj, checkpoint, k, tokens, tokens_file, hidden_file, main_model, hid
     click.echo(summary_line(result))
 
 
-@cli.command()
+@cli.command(epilog="""\b
+Examples:
+  mtp-oracle inspect ref.h5
+  mtp-oracle inspect fixtures/qwen3_5_tiny_ref.h5 | grep -A 20 'stages (in order'
+""")
 @click.argument("trace", type=EXISTING_FILE)
 def inspect(trace) -> None:
     """Print a trace's schema, provenance, inputs and per-stage statistics."""

@@ -66,7 +66,12 @@ def invalid_line_on_error(command):
     return wrapper
 
 
-@cli.command()
+@cli.command(epilog="""\b
+Examples:
+  mtp-probe diff fixtures/qwen3_5_tiny_ref.h5 cand.h5
+  mtp-probe diff ref.h5 dump/ --profile bfloat16 --json report.json --plot heat.png --html report.html
+  mtp-probe diff ref.h5 dump/ --stage-tol attn=1e-3,1e-5 --fail-fast -v
+""")
 @click.argument("ref", type=EXISTING_FILE)
 @click.argument("candidate", type=click.Path(exists=True, path_type=Path))
 @diff_options
@@ -87,7 +92,12 @@ def diff(ctx, ref, candidate, profile, rtol, atol, stage_tol, json_path, plot_pa
     ctx.exit(_render(report, json_path, plot_path, verbose, html_path))
 
 
-@cli.command()
+@cli.command(epilog="""\b
+Examples:
+  mtp-probe run ref.h5 --impl c:build/mtp_step.so
+  PYTHONPATH=fixtures/candidates mtp-probe run fixtures/qwen3_5_tiny_ref.h5 --impl python:numpy_step:make_head
+  mtp-probe run ref.h5 --impl torch:cuda:bfloat16 --profile bfloat16 --checkpoint CHECKPOINT --html report.html
+""")
 @click.argument("ref", type=EXISTING_FILE)
 @click.option("--impl", "spec", required=True, metavar="SPEC", help=f"Implementation: {SPEC_HELP}.")
 @click.option("--checkpoint", type=EXISTING_DIR, help="Checkpoint of the reference [default: the one it records].")
@@ -97,7 +107,26 @@ def diff(ctx, ref, candidate, profile, rtol, atol, stage_tol, json_path, plot_pa
 @invalid_line_on_error
 def run(ctx, ref, spec, checkpoint, out, profile, rtol, atol, stage_tol, json_path, plot_path, fail_fast,
         verbose, html_path, quiet) -> None:
-    """Run an implementation on REF's recorded inputs and the reference's weights, then diff it like `diff`."""
+    """Run an implementation on REF's recorded inputs and the reference's weights, then diff it like `diff`.
+
+    \b
+    --impl SPEC is one of:
+      c:LIB.so   a shared library implementing the C ABI declared in fixtures/candidates/mtp_probe.h
+                 (in the mtp-probe repository), built e.g. with
+                 gcc -O2 -shared -fPIC -Ifixtures/candidates my_step.c -o my_step.so;
+                 it runs in a child process, so a crash is reported (exit 2), not fatal.
+      python:MODULE:FACTORY   MODULE importable (e.g. on PYTHONPATH); FACTORY(config, weights) -> impl,
+                 called once per run. config: the head config (hidden_size, num_attention_heads, ...);
+                 weights: {checkpoint name "mtp.*": float32 array}. impl.step(pos, embed_row, hidden, out,
+                 trace) is called for each step t in order: write the head output into out[:] and each
+                 captured stage into trace[stage][:] (rows of poison-filled buffers; never rebind them).
+                 The optional impl.capture lists the stages it captures; the impl keeps its own KV cache.
+                 Example: fixtures/candidates/numpy_step.py.
+      torch[:cpu|cuda[:float32|bfloat16]]   the built-in transcription from raw tensor ops.
+
+    The checkpoint is the one REF records (or one found beside it by its head digest) unless --checkpoint
+    is given; its weights are checked against REF's digest.
+    """
     tols = _tols(profile, rtol, atol, stage_tol, json_path, plot_path, html_path)
     checkpoint = checkpoint_for(ref, checkpoint, log=lambda msg: click.echo(msg, err=True))
     library = Path(spec.partition(":")[2]) if spec.startswith("c:") else None
@@ -117,7 +146,12 @@ def run(ctx, ref, spec, checkpoint, out, profile, rtol, atol, stage_tol, json_pa
     ctx.exit(_render(result.report, json_path, plot_path, verbose, html_path))
 
 
-@cli.command()
+@cli.command(epilog="""\b
+Examples:
+  mtp-probe selftest
+  mtp-probe selftest --build-dir build -q
+  mtp-probe selftest --reference ref.h5 --checkpoint CHECKPOINT
+""")
 @click.option("--reference", type=EXISTING_FILE, help="Reference trace [default: the bundled fixture].")
 @click.option("--checkpoint", type=EXISTING_DIR, help="Its checkpoint [default: the bundled fixture].")
 @click.option("--build-dir", type=click.Path(file_okay=False, path_type=Path),
