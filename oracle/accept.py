@@ -26,9 +26,10 @@ import torch
 from transformers import DynamicCache
 
 from oracle.checkpoint import Checkpoint, check_token_ids
-from oracle.errors import InputError
+from oracle.errors import CheckpointError, InputError
 from oracle.export import HiddenSource
 from oracle.families.qwen3_5 import MtpHead, causal_mask
+from oracle.families.qwen3_5_layout import LM_HEAD
 from oracle.families.registry import head_module
 from oracle.inputs import hidden_from_file, hidden_from_seed
 from oracle.lm_head import CHUNK_ROWS, LmHead, lm_head_of
@@ -105,7 +106,7 @@ class Bridge:
 def bridge_pass(ckpt: Checkpoint, head: Head, rotary: Rotary, sequence: np.ndarray, hidden: np.ndarray,
                 chains: int) -> Bridge:
     """Bridge steps i = 0..chains-1, (x_{i+1}, H_i, position i), as one causal pass."""
-    embed = torch.from_numpy(ckpt.embedding_rows(sequence[1:chains + 1]))[None]  # (C, D) -> (1, C, D)
+    embed = torch.from_numpy(_embedding_rows(ckpt, sequence[1:chains + 1]))[None]  # (C, D) -> (1, C, D)
     h = torch.from_numpy(np.ascontiguousarray(hidden[:chains]))[None]  # (C, D) -> (1, C, D)
     rope = rotary(embed, torch.arange(chains)[None])
     cache = DynamicCache(config=head.text_config)  # the head's own cache
@@ -149,7 +150,7 @@ def extend_chains(ckpt: Checkpoint, head: Head, rotary: Rotary, lm_head: LmHead,
               for _, b in blocks]
     out = bridge.out
     for depth in range(2, k + 1):
-        embed = torch.from_numpy(ckpt.embedding_rows(drafts[:, depth - 2]))  # (C, D)
+        embed = torch.from_numpy(_embedding_rows(ckpt, drafts[:, depth - 2]))  # (C, D)
         out = torch.cat([_draft_step(head, rotary, cache, embed[a:b], out[a:b], a, depth)
                          for (a, b), cache in zip(blocks, caches)])
         drafts[:, depth - 1] = lm_head.argmax(out.numpy())
@@ -163,7 +164,7 @@ def draft_chains(ckpt: Checkpoint, head: Head, rotary: Rotary, sequence: np.ndar
                  on_depth: Callable[[int], None] = lambda drafts: None) -> tuple[np.ndarray, np.ndarray]:
     """Drafts [C, k], C = N-1-k: row i is the chain drafted after bridge step i; and the lm_head argmax of the
     `also_score` rows [R, D], which ride along the first vocabulary sweep (empty when not given)."""
-    lm_head = lm_head_of(ckpt, chunk_rows)
+    lm_head = _lm_head(ckpt, chunk_rows)
     chains = len(sequence) - 1 - k
     bridge = bridge_pass(ckpt, head, rotary, sequence, hidden, chains)
     extra = [] if also_score is None else [np.asarray(also_score, dtype=np.float32)]
@@ -203,7 +204,7 @@ def measure_acceptance(checkpoint_dir: Path, sequence: np.ndarray, hidden: Hidde
     _check_k(k, len(sequence))
     ckpt = Checkpoint(checkpoint_dir)
     check_token_ids(sequence, ckpt.config.vocab_size)
-    lm_head = lm_head_of(ckpt, chunk_rows)
+    lm_head = _lm_head(ckpt, chunk_rows)
     target = _resolved_target(target, hidden)
     h = _hidden_of(ckpt, hidden, sequence, log)
     impl = head_module(ckpt.family)
@@ -219,6 +220,27 @@ def measure_acceptance(checkpoint_dir: Path, sequence: np.ndarray, hidden: Hidde
     source = {"checkpoint": str(ckpt.path), "hidden": hidden.describe(), "lm_head": lm_head.name,
               "head": "checkpoint mtp.*" if head_weights is None else "weights given by the caller"}
     return AcceptResult(acceptance_metrics(drafts, targets), target, sequence, drafts, targets, source)
+
+
+def _lm_head(ckpt: Checkpoint, chunk_rows: int) -> LmHead:
+    """The head's own output projection where its family names one and the checkpoint has it (DeepSeek/GLM:
+    `model.layers.{N}.shared_head.head.weight`), else the main lm_head (lm_head_of)."""
+    own = ckpt.family.lm_head.format(num_hidden_layers=getattr(ckpt.config, "num_hidden_layers", None))
+    if own == LM_HEAD or own not in ckpt.names():
+        return lm_head_of(ckpt, chunk_rows)
+    entry, cfg = ckpt.entry(own), ckpt.config
+    if chunk_rows < 1:
+        raise InputError(f"--chunk-rows {chunk_rows}: read at least 1 lm_head row at a time (default {CHUNK_ROWS}).")
+    if entry.dtype not in ("BF16", "F16", "F32") or tuple(entry.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise CheckpointError(f"{own} is {entry.dtype} {list(entry.shape)}; acceptance reads a BF16/F16/F32 "
+                              f"[{cfg.vocab_size}, {cfg.hidden_size}] (vocab_size, hidden_size) head.")
+    return LmHead(ckpt, own, chunk_rows)
+
+
+def _embedding_rows(ckpt: Checkpoint, token_ids: np.ndarray) -> np.ndarray:
+    """Embedding rows from the family's choice of table (DeepSeek/GLM: the MTP layer's own copy where present)."""
+    impl = head_module(ckpt.family)
+    return impl.embedding_rows(ckpt, token_ids)[0] if hasattr(impl, "embedding_rows") else ckpt.embedding_rows(token_ids)
 
 
 def _head_tensors(ckpt: Checkpoint, given: dict[str, np.ndarray] | None) -> dict[str, torch.Tensor]:

@@ -21,11 +21,13 @@ import numpy as np
 from oracle.errors import CheckpointError, InputError
 from oracle.families.registry import detect
 from oracle.families.spec import FamilySpec, HeadConfig, TensorLayout
+from oracle.fp8 import E4M3, decode_e4m3, dequantize
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4}
-_STORED_NUMPY = {"BF16": "<u2", "F16": "<f2", "F32": "<f4"}  # numpy has no bfloat16: keep its bit patterns
+_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, E4M3: 1}
+# numpy has no bfloat16 or float8: keep their bit patterns (FP8 block scales are applied by oracle/fp8.py)
+_STORED_NUMPY = {"BF16": "<u2", "F16": "<f2", "F32": "<f4", E4M3: "u1"}
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ class TensorEntry:
 @dataclass(frozen=True)
 class HeadWeights:
     tensors: dict[str, np.ndarray]  # checkpoint name -> array (float32, or as stored: see dtypes)
-    dtypes: dict[str, str]  # checkpoint name -> "F32", "F16" or "BF16" (held as uint16 bit patterns)
+    dtypes: dict[str, str]  # checkpoint name -> "F32", "F16", "BF16" (uint16 bit patterns) or "F8_E4M3" (uint8)
     digest: str | None  # Checkpoint.head_digest(); None when read_head(digest=False)
     layout: TensorLayout | None = None  # which tensors these are (dense + the experts' layout)
 
@@ -137,10 +139,15 @@ class Checkpoint:
         mapped from the shard without a copy: half the memory of float32 for a bf16 head. With `digest=False` the
         digest is left to the caller (head_digest, e.g. in a thread while the head runs)."""
         tensors, dtypes = {}, {}
-        for name, entry in self._head_entries().items():
+        entries = self._head_entries()
+        for name, entry in entries.items():
             stored = self._stored(entry)  # routed experts: mapped, read only where a token routes to them
             tensors[name] = _widen(stored, entry.dtype) if widen else stored
             dtypes[name] = "F32" if widen else entry.dtype
+            scale = name.removesuffix("weight") + "weight_scale_inv"
+            if widen and entry.dtype == E4M3 and scale in entries:  # FP8: the value the model means
+                block = tuple(getattr(self.config, "weight_block_size", None) or (128, 128))
+                tensors[name] = dequantize(stored, self._stored(entries[scale]), block, name)
         return HeadWeights(tensors=tensors, dtypes=dtypes, digest=self.head_digest() if digest else None,
                            layout=self.layout())
 
@@ -209,7 +216,8 @@ class Checkpoint:
         """The head's tensor entries in name order, shape-checked; a head tensor the family does not use is an
         error (never silently ignored)."""
         expected = self.layout().shapes()
-        prefix = self.family.head_prefix
+        # a head stored as a layer of the main stack names its index (DeepSeek/GLM: model.layers.{num_hidden_layers}.)
+        prefix = self.family.head_prefix.format(num_hidden_layers=getattr(self.config, "num_hidden_layers", None))
         unused = sorted(n for n in self._shard_of if n.startswith(prefix) and n not in expected)
         if unused:
             raise CheckpointError(f"{self.path}: the head has tensors the {self.family.name} head does not use: "
@@ -344,7 +352,10 @@ def _check_shape(entry: TensorEntry, expected: tuple[int, ...] | None, cfg: Head
 
 
 def _widen(stored: np.ndarray, dtype: str) -> np.ndarray:
-    """Stored array -> float32 in one allocation. bfloat16 is the top half of a float32: the widening is exact."""
+    """Stored array -> float32 in one allocation. bfloat16 is the top half of a float32: the widening is exact.
+    F8_E4M3 is decoded exactly, without its block scale (oracle/fp8.py dequantize applies that)."""
+    if dtype == E4M3:
+        return decode_e4m3(stored)
     if dtype != "BF16":
         return stored.astype(np.float32)
     out = np.empty(stored.shape, dtype=np.uint32)

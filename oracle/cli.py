@@ -43,12 +43,15 @@ Examples:
               help="MoE heads: renormalise the top-k router weights to sum 1, or not [default: config.json's "
                    "norm_topk_prob; without the key, transformers' convention (Qwen3.5-MoE: on)]. Recorded in the "
                    "trace.")
+@click.option("--mask-pos0-embedding", is_flag=True,
+              help="DeepSeek/GLM heads: zero the embedding at absolute position 0 before enorm, as vLLM does "
+                   "[default: off, as transformers' MtpLayer and SGLang]. Recorded in the trace.")
 @click.option("--mode", type=click.Choice(["batched", "stepwise"]), default="batched", show_default=True,
               help="One causal pass over all steps, or one step at a time through the KV cache.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress messages.")
 @click.pass_obj
 def export(obj, checkpoint, out, tokens, tokens_file, hidden_file, hidden_seed, main_model, first_token, start_pos,
-           norm_topk_prob, mode, quiet) -> None:
+           norm_topk_prob, mask_pos0_embedding, mode, quiet) -> None:
     """Run the head on T teacher-forced steps and write every stage to an mtp-trace/1 file."""
     from oracle.export import HiddenSource, export_trace
     from oracle.inputs import token_ids_from_file, token_ids_from_text
@@ -60,6 +63,8 @@ def export(obj, checkpoint, out, tokens, tokens_file, hidden_file, hidden_seed, 
     source = HiddenSource(file=hidden_file, seed=hidden_seed, main_model=main_model, first_token=first_token)
     log = (lambda msg: None) if quiet else say
     overrides = {} if norm_topk_prob is None else {"norm_topk_prob": norm_topk_prob}
+    if mask_pos0_embedding:  # a head config field (trace config); refused for families without the convention
+        overrides["mask_pos0_embedding"] = True
     with reporting(enabled=not quiet):
         path = export_trace(checkpoint, out, ids, source, start_pos=start_pos, mode=mode, config_overrides=overrides,
                             command=obj["command"], log=log, warn=lambda msg: click.echo(msg, err=True))

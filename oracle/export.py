@@ -63,9 +63,14 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
         f"step{'s' if len(token_ids) != 1 else ''}")
     h = _resolve_hidden(ckpt, hidden, token_ids, start_pos, log)
     weights = ckpt.read_head(widen=False)  # bf16 stays bf16: half the memory
-    inputs = TraceInputs(token_ids=token_ids, positions=positions, hidden=h,
-                         embed=ckpt.embedding_rows(token_ids))
     impl = head_module(family)
+    # a family whose head has its own embedding copy (DeepSeek/GLM) reads it, and says which table it used
+    embed, embedding = (impl.embedding_rows(ckpt, token_ids) if hasattr(impl, "embedding_rows")
+                        else (ckpt.embedding_rows(token_ids), None))
+    if embedding and embedding.get("rows_equal_main") is False:
+        warn(f"warning: {embedding['tensor']} differs from {embedding['main']} at these tokens; the trace uses the "
+             f"MTP layer's own copy (recorded in the trace's `embedding` attribute).")
+    inputs = TraceInputs(token_ids=token_ids, positions=positions, hidden=h, embed=embed)
     head, rotary = impl.build_head(cfg, impl.torch_weights(weights))
     experts_hash = _ExpertsDigest(ckpt, head) if weights.layout is not None and weights.layout.experts else None
     log(f"running the head ({mode})")
@@ -99,6 +104,10 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
         # The head digest leaves the routed experts out (gigabytes); these are the ones this trace used.
         used = sorted(int(e) for e in np.unique(stages["topk_ids"]))
         attrs["experts"] = {"layout": weights.layout.experts.kind, "used": used, "digest": experts_hash.of(used)}
+        if "router_group_limited" in evidence:  # tokens whose choice the group limit changed
+            attrs["experts"]["group_limited_tokens"] = int(evidence["router_group_limited"].sum())
+    if embedding:
+        attrs["embedding"] = embedding
     log(f"writing {out}")
     write_trace(out, inputs, stages, attrs, evidence=evidence, stage_list=stage_list, dims=family.dims(cfg))
     return Path(out)

@@ -63,8 +63,11 @@ EVIDENCE_DOCS = {
     "topk_margin": "[T, 1] per token, the k-th selected expert's selection score minus the best unselected one's, "
                    "in router-logit units: where it is within the router_logits tolerance, a topk_ids flip is a "
                    "near-tie (rounding), not a wiring bug",
+    "router_group_limited": "[T, 1] per token, 1 where a group-limited router's group limit (n_group, topk_group) "
+                            "changed the expert choice (the plain top-k over all experts differs): a group-limit "
+                            "error can show only at these tokens",
 }
-_JSON_ATTRS = ("versions", "config", "provenance", "dims", "evidence_rules", "experts")
+_JSON_ATTRS = ("versions", "config", "provenance", "dims", "evidence_rules", "experts", "embedding")
 _CHUNK_BYTES = 1 << 20
 
 

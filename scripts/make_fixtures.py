@@ -266,3 +266,155 @@ def _fused_experts(tensors: dict, num_experts: int) -> dict:
         gate_up.append(torch.cat([part(e, "gate"), part(e, "up")]))
         down.append(part(e, "down"))
     return tensors | {mlp + "gate_up_proj": torch.stack(gate_up), mlp + "down_proj": torch.stack(down)}
+
+
+# --- DeepSeek-V3 and GLM-4.5 (transformers' MtpLayer families): the MTP layer `model.layers.{num_hidden_layers}.*`
+# with names transcribed from the release layouts in shared/reference/mtp_wiring.md §3.3-3.4 (DeepSeek-R1 tensor
+# dump, GLM-4.5 public tensor lists), not from the oracle. ---
+DEEPSEEK_TINY = {"hidden_size": 64, "num_attention_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32,
+                 "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 16,
+                 "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2, "moe_intermediate_size": 32,
+                 "n_shared_experts": 1, "num_hidden_layers": 2, "vocab_size": 512}
+GLM_TINY = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24,
+            "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+            "moe_intermediate_size": 32, "n_shared_experts": 1, "num_hidden_layers": 2, "vocab_size": 512,
+            "use_qk_norm": True, "attention_bias": True, "partial_rotary_factor": 0.5}
+# DeepSeek-V3 README_WEIGHTS: these are float8_e4m3fn with weight_scale_inv; eh_proj, the router, norms, embedding
+# and heads stay bf16 (the router bias f32)
+FP8_PARTS = ("self_attn.q_a_proj.", "self_attn.q_b_proj.", "self_attn.q_proj.", "self_attn.kv_a_proj_with_mqa.",
+             "self_attn.kv_b_proj.", "self_attn.o_proj.", "mlp.experts.", "mlp.shared_experts.")
+
+
+def mtp_layer_release_config(family: str, dims: dict, block: list[int] | None) -> dict:
+    """config.json as released (flat), shrunk to `dims`; quantization_config when `block` (FP8)."""
+    if family == "deepseek_v3":
+        config = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+                  "num_key_value_heads": dims["num_attention_heads"], "first_k_dense_replace": 1,
+                  "moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
+                  "routed_scaling_factor": 2.5, "rms_norm_eps": 1e-6, "max_position_embeddings": 16384,
+                  "rope_theta": 10000, "attention_bias": False,
+                  "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+                                   "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}
+    else:
+        config = {"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], "first_k_dense_replace": 1,
+                  "norm_topk_prob": True, "routed_scaling_factor": 2.5, "rms_norm_eps": 1e-5,
+                  "max_position_embeddings": 8192, "rope_theta": 1000000.0}
+    config |= {k: v for k, v in dims.items()} | {
+        "_generated_by": GENERATED_BY, "intermediate_size": 96, "num_nextn_predict_layers": 1, "hidden_act": "silu",
+        "tie_word_embeddings": False}
+    if block:
+        config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                         "weight_block_size": block}
+    return config
+
+
+def mtp_layer_shapes(family: str, dims: dict) -> dict[str, tuple[int, ...]]:
+    """The release's MTP layer tensors (model.layers.{N}.*), and the few main-model tensors the head shares."""
+    d, v, n = dims["hidden_size"], dims["vocab_size"], dims["num_hidden_layers"]
+    e, i = dims["n_routed_experts"], dims["moe_intermediate_size"]
+    s = i * dims["n_shared_experts"]
+    p = f"model.layers.{n}."
+    shapes = {p + "embed_tokens.weight": (v, d), p + "enorm.weight": (d,), p + "hnorm.weight": (d,),
+              p + "eh_proj.weight": (d, 2 * d), p + "shared_head.norm.weight": (d,),
+              p + "shared_head.head.weight": (v, d), p + "input_layernorm.weight": (d,),
+              p + "post_attention_layernorm.weight": (d,), p + "mlp.gate.weight": (e, d),
+              p + "mlp.gate.e_score_correction_bias": (e,), p + "mlp.shared_experts.gate_proj.weight": (s, d),
+              p + "mlp.shared_experts.up_proj.weight": (s, d), p + "mlp.shared_experts.down_proj.weight": (d, s)}
+    for x in range(e):
+        shapes |= {f"{p}mlp.experts.{x}.gate_proj.weight": (i, d), f"{p}mlp.experts.{x}.up_proj.weight": (i, d),
+                   f"{p}mlp.experts.{x}.down_proj.weight": (d, i)}
+    a = p + "self_attn."
+    h = dims["num_attention_heads"]
+    if family == "deepseek_v3":
+        nope, rope, vd, kvl = dims["qk_nope_head_dim"], dims["qk_rope_head_dim"], dims["v_head_dim"], dims["kv_lora_rank"]
+        shapes |= {a + "kv_a_proj_with_mqa.weight": (kvl + rope, d), a + "kv_a_layernorm.weight": (kvl,),
+                   a + "kv_b_proj.weight": (h * (nope + vd), kvl), a + "o_proj.weight": (d, h * vd)}
+        if dims.get("q_lora_rank"):
+            q = dims["q_lora_rank"]
+            shapes |= {a + "q_a_proj.weight": (q, d), a + "q_a_layernorm.weight": (q,),
+                       a + "q_b_proj.weight": (h * (nope + rope), q)}
+        else:
+            shapes |= {a + "q_proj.weight": (h * (nope + rope), d)}
+    else:
+        hd, kv = dims["head_dim"], dims["num_key_value_heads"]
+        shapes |= {a + "q_proj.weight": (h * hd, d), a + "k_proj.weight": (kv * hd, d),
+                   a + "v_proj.weight": (kv * hd, d), a + "o_proj.weight": (d, h * hd)}
+        if dims.get("attention_bias"):
+            shapes |= {a + "q_proj.bias": (h * hd,), a + "k_proj.bias": (kv * hd,), a + "v_proj.bias": (kv * hd,)}
+        if dims.get("use_qk_norm"):
+            shapes |= {a + "q_norm.weight": (hd,), a + "k_norm.weight": (hd,)}
+    # the main model's shared tensors, and one main layer (its names must not be mistaken for the head's)
+    shapes |= {"model.embed_tokens.weight": (v, d), "lm_head.weight": (v, d), "model.norm.weight": (d,),
+               "model.layers.0.input_layernorm.weight": (d,), "model.layers.0.mlp.gate_proj.weight": (96, d)}
+    return shapes
+
+
+def mtp_layer_values(name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
+    """Plain (w * x̂) norms around 1, biases and the router's correction bias small but not negligible, a router
+    scaled so that its choice depends on the logits; embedding copies equal to the main ones."""
+    key = name.replace("model.layers.", "L.") if not name.endswith("embed_tokens.weight") else "embed"
+    key = "lm_head" if name.endswith(("shared_head.head.weight", "lm_head.weight")) else key
+    rng = np.random.default_rng([seed, zlib.crc32(key.encode())])
+    if name.endswith("e_score_correction_bias"):
+        return (0.05 * rng.standard_normal(shape)).astype(np.float32)
+    if name.endswith(".bias"):
+        return (0.1 * rng.standard_normal(shape)).astype(np.float32)
+    if len(shape) == 1:
+        return (1.0 + 0.3 * rng.standard_normal(shape)).astype(np.float32)
+    if key == "embed":
+        return rng.standard_normal(shape).astype(np.float32)
+    scale = 3.0 if name.endswith("mlp.gate.weight") else 1.0
+    return (scale * rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32)
+
+
+def fp8_quantize(w: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block FP8 as DeepSeek releases it: q = e4m3(w / s) and weight_scale_inv = s, s = amax(block) / 448."""
+    rows, cols = -(-w.shape[0] // block[0]), -(-w.shape[1] // block[1])
+    scale = torch.empty(rows, cols)
+    for r in range(rows):
+        for c in range(cols):
+            tile = w[r * block[0]:(r + 1) * block[0], c * block[1]:(c + 1) * block[1]]
+            scale[r, c] = max(float(tile.abs().max()), 1e-12) / 448.0
+    full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[: w.shape[0], : w.shape[1]]
+    return (w / full).to(torch.float8_e4m3fn), scale
+
+
+def write_mtp_layer_checkpoint(out_dir: Path, family: str = "deepseek_v3", dims: dict | None = None, seed: int = 0,
+                               fp8_block: list[int] | None = None, sharded: bool = False, copies: bool = True,
+                               copies_differ: bool = False) -> Path:
+    """A tiny DeepSeek-V3 (`family` "deepseek_v3"; q_lora_rank None for the q_proj form) or GLM-4.5 ("glm4_moe")
+    checkpoint: the MTP layer as released, bf16 (router bias f32), or FP8 with `fp8_block` scales. `copies`: the
+    layer's own embed_tokens and shared_head.head (equal to the main ones unless `copies_differ`)."""
+    dims = {**(DEEPSEEK_TINY if family == "deepseek_v3" else GLM_TINY), **(dims or {})}
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = mtp_layer_release_config(family, dims, fp8_block)
+    shapes = mtp_layer_shapes(family, dims)
+    p = f"model.layers.{dims['num_hidden_layers']}."
+    if not copies:
+        shapes = {n: s for n, s in shapes.items() if n not in (p + "embed_tokens.weight", p + "shared_head.head.weight")}
+    tensors = {}
+    for name, shape in sorted(shapes.items()):
+        value = torch.from_numpy(mtp_layer_values(name, shape, seed))
+        if copies_differ and name == p + "embed_tokens.weight":
+            value = value + 0.25
+        if name.endswith("e_score_correction_bias"):
+            tensors[name] = value  # f32 as released
+        elif fp8_block and name.startswith(p) and any(part in name for part in FP8_PARTS) and value.dim() == 2:
+            tensors[name], tensors[name.removesuffix("weight") + "weight_scale_inv"] = fp8_quantize(value, fp8_block)
+        else:
+            tensors[name] = value.to(torch.bfloat16)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    metadata = {"format": "pt"}
+    if not sharded:
+        save_file(tensors, out_dir / "model.safetensors", metadata=metadata)
+        return out_dir
+    names = sorted(tensors)
+    files = {k: f"model-{k:05d}-of-00003.safetensors" for k in (1, 2, 3)}
+    part = {n: 1 + (j * 3) // len(names) for j, n in enumerate(names)}  # the MTP layer spread over shards
+    for k, file in files.items():
+        save_file({n: t for n, t in tensors.items() if part[n] == k}, out_dir / file, metadata=metadata)
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+             "weight_map": {n: files[part[n]] for n in names}}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return out_dir

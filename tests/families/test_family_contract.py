@@ -37,6 +37,8 @@ WRITERS = {
     "qwen3_5": _qwen3_5,
     "qwen3_5_moe": lambda path: FIXTURES.write_moe_checkpoint(path, "qwen3_5_moe", "fused", main_model=False),
     "qwen3_next": lambda path: FIXTURES.write_moe_checkpoint(path, "qwen3_next", "per_expert", main_model=False),
+    "deepseek_v3": lambda path: FIXTURES.write_mtp_layer_checkpoint(path, "deepseek_v3"),
+    "glm4_moe": lambda path: FIXTURES.write_mtp_layer_checkpoint(path, "glm4_moe"),
 }
 FAMILY_NAMES = sorted(FAMILIES)
 
@@ -112,7 +114,9 @@ def _rewrite(ckpt: Path, out: Path, change) -> Path:
 
 def test_loading_is_strict_missing_and_extra_head_tensors_are_errors(family, tmp_path):
     name, ckpt, _, _ = family
-    head = sorted(n for n in load_file(ckpt / "model.safetensors") if n.startswith(FAMILIES[name].head_prefix))
+    layer = getattr(Checkpoint(ckpt).config, "num_hidden_layers", None)  # DeepSeek/GLM: model.layers.{N}.
+    prefix = FAMILIES[name].head_prefix.format(num_hidden_layers=layer)
+    head = sorted(n for n in load_file(ckpt / "model.safetensors") if n.startswith(prefix))
     victim = head[len(head) // 2]
     missing = _rewrite(ckpt, tmp_path / "missing", lambda t: t.pop(victim))
     result = run_cli(oracle_cli, ["export", missing, "--out", tmp_path / "m.h5", "--tokens", "5,6", "--hidden-seed", "0"])

@@ -1,0 +1,43 @@
+"""The DeepSeek-V3 / R1 / V3.1 MTP head: transformers' own `MtpLayer` holding an official `DeepseekV3DecoderLayer`
+(MLA `DeepseekV3Attention` with or without q_lora, YaRN softmax scale; `DeepseekV3MoE`: the noaux_tc
+`DeepseekV3TopkRouter`, eager `DeepseekV3Experts`, shared experts) and `DeepseekV3RMSNorm`s, with
+`DeepseekV3RotaryEmbedding` (YaRN). Stages are recorded by hooks (oracle/families/mtp_layer.py); the torch-free
+half is oracle/families/deepseek_v3_layout.py.
+"""
+
+import torch
+from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3DecoderLayer, DeepseekV3RMSNorm,
+                                                                  DeepseekV3RotaryEmbedding)
+
+from oracle.families.deepseek_v3_layout import HeadConfig, layout
+from oracle.families.mtp_layer import (MtpLayerHead, attention_with_uniform_weights, build_mtp_layer_head,
+                                       causal_mask, embedding_rows, load_main_model,
+                                       main_model_hidden, official_layer_stepwise, run_batched, run_stepwise,
+                                       torch_weights)
+
+__all__ = ["MtpLayerHead", "attention_with_uniform_weights", "build_head", "causal_mask", "embedding_rows",
+           "head_text_config", "load_main_model", "main_model_hidden", "official_layer_stepwise",
+           "run_batched",
+           "run_stepwise", "torch_weights"]
+
+
+def head_text_config(cfg: HeadConfig) -> DeepseekV3Config:
+    """A one-layer config as transformers' get_mtp_config makes it: first_k_dense_replace 0 (the MTP layer is MoE)."""
+    return DeepseekV3Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.moe_intermediate_size,
+        moe_intermediate_size=cfg.moe_intermediate_size, num_hidden_layers=1,
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+        n_shared_experts=cfg.n_shared_experts, n_routed_experts=cfg.num_experts,
+        routed_scaling_factor=cfg.routed_scaling_factor, kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank,
+        qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, qk_nope_head_dim=cfg.qk_nope_head_dim,
+        n_group=cfg.n_group, topk_group=cfg.topk_group, num_experts_per_tok=cfg.num_experts_per_tok,
+        first_k_dense_replace=0, norm_topk_prob=cfg.norm_topk_prob, hidden_act="silu",
+        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
+        rope_parameters=dict(cfg.rope_parameters), rope_interleave=cfg.rope_interleave, attention_bias=False,
+        num_nextn_predict_layers=1, tie_word_embeddings=False)
+
+
+def build_head(cfg: HeadConfig, weights: dict[str, torch.Tensor]):
+    return build_mtp_layer_head(cfg, head_text_config(cfg), DeepseekV3DecoderLayer, DeepseekV3RMSNorm,
+                                DeepseekV3RotaryEmbedding, layout(cfg, set(weights)), weights)

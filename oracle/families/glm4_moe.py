@@ -1,0 +1,42 @@
+"""The GLM-4.5 / 4.6 MTP head: transformers' own `MtpLayer` holding an official `Glm4MoeDecoderLayer`
+(`Glm4MoeAttention`: GQA, q/k/v bias, optional q/k norm before partial NeoX RoPE; `Glm4MoeMoE`: the noaux_tc
+`Glm4MoeTopkRouter`, eager `Glm4MoeExperts`, shared experts) and `Glm4MoeRMSNorm`s, with `Glm4MoeRotaryEmbedding`.
+Stages are recorded by hooks (oracle/families/mtp_layer.py); the torch-free half is
+oracle/families/glm4_moe_layout.py.
+"""
+
+import torch
+from transformers.models.glm4_moe.configuration_glm4_moe import Glm4MoeConfig
+from transformers.models.glm4_moe.modeling_glm4_moe import (Glm4MoeDecoderLayer, Glm4MoeRMSNorm,
+                                                            Glm4MoeRotaryEmbedding)
+
+from oracle.families.glm4_moe_layout import HeadConfig, layout
+from oracle.families.mtp_layer import (MtpLayerHead, attention_with_uniform_weights, build_mtp_layer_head,
+                                       causal_mask, embedding_rows, load_main_model,
+                                       main_model_hidden, official_layer_stepwise, run_batched, run_stepwise,
+                                       torch_weights)
+
+__all__ = ["MtpLayerHead", "attention_with_uniform_weights", "build_head", "causal_mask", "embedding_rows",
+           "head_text_config", "load_main_model", "main_model_hidden", "official_layer_stepwise",
+           "run_batched",
+           "run_stepwise", "torch_weights"]
+
+
+def head_text_config(cfg: HeadConfig) -> Glm4MoeConfig:
+    """A one-layer config as transformers' get_mtp_config makes it: first_k_dense_replace 0 (the MTP layer is MoE)."""
+    return Glm4MoeConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.moe_intermediate_size,
+        num_hidden_layers=1, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, hidden_act="silu",
+        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
+        rope_parameters=dict(cfg.rope_parameters), attention_bias=cfg.attention_bias,
+        moe_intermediate_size=cfg.moe_intermediate_size, num_experts_per_tok=cfg.num_experts_per_tok,
+        n_shared_experts=cfg.n_shared_experts, n_routed_experts=cfg.num_experts,
+        routed_scaling_factor=cfg.routed_scaling_factor, n_group=cfg.n_group, topk_group=cfg.topk_group,
+        first_k_dense_replace=0, norm_topk_prob=cfg.norm_topk_prob, use_qk_norm=cfg.use_qk_norm,
+        num_nextn_predict_layers=1, tie_word_embeddings=False)
+
+
+def build_head(cfg: HeadConfig, weights: dict[str, torch.Tensor]):
+    return build_mtp_layer_head(cfg, head_text_config(cfg), Glm4MoeDecoderLayer, Glm4MoeRMSNorm,
+                                Glm4MoeRotaryEmbedding, layout(cfg, set(weights)), weights)

@@ -1,0 +1,341 @@
+"""The DeepSeek-V3 / GLM-4.5 MTP head, built on transformers' own `transformers.modeling_layers.MtpLayer`.
+
+What it is: an official `MtpLayer` (enorm, hnorm, `eh_proj` over concat(enorm(embed), hnorm(H)), the family's
+official decoder layer as `mtp_block`, `post_norm`) holding the family's `*DecoderLayer` and `*RMSNorm`, loaded
+strictly with the checkpoint's `model.layers.{num_hidden_layers}.*` tensors under the names transformers' own
+conversion gives them (`shared_head.norm` -> `post_norm`, layer tensors -> `mtp_block.*`). Nothing is transcribed:
+every stage is recorded by a forward hook on the official module that computes it. The family's official rotary
+embedding gives cos/sin. The only step outside `MtpLayer` is the optional position-0 embedding mask (an engine
+convention, off by default as in transformers).
+What it is not: `MtpModel` (which ties the main model's embedding and lm_head and drafts tokens); the head here
+runs T teacher-forced steps in float32 with its own one-layer KV cache.
+
+Weights: bf16 linears stay bf16 and are widened block-wise in use (qwen3_5.UpcastLinear); FP8 linears are
+dequantized with their block scales (oracle/fp8.py) — the routed experts only where a token routes to them, one
+expert at a time.
+"""
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from oracle.attention_evidence import uniform_weights
+from oracle.checkpoint import Checkpoint, HeadWeights
+from oracle.errors import CheckpointError, InputError
+from oracle.families.moe_experts import RoutedExperts
+from oracle.families.mtp_layer_layout import MtpLayerConfig, MtpLayerTensors
+from oracle.families.qwen3_5 import (UpcastLinear, _step_tensors, _to_numpy, _widen_non_linear_parameters,
+                                     causal_mask)
+from oracle.fp8 import E4M3, dequantize
+from oracle.trace import TraceInputs
+
+try:
+    from transformers.modeling_layers import MtpLayer
+except ImportError:  # transformers before MtpLayer: refuse, never fall back to a transcription
+    MtpLayer = None
+
+Stages = dict[str, torch.Tensor]
+_SCALE = "weight_scale_inv"
+
+
+def require_mtp_layer() -> type:
+    if MtpLayer is None:
+        import transformers
+
+        raise CheckpointError(f"transformers {transformers.__version__} has no transformers.modeling_layers.MtpLayer; "
+                              f"the DeepSeek-V3/GLM-4.5 heads are built from it (transformers >= 5.24). Upgrade "
+                              f"transformers; the oracle does not fall back to a transcription.")
+    return MtpLayer
+
+
+class MtpLayerHead(nn.Module):
+    """An official MtpLayer plus the hooks that record its stages.
+
+    forward(embed, hidden, rope, mask, cache, positions) -> {stage: (1, T, w)}. `positions` is needed only with the
+    position-0 embedding mask."""
+
+    def __init__(self, text, decoder_layer: type, rms_norm: type, mask_pos0_embedding: bool = False):
+        super().__init__()
+        self.text_config = text
+        self.mask_pos0_embedding = mask_pos0_embedding
+        # layer_idx 0 of the head's own cache; get_mtp_config sets first_k_dense_replace 0, so mtp_block is MoE
+        self.layer = require_mtp_layer()(text, decoder_layer, rms_norm, layer_idx=0, use_post_norm=True)
+        self._seen: Stages | None = None
+
+    def install_hooks(self) -> None:
+        """Forward hooks on the official submodules (after the linears were swapped for UpcastLinear)."""
+        layer, block = self.layer, self.layer.mtp_block
+        mlp = block.mlp
+
+        def out(name, pick=lambda o: o):
+            return lambda module, args, output: self._keep(name, pick(output))
+
+        def inp(name):
+            return lambda module, args: self._keep(name, args[0])
+
+        layer.enorm.register_forward_hook(out("e"))
+        layer.hnorm.register_forward_hook(out("h"))
+        layer.eh_proj.register_forward_pre_hook(inp("fc_in"))
+        layer.eh_proj.register_forward_hook(out("fc"))
+        block.input_layernorm.register_forward_hook(out("ah"))
+        block.self_attn.register_forward_hook(out("attn", lambda o: o[0]))
+        block.post_attention_layernorm.register_forward_pre_hook(inp("res1"))
+        block.post_attention_layernorm.register_forward_hook(out("mh"))
+        mlp.gate.register_forward_hook(out("router"))  # (logits (N, E) f32, weights (N, k), ids (N, k))
+        mlp.experts.register_forward_hook(out("routed"))
+        mlp.shared_experts.register_forward_hook(out("shared"))
+        mlp.register_forward_hook(out("mlp"))
+        block.register_forward_hook(out("res2"))
+        layer.post_norm.register_forward_hook(out("out"))
+
+    def _keep(self, name: str, value) -> None:
+        if self._seen is not None:
+            self._seen[name] = value
+
+    def forward(self, embed: torch.Tensor, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                mask: torch.Tensor | None = None, cache: DynamicCache | None = None,
+                positions: torch.Tensor | None = None) -> Stages:
+        if self.mask_pos0_embedding:
+            if positions is None:
+                raise RuntimeError("mask_pos0_embedding needs the step positions")  # a caller bug
+            # vLLM's convention: the embedding VECTOR at absolute position 0 is zeroed before enorm
+            embed = embed.masked_fill((positions == 0)[..., None], 0.0)
+        self._seen = {}
+        try:
+            self.layer(embed, hidden, position_embeddings=rope, attention_mask=mask, position_ids=positions,
+                       cache=cache)
+            seen = self._seen
+        finally:
+            self._seen = None
+        logits, weights, ids = seen.pop("router")
+        rows = lambda t: t.reshape(1, -1, t.shape[-1])  # noqa: E731  (N, w) -> (1, N, w), N = T with B = 1
+        margin, limited = routing_evidence(self.layer.mtp_block.mlp.gate, logits, ids)
+        seen |= {"router_logits": rows(logits), "topk_weights": rows(weights), "topk_ids": rows(ids),
+                 "routed": rows(seen["routed"]),
+                 # evidence, not stages (oracle/trace.py EVIDENCE_DOCS; export moves them to /evidence)
+                 "topk_margin": rows(margin), "router_group_limited": rows(limited)}
+        return seen
+
+
+def routing_evidence(gate: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token, from the official noaux_tc router's own attributes and outputs (not a re-implementation of the
+    stage: evidence about it):
+
+    margin (N, 1), in router-logit units: a logit error below it cannot change the chosen set. The choice score is
+      s = sigmoid(l) + bias, and sigmoid' <= 1/4, so an error d in every logit moves an expert's s by <= d/4 and a
+      group's top-2 sum by <= d/2. The set can change only if the group choice flips (needs d >= the gap between
+      the topk_group-th and the next group score) or the order inside the kept groups does (needs d >= 2x the gap
+      between the k-th chosen and the best unchosen expert there).
+    limited (N, 1): 1.0 where the group limit changed the choice, i.e. the plain top-k of s over ALL experts is not
+      the chosen set (a group-limit error can show only at these tokens)."""
+    n, e = logits.shape
+    groups, keep, k = gate.num_group, gate.topk_group, gate.top_k
+    choice = logits.float().sigmoid() + gate.e_score_correction_bias
+    free = torch.topk(choice, k, dim=-1).indices
+    limited = torch.tensor([set(a.tolist()) != set(b.tolist()) for a, b in zip(free, ids)], dtype=torch.float32)
+    group_scores = choice.view(n, groups, e // groups).topk(2, dim=-1).values.sum(-1)  # (N, G)
+    inf = torch.full((n,), float("inf"))
+    ordered = torch.sort(group_scores, dim=-1, descending=True).values
+    group_gap = ordered[:, keep - 1] - ordered[:, keep] if keep < groups else inf
+    kept = torch.zeros(n, groups, dtype=torch.bool).scatter_(1, torch.topk(group_scores, keep, dim=-1).indices, True)
+    inside = choice.masked_fill(~kept.repeat_interleave(e // groups, dim=1), float("-inf"))
+    top = torch.sort(inside, dim=-1, descending=True).values
+    inner_gap = top[:, k - 1] - top[:, k] if k < e else inf  # -inf next (all kept experts chosen): inf
+    return torch.minimum(group_gap, 2 * inner_gap)[:, None], limited[:, None]
+
+
+def _upcast_bias_free_linears(module: nn.Module) -> None:
+    """Bias-free nn.Linear -> UpcastLinear on its stored weight; a linear with a bias (GLM's q/k/v) keeps its class
+    with the weight widened to float32 (UpcastLinear has no bias, and dropping one would run and be wrong)."""
+    for name, child in module.named_children():
+        if isinstance(child, nn.Linear):
+            if child.bias is None:
+                setattr(module, name, UpcastLinear(child.weight.data))
+            else:
+                child.weight = nn.Parameter(child.weight.data.float(), requires_grad=False)
+                child.bias = nn.Parameter(child.bias.data.float(), requires_grad=False)
+        else:
+            _upcast_bias_free_linears(child)
+
+
+def torch_weights(weights: HeadWeights) -> dict[str, torch.Tensor]:
+    """Stored head tensors as torch tensors sharing memory: bf16 as torch.bfloat16, FP8 as its bit patterns in
+    torch.uint8 (no other head tensor is uint8; dequantized with their `weight_scale_inv` in build_head)."""
+    as_torch = {"F32": torch.from_numpy, "F16": torch.from_numpy, E4M3: torch.from_numpy,
+                "BF16": lambda a: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)}
+    out = {}
+    for name, arr in weights.tensors.items():
+        dtype = weights.dtypes[name]
+        if dtype not in as_torch:
+            raise CheckpointError(f"{name} is {dtype}; this head reads F32, F16, BF16 and F8_E4M3 (with "
+                                  f"weight_scale_inv).")
+        out[name] = as_torch[dtype](arr)
+    return out
+
+
+class Fp8Weights:
+    """Dequantizes FP8 linears with their block scales; checks every FP8 weight has a scale and every scale an FP8
+    weight."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], block: tuple[int, int] | None):
+        self.weights, self.block = weights, tuple(block or (128, 128))
+        fp8 = {n for n, t in weights.items() if t.dtype == torch.uint8}  # F8_E4M3 bit patterns (torch_weights)
+        scales = {n for n in weights if n.endswith(_SCALE)}
+        unscaled = sorted(n for n in fp8 if n.removesuffix("weight") + _SCALE not in scales)
+        orphan = sorted(s for s in scales if s.removesuffix(_SCALE) + "weight" not in fp8)
+        if unscaled or orphan:
+            raise CheckpointError(f"FP8 weights without weight_scale_inv {unscaled[:3]}, or weight_scale_inv beside a "
+                                  f"weight that is not F8_E4M3 {orphan[:3]}: the checkpoint is inconsistent.")
+        self.fp8 = fp8
+
+    def value(self, name: str) -> torch.Tensor:
+        """The weight the model means: FP8 dequantized to float32, anything else as stored."""
+        t = self.weights[name]
+        if name not in self.fp8:
+            return t
+        scale = self.weights[name.removesuffix("weight") + _SCALE]
+        return torch.from_numpy(dequantize(t.numpy(), scale.numpy(), self.block, name))
+
+
+class RoutedFp8Experts(RoutedExperts):
+    """Routed experts widened (bf16) or dequantized (FP8), one expert at a time, only where tokens route."""
+
+    def __init__(self, layout, weights: dict, fp8: Fp8Weights):
+        super().__init__(layout, weights)
+        self.fp8 = fp8
+
+    def parts(self, e: int):
+        n = self.layout.names
+        return tuple(self.fp8.value(n[p].format(e=e)) for p in ("gate", "up", "down"))
+
+
+def state_name(name: str, prefix: str) -> str:
+    """Checkpoint name -> MtpLayer parameter name, as transformers' conversion_mapping renames them."""
+    rest = name.removeprefix(prefix)
+    if rest.startswith("shared_head.norm."):
+        return "layer.post_norm." + rest.removeprefix("shared_head.norm.")
+    if rest.split(".")[0] in ("enorm", "hnorm", "eh_proj"):
+        return "layer." + rest
+    return "layer.mtp_block." + rest
+
+
+def build_mtp_layer_head(cfg: MtpLayerConfig, text, decoder_layer: type, rms_norm: type, rotary: type,
+                         layout: MtpLayerTensors, weights: dict[str, torch.Tensor]):
+    """The head with every layer tensor loaded (strict: none missing, none unused, none left at init); the
+    embedding/lm_head copies are not the head's (export reads embedding rows, accept the head)."""
+    fp8 = Fp8Weights(weights, cfg.weight_block_size)
+    experts = RoutedFp8Experts(layout.experts, weights, fp8)
+    text._attn_implementation = "eager"  # eager is not causal without our mask; batched runs pass one
+    text._experts_implementation = "eager"
+    with torch.device("meta"):
+        head = MtpLayerHead(text, decoder_layer, rms_norm, cfg.mask_pos0_embedding)
+    state = {}
+    for name, t in weights.items():
+        if name in layout.copies or name.endswith(_SCALE) or experts.owns(name):
+            continue
+        value = fp8.value(name)
+        state[state_name(name, cfg.head_prefix)] = value if value.dim() >= 2 else value.float()
+    lazy = experts.parameter_names("layer.mtp_block.mlp.experts.")
+    result = head.load_state_dict(state, strict=False, assign=True)
+    missing = set(result.missing_keys) - lazy
+    if missing or result.unexpected_keys:
+        raise CheckpointError(f"the head's tensors do not match transformers' MtpLayer with "
+                              f"{decoder_layer.__name__}: missing {sorted(missing)}, unexpected "
+                              f"{sorted(result.unexpected_keys)}")
+    left = [n for n, t in [*head.named_parameters(), *head.named_buffers()] if t.is_meta and n not in lazy]
+    if left:
+        raise RuntimeError(f"parameters never loaded: {left}")  # a bug: strict loading should prevent it
+    _widen_non_linear_parameters(head)
+    _upcast_bias_free_linears(head)
+    experts.attach(head.layer.mtp_block.mlp.experts)
+    head.install_hooks()
+    return head.eval(), rotary(text)  # rotary built for real: its inv_freq is computed, not loaded
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# running
+
+
+@torch.inference_mode()
+def run_batched(head: MtpLayerHead, rotary, inputs: TraceInputs) -> dict[str, np.ndarray]:
+    """All T steps as one causal pass (teacher forcing: every step's inputs are known up front)."""
+    embed, hidden, positions = _step_tensors(inputs)
+    rope = rotary(embed, positions)
+    return _to_numpy(head(embed, hidden, rope, causal_mask(inputs.num_tokens), None, positions))
+
+
+@torch.inference_mode()
+def run_stepwise(head: MtpLayerHead, rotary, inputs: TraceInputs,
+                 on_step: Callable[[int], None] | None = None) -> dict[str, np.ndarray]:
+    """One step at a time through the head's own KV cache (MLA: the compressed latent), as an engine runs it."""
+    embed, hidden, positions = _step_tensors(inputs)
+    cache = DynamicCache(config=head.text_config)  # the head's own cache, never a main model's
+    steps = []
+    for t in range(inputs.num_tokens):
+        sl = slice(t, t + 1)
+        rope = rotary(embed[:, sl], positions[:, sl])
+        steps.append(head(embed[:, sl], hidden[:, sl], rope, None, cache, positions[:, sl]))
+        if on_step:
+            on_step(t)
+    return _to_numpy({name: torch.cat([s[name] for s in steps], dim=1) for name in steps[0]})
+
+
+@torch.inference_mode()
+def attention_with_uniform_weights(head: MtpLayerHead, rotary, inputs: TraceInputs, ah: np.ndarray) -> np.ndarray:
+    """`attn` [T, D] recomputed from the trace's own `ah` rows by the official attention module with only
+    softmax(q·k) replaced by uniform weights over the visible keys (MLA included: k and v still come from the
+    latent; oracle/attention_evidence.py)."""
+    embed, _, positions = _step_tensors(inputs)
+    rope = rotary(embed, positions)
+    with uniform_weights(head.text_config):
+        attn = head.layer.mtp_block.self_attn(hidden_states=torch.from_numpy(ah)[None], position_embeddings=rope,
+                                              attention_mask=causal_mask(inputs.num_tokens))[0]
+    return attn[0].numpy()
+
+
+@torch.inference_mode()
+def official_layer_stepwise(head: MtpLayerHead, rotary, inputs: TraceInputs, fc: np.ndarray) -> np.ndarray:
+    """res2 [T, D] as the official decoder layer (MtpLayer.mtp_block) computes it from the `fc` rows, one step at a
+    time through a DynamicCache, outside the hooks' head forward (the family contract test)."""
+    embed, _, positions = _step_tensors(inputs)
+    x = torch.from_numpy(np.ascontiguousarray(fc))[None]
+    cache = DynamicCache(config=head.text_config)
+    rows = []
+    for t in range(inputs.num_tokens):
+        sl = slice(t, t + 1)
+        rows.append(head.layer.mtp_block(x[:, sl], position_embeddings=rotary(embed[:, sl], positions[:, sl]),
+                                         attention_mask=None, position_ids=positions[:, sl], cache=cache)[0])
+    return torch.cat(rows).numpy()
+
+
+def embedding_rows(ckpt: Checkpoint, token_ids: np.ndarray) -> tuple[np.ndarray, dict]:
+    """Embedding rows [T, D] float32 from the MTP layer's own `embed_tokens` where the checkpoint has one, else the
+    main model's; and what was used: {"tensor", "main", "rows_equal_main"} (rows compared for these tokens)."""
+    cfg = ckpt.config
+    own = cfg.head_prefix + "embed_tokens.weight"
+    main = "model.embed_tokens.weight"
+    names = set(ckpt.names())
+    if own not in names:
+        return ckpt.embedding_rows(token_ids), {"tensor": main, "own_copy": None}
+    unique, inverse = np.unique(token_ids, return_inverse=True)
+    rows = np.stack([ckpt.read_rows(own, int(t), int(t) + 1)[0] for t in unique])[inverse.reshape(-1)]
+    info = {"tensor": own, "own_copy": own, "main": main if main in names else None}
+    if main in names:
+        info["rows_equal_main"] = bool(np.array_equal(rows, ckpt.embedding_rows(token_ids)))
+    return rows, info
+
+
+def load_main_model(checkpoint: Checkpoint):
+    raise InputError(f"--main-model is not supported for the {checkpoint.family.name} family yet: dump the main "
+                     f"model's post-final-norm hidden from your engine and pass --hidden FILE.")
+
+
+def main_model_hidden(model, sequence):  # pragma: no cover - load_main_model refuses first
+    raise InputError("--main-model is not supported for this family yet.")
+
+
+__all__ = ["MtpLayerHead", "attention_with_uniform_weights", "build_mtp_layer_head", "causal_mask", "embedding_rows",
+           "load_main_model", "main_model_hidden", "official_layer_stepwise", "run_batched", "run_stepwise", "torch_weights"]

@@ -1,0 +1,65 @@
+"""FP8 weights as DeepSeek-V3/R1 release them: `float8_e4m3fn` values with `weight_scale_inv` block scales.
+
+A quantised linear `W` [out, in] is stored as `W.weight` (F8_E4M3, one byte per element) and `W.weight_scale_inv`
+(F32 [ceil(out/bo), ceil(in/bi)], block (bo, bi) = `quantization_config.weight_block_size`, [128, 128] as
+released). The weight the model means is
+
+    W[r, c] = e4m3(W.weight[r, c]) * W.weight_scale_inv[r // bo, c // bi]       (DeepSeek-V3 README_WEIGHTS)
+
+Decoding e4m3 to float32 is exact (3 mantissa bits, exponents 2^-9 .. 2^8); the product is one float32 multiply,
+rounded once, exactly as `w.to(torch.float32) * scale` per element (tests/families/test_deepseek_glm.py holds the
+two bit-equal). Torch-free: the checkpoint reader uses it.
+"""
+
+import numpy as np
+
+from oracle.errors import CheckpointError
+
+E4M3 = "F8_E4M3"
+
+
+def _e4m3_table() -> np.ndarray:
+    """float32 value of each of the 256 float8_e4m3fn bit patterns: 1 sign, 4 exponent (bias 7), 3 mantissa bits;
+    no infinities, S.1111.111 is NaN (max finite 448)."""
+    bits = np.arange(256)
+    sign = np.where(bits & 0x80, -1.0, 1.0)
+    exponent, mantissa = (bits >> 3) & 0xF, bits & 0x7
+    value = np.where(exponent == 0, mantissa / 8.0 * 2.0**-6,  # subnormals
+                     (1.0 + mantissa / 8.0) * 2.0 ** (exponent - 7.0))
+    value = np.where((exponent == 15) & (mantissa == 7), np.nan, value)
+    return (sign * value).astype(np.float32)  # every value is exact in float32 (and float64)
+
+
+E4M3_TABLE = _e4m3_table()
+
+
+def decode_e4m3(stored: np.ndarray) -> np.ndarray:
+    """uint8 bit patterns -> float32 values (exact), no scale applied."""
+    return E4M3_TABLE[np.asarray(stored, dtype=np.uint8)]
+
+
+def scale_shape(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
+    """The `weight_scale_inv` shape of a [out, in] weight quantised in (bo, bi) blocks (partial blocks at the edges)."""
+    return (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
+
+
+def dequantize(stored: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int], name: str = "weight") -> np.ndarray:
+    """float32 [out, in] from e4m3 bit patterns [out, in] (uint8) and their block scales; one rounding per element.
+
+    Works block row by block row, so the only temporary is one row of blocks."""
+    stored = np.asarray(stored)
+    scale_inv = np.asarray(scale_inv, dtype=np.float32)
+    if stored.ndim != 2 or stored.dtype != np.uint8:
+        raise CheckpointError(f"{name}: an FP8 weight must be 2-D e4m3 bytes, found {stored.dtype} {stored.shape}.")
+    expected = scale_shape(stored.shape, block)
+    if scale_inv.shape != expected:
+        raise CheckpointError(f"{name}: weight {list(stored.shape)} in {list(block)} blocks needs weight_scale_inv "
+                              f"{list(expected)}, found {list(scale_inv.shape)} (transposed or another block size?).")
+    out = np.empty(stored.shape, dtype=np.float32)
+    bo, bi = block
+    for r in range(expected[0]):
+        rows = slice(r * bo, (r + 1) * bo)
+        values = E4M3_TABLE[stored[rows]]  # (<=bo, in) float32, exact
+        scale = np.repeat(scale_inv[r], bi)[: stored.shape[1]]  # (in,): column c -> block c // bi
+        np.multiply(values, scale[None, :], out=out[rows])  # float32 x float32, rounded once
+    return out
