@@ -43,6 +43,10 @@ def diff_options(command):
         click.option("--fail-fast", is_flag=True, help="Stop after the first token chunk that diverges."),
         click.option("-v", "--verbose", is_flag=True, help="Show the worst elements side by side, for every stage."),
         click.option("-q", "--quiet", is_flag=True, help="No progress on stderr."),
+        click.option("--explain", is_flag=True,
+                     help="Also say why: local vs inherited error per stage, the known wiring variant that "
+                          "reproduces the candidate (DIAGNOSIS line), weight coverage, and (run) whether capturing "
+                          "changes the result. Needs the reference's checkpoint; loads torch."),
     ]
     for option in reversed(options):
         command = option(command)
@@ -74,11 +78,13 @@ Examples:
 """)
 @click.argument("ref", type=EXISTING_FILE)
 @click.argument("candidate", type=click.Path(exists=True, path_type=Path))
+@click.option("--checkpoint", type=EXISTING_DIR,
+              help="Checkpoint of the reference, for --explain [default: the one it records].")
 @diff_options
 @click.pass_context
 @invalid_line_on_error
-def diff(ctx, ref, candidate, profile, rtol, atol, stage_tol, json_path, plot_path, fail_fast, verbose,
-         html_path, quiet) -> None:
+def diff(ctx, ref, candidate, checkpoint, profile, rtol, atol, stage_tol, json_path, plot_path, fail_fast, verbose,
+         html_path, quiet, explain) -> None:
     """Compare CANDIDATE (an mtp-trace/1 file, or a raw dir of <stage>.bin) with the oracle trace REF.
 
     A (stage, token) row passes iff max_rel < rtol or max_abs < atol. Exit 0 pass, 1 diverged, 2 invalid or bad
@@ -89,7 +95,12 @@ def diff(ctx, ref, candidate, profile, rtol, atol, stage_tol, json_path, plot_pa
                               {"REF": ref, "CANDIDATE": candidate})
     with reporting(enabled=not quiet):
         report = diff_traces(ref, candidate, tols, fail_fast=fail_fast)
-    ctx.exit(_render(report, json_path, plot_path, verbose, html_path))
+    explanation = None
+    if explain:
+        from probe.explain import explain_diff  # torch and transformers load only here
+
+        explanation = explain_diff(report, ref, candidate, checkpoint_for(ref, checkpoint, log=say), tols)
+    ctx.exit(_render(report, json_path, plot_path, verbose, html_path, explanation))
 
 
 @cli.command(epilog="""\b
@@ -106,7 +117,7 @@ Examples:
 @click.pass_context
 @invalid_line_on_error
 def run(ctx, ref, spec, checkpoint, out, profile, rtol, atol, stage_tol, json_path, plot_path, fail_fast,
-        verbose, html_path, quiet) -> None:
+        verbose, html_path, quiet, explain) -> None:
     """Run an implementation on REF's recorded inputs and the reference's weights, then diff it like `diff`.
 
     \b
@@ -143,7 +154,12 @@ def run(ctx, ref, spec, checkpoint, out, profile, rtol, atol, stage_tol, json_pa
     determinism = "" if result.deterministic else " (declares itself NOT deterministic: two runs may differ)"
     click.echo(f"ran {result.adapter}{determinism}"
                + (f"; candidate trace written to {result.written}" if result.written else ""))
-    ctx.exit(_render(result.report, json_path, plot_path, verbose, html_path))
+    report, explanation = result.report, None
+    if explain:
+        from probe.explain import explain_run  # torch and transformers load only here
+
+        report, explanation = explain_run(report, ref, result.stages, checkpoint, tols, adapter)
+    ctx.exit(_render(report, json_path, plot_path, verbose, html_path, explanation))
 
 
 @cli.command(epilog="""\b
@@ -178,13 +194,13 @@ def _tols(profile: str, rtol, atol, stage_tol, json_path, plot_path, html_path=N
 
 
 def _render(report: DiffReport, json_path: Path | None, plot_path: Path | None, verbose: bool,
-            html_path: Path | None = None) -> int:
+            html_path: Path | None = None, explanation=None) -> int:
     if kernel_note():
         click.echo(kernel_note(), err=True)
     unwritten = []  # a report that cannot be written must not cost the verdict: printed first, then exit 2
     if json_path:
         try:
-            write_json(report, json_path)
+            write_json(report, json_path, {"explain": explanation.to_json()} if explanation else None)
         except MtpError as err:
             unwritten.append(err)
     if plot_path:
@@ -202,6 +218,9 @@ def _render(report: DiffReport, json_path: Path | None, plot_path: Path | None, 
         except MtpError as err:
             unwritten.append(err)
     click.echo(render_text(report, verbose=verbose))
+    if explanation is not None:
+        click.echo("\n" + explanation.text())
+        click.echo(explanation.diagnosis_line())  # just before the summary line
     click.echo(summary_line(report))
     if unwritten:
         raise OutputError(" ".join(str(err) for err in unwritten))

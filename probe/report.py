@@ -23,7 +23,7 @@ _COL = 7
 _ALL_ROWS = 40  # up to this many tokens the table shows every token
 _STATUS_TEXT = {"unwritten": "UNWR", "shape": "SHAPE", "dtype": "DTYPE", "nonfinite": "NaN!"}
 _ISSUE_LABEL = {"coverage": "no stage captured", "integrity": "inconsistent trace", "shape": "wrong shape", "dtype": "wrong dtype",
-                "inputs": "inputs differ", "unwritten": "unwritten rows"}
+                "inputs": "inputs differ", "unwritten": "unwritten rows", "observer": "capturing changes the result"}
 LEGEND = ("cells: tolerance budget used (1 = at the limit; a row passes below 1)\n"
           "       ! out of tolerance   ~ not evidential (attention there does not depend on q/k)   NaN! computed NaN/Inf   UNWR never written\n"
           "       SHAPE/DTYPE wrong layout   - not captured   . not compared (--fail-fast)")
@@ -304,11 +304,12 @@ def report_json(report: DiffReport) -> dict:
     return _report_head(report) | {"rows": list(_all_rows_json(report))}
 
 
-def write_json(report: DiffReport, path: Path) -> None:
-    """report_json, written row by row: memory stays flat however many (stage, token) rows there are."""
+def write_json(report: DiffReport, path: Path, extra: dict | None = None) -> None:
+    """report_json, written row by row: memory stays flat however many (stage, token) rows there are. `extra`
+    adds top-level keys (e.g. "explain" under --explain)."""
     with atomic_output(path, "--json") as tmp, tmp.open("w") as f:
         f.write("{\n")
-        for key, value in _report_head(report).items():
+        for key, value in (_report_head(report) | (extra or {})).items():
             f.write(f" {json.dumps(key)}: {json.dumps(value, allow_nan=False)},\n")
         f.write(' "rows": [')
         for i, row in enumerate(_all_rows_json(report)):

@@ -132,6 +132,7 @@ class RunResult:
     deterministic: bool
     report: DiffReport
     written: Path | None  # the candidate trace, when --out was given and its layout allowed writing it
+    stages: dict | None = None  # the candidate's rows, by stage (for --explain)
 
 
 def run_and_diff(ref_path: Path, adapter: Adapter, tols: dict[str, Tol], out: Path | None = None,
@@ -146,7 +147,7 @@ def run_and_diff(ref_path: Path, adapter: Adapter, tols: dict[str, Tol], out: Pa
         stages = _checked_result(result, adapter.name, ref.stages)
         written = _write_candidate(out, inputs, stages, adapter, command, ref) if out else None
         report = diff_sources(ref, ArraySource(adapter.name, inputs, stages), tols, fail_fast)
-    return RunResult(adapter.name, adapter.deterministic, report, written)
+    return RunResult(adapter.name, adapter.deterministic, report, written, stages)
 
 
 def check_config(config: dict | None, ref_config: dict | None, ref_path: Path) -> None:

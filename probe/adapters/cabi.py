@@ -79,6 +79,7 @@ class CAbiAdapter:
 
     deterministic = True
     weights_digest: str | None = None  # known once run() has loaded the weights
+    capture_only: tuple[str, ...] | None = None  # set by --explain's observer check: capture at most these
 
     def __init__(self, library: Path, checkpoint: Path):
         self.library = Path(library).resolve()
@@ -104,6 +105,8 @@ class CAbiAdapter:
             np.save(work / "embed.npy", np.ascontiguousarray(inputs.embed, dtype=np.float32))
             np.save(work / "hidden.npy", np.ascontiguousarray(inputs.hidden, dtype=np.float32))
             np.save(work / "positions.npy", np.asarray(inputs.positions, dtype=np.int64))
+            if self.capture_only is not None:
+                (work / worker.CAPTURE_ONLY_FILE).write_text(",".join(self.capture_only))
             proc = _run_worker(self._worker_command(work), work / worker.PROGRESS_FILE, self.name, inputs.num_tokens)
             if proc.returncode != 0:
                 raise self._failure(proc, work)

@@ -30,6 +30,7 @@ from probe.poison import poison
 
 EXIT_DIAGNOSED = 3
 PROGRESS_FILE, ERROR_FILE, MANIFEST_FILE = "progress.txt", "error.txt", "captured.json"
+CAPTURE_ONLY_FILE = "capture_only.txt"  # optional, comma-separated stages: capture at most these (--explain)
 ABI_VERSION = 1  # MTP_PROBE_ABI_VERSION
 ALL_CAPTURED = 0x3FF  # ten trace stages; also what a library without mtp_capture_mask is assumed to capture
 RETURN_CODES = {  # mtp_probe.h enum -> (name, what it means for the user)
@@ -148,6 +149,9 @@ def run_library(lib_path: Path, checkpoint: Path, work: Path) -> None:
     weights = {field: np.ascontiguousarray(tensors[name], dtype=np.float32) for field, name in WEIGHT_TENSORS}
     num_steps, d = int(np.load(work / "positions.npy").shape[0]), ckpt.config.hidden_size
     mask = capture_mask(lib)
+    if (work / CAPTURE_ONLY_FILE).is_file():
+        only = (work / CAPTURE_ONLY_FILE).read_text().split(",")
+        mask &= sum(1 << i for i, n in enumerate(TRACE_STAGE_NAMES) if n in only)
     captured = [n for i, n in enumerate(TRACE_STAGE_NAMES) if mask >> i & 1] + ["out"]
     buffers = {n: poison((num_steps, STAGE_BY_NAME[n].width(d))) for n in captured}
     # Locals, so the structs and the arrays they point at outlive the context (a library may keep pointers).

@@ -29,6 +29,7 @@ from probe.poison import poison
 
 class PythonAdapter:
     deterministic = True
+    capture_only: tuple[str, ...] | None = None  # set by --explain's observer check: capture at most these
 
     def __init__(self, spec: str, checkpoint: Path, conventions: dict | None = None):
         module_name, _, factory_name = spec.partition(":")
@@ -61,6 +62,8 @@ class PythonAdapter:
             raise AdapterError(f"{self.name}: the object {self._factory_name}() returned has no step() method.")
         traceable = tuple(n for n in self._stages.names if n != "out")
         capture = _captured_stages(impl, self.name, traceable)
+        if self.capture_only is not None:
+            capture = tuple(n for n in capture if n in self.capture_only)
         t, d = inputs.num_tokens, inputs.hidden_size
         buffers = {n: _unwritten(self._stages[n], (t, self._stages[n].width(self._dims))) for n in capture}
         buffers["out"] = poison((t, d))
