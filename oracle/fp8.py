@@ -43,10 +43,11 @@ def scale_shape(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, in
     return (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
 
 
-def dequantize(stored: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int], name: str = "weight") -> np.ndarray:
+def dequantize(stored: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int], name: str = "weight",
+               out: np.ndarray | None = None) -> np.ndarray:
     """float32 [out, in] from e4m3 bit patterns [out, in] (uint8) and their block scales; one rounding per element.
 
-    Works block row by block row, so the only temporary is one row of blocks."""
+    Decoded by table into the output (`out`, float32 [out, in], when given), then scaled in place one block row at a time (no other full-size temporary)."""
     stored = np.asarray(stored)
     scale_inv = np.asarray(scale_inv, dtype=np.float32)
     if stored.ndim != 2 or stored.dtype != np.uint8:
@@ -55,11 +56,10 @@ def dequantize(stored: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]
     if scale_inv.shape != expected:
         raise CheckpointError(f"{name}: weight {list(stored.shape)} in {list(block)} blocks needs weight_scale_inv "
                               f"{list(expected)}, found {list(scale_inv.shape)} (transposed or another block size?).")
-    out = np.empty(stored.shape, dtype=np.float32)
-    bo, bi = block
+    if out is None:
+        out = np.empty(stored.shape, dtype=np.float32)
+    np.take(E4M3_TABLE, stored, out=out)  # float32 [out, in], exact (into a reused buffer when `out` is given)
+    columns = np.repeat(scale_inv, block[1], axis=1)[:, : stored.shape[1]]  # [row blocks, in]: column c -> c // bi
     for r in range(expected[0]):
-        rows = slice(r * bo, (r + 1) * bo)
-        values = E4M3_TABLE[stored[rows]]  # (<=bo, in) float32, exact
-        scale = np.repeat(scale_inv[r], bi)[: stored.shape[1]]  # (in,): column c -> block c // bi
-        np.multiply(values, scale[None, :], out=out[rows])  # float32 x float32, rounded once
+        out[r * block[0]:(r + 1) * block[0]] *= columns[r]  # float32 x float32, rounded once, in place
     return out

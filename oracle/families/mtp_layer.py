@@ -211,6 +211,24 @@ class RoutedFp8Experts(RoutedExperts):
         n = self.layout.names
         return tuple(self.fp8.value(n[p].format(e=e)) for p in ("gate", "up", "down"))
 
+    def widen(self, which: str, e: int) -> torch.Tensor:
+        """FP8 experts are dequantized straight into the reused float32 buffers (no intermediate copy)."""
+        n = self.layout.names
+        names = [n[p].format(e=e) for p in (("gate", "up") if which == "gate_up" else ("down",))]
+        if not all(name in self.fp8.fp8 for name in names):
+            return super().widen(which, e)
+        buffer = self._gate_up if which == "gate_up" else self._down
+        start = 0
+        for name in names:
+            stored = self.fp8.weights[name]
+            rows = buffer[start:start + stored.shape[0]].numpy()
+            scale = self.fp8.weights[name.removesuffix("weight") + _SCALE].numpy()
+            dequantize(stored.numpy(), scale, self.fp8.block, name, out=rows)
+            start += stored.shape[0]
+        if which == "gate_up":
+            self.touched.add(e)
+        return buffer
+
 
 def state_name(name: str, prefix: str) -> str:
     """Checkpoint name -> MtpLayer parameter name, as transformers' conversion_mapping renames them."""
