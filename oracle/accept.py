@@ -31,7 +31,7 @@ from oracle.export import HiddenSource
 from oracle.families.qwen3_5 import MtpHead, causal_mask
 from oracle.families.qwen3_5_layout import LM_HEAD
 from oracle.families.registry import head_module
-from oracle.inputs import hidden_from_file, hidden_from_seed
+from oracle.inputs import hidden_from_file, hidden_from_seed, token_ids_from_array
 from oracle.lm_head import CHUNK_ROWS, LmHead, lm_head_of
 from oracle.progress import Progress
 
@@ -200,7 +200,7 @@ def measure_acceptance(checkpoint_dir: Path, sequence: np.ndarray, hidden: Hidde
 
     `target` None means greedy, or text when H is synthetic (`hidden.seed`). `head_weights` replaces the
     checkpoint's `mtp.*` tensors (e.g. a random head as a baseline)."""
-    sequence = np.asarray(sequence, dtype=np.int64)
+    sequence = token_ids_from_array(sequence, "sequence")
     _check_k(k, len(sequence))
     ckpt = Checkpoint(checkpoint_dir)
     check_token_ids(sequence, ckpt.config.vocab_size)
@@ -240,7 +240,9 @@ def _lm_head(ckpt: Checkpoint, chunk_rows: int) -> LmHead:
 def _embedding_rows(ckpt: Checkpoint, token_ids: np.ndarray) -> np.ndarray:
     """Embedding rows from the family's choice of table (DeepSeek/GLM: the MTP layer's own copy where present)."""
     impl = head_module(ckpt.family)
-    return impl.embedding_rows(ckpt, token_ids)[0] if hasattr(impl, "embedding_rows") else ckpt.embedding_rows(token_ids)
+    if hasattr(impl, "embedding_rows"):
+        return impl.embedding_rows(ckpt, token_ids)[0]
+    return ckpt.embedding_rows(token_ids)
 
 
 def _head_tensors(ckpt: Checkpoint, given: dict[str, np.ndarray] | None) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ from oracle.attention_evidence import qk_blind_tokens, qk_warning
 from oracle.checkpoint import Checkpoint, check_token_ids
 from oracle.errors import InputError
 from oracle.families.registry import head_module
-from oracle.inputs import hidden_from_file, hidden_from_seed, positions_from_start
+from oracle.inputs import hidden_from_file, hidden_from_seed, positions_from_start, token_ids_from_array
 from oracle.limits import check_export_limits
 from oracle.output import check_writable
 from oracle.progress import Progress
@@ -33,6 +33,18 @@ class HiddenSource:
     seed: int | None = None
     main_model: bool = False
     first_token: int | None = None  # x_0: the token before the first step token, read by the main model
+
+    def __post_init__(self) -> None:
+        """The same checks as the CLI's --hidden / --hidden-seed / --main-model options, for library callers."""
+        given = [name for name, value in (("file", self.file), ("seed", self.seed),
+                                          ("main_model", self.main_model or None)) if value is not None]
+        if len(given) != 1:
+            raise InputError(f"HiddenSource: give exactly one of file=..., seed=... or main_model=True (CLI: --hidden, "
+                             f"--hidden-seed, --main-model); got {', '.join(given) or 'none'}.")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))):
+            raise InputError(f"HiddenSource(seed={self.seed!r}): the seed is an integer (CLI: --hidden-seed N).")
+        if isinstance(self.file, Path):
+            object.__setattr__(self, "file", str(self.file))  # recorded in the trace's provenance (JSON)
 
     def describe(self) -> dict:
         if self.main_model:
@@ -52,7 +64,9 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     `log` is silenced. `config_overrides` sets head-config fields where engines disagree on a convention (e.g.
     {"norm_topk_prob": False}); the trace's config records the value used."""
     check_writable(out)
-    token_ids = np.asarray(token_ids, dtype=np.int64)
+    token_ids = token_ids_from_array(token_ids, "token_ids")
+    if mode not in MODES:
+        raise InputError(f"mode {mode!r}: use one of {', '.join(MODES)} (CLI: --mode).")
     ckpt = Checkpoint(checkpoint_dir)
     cfg = ckpt.config = _overridden(ckpt, config_overrides or {})
     family = ckpt.family

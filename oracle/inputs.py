@@ -29,6 +29,23 @@ def token_ids_from_text(text: str, source: str) -> np.ndarray:
     return np.array(values, dtype=np.int64)
 
 
+def token_ids_from_array(values, source: str = "token_ids") -> np.ndarray:
+    """Token ids passed in code (export_trace's `token_ids`, measure_acceptance's `sequence`): a 1-D integer array
+    or list, checked as the CLI checks --tokens-file; never cast from floats, bools or text."""
+    arr = np.asarray(values) if not isinstance(values, (str, bytes)) else np.asarray(values, dtype=object)
+    if arr.ndim != 1 or arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        hint = (" Parse text with oracle.inputs.token_ids_from_text." if arr.dtype.kind in "OUS" else
+                " Cast whole-number ids with .astype(np.int64) yourself." if arr.dtype.kind == "f" else
+                " Pass one sequence of T ids (e.g. ids[0] of a batch of one)." if arr.ndim > 1 else "")
+        raise InputError(f"{source} must be a 1-D integer array of token ids (CLI: --tokens / --tokens-file), found "
+                         f"{arr.dtype} of shape {arr.shape}.{hint}")
+    if arr.size == 0:
+        raise InputError(f"{source} holds no token ids; give at least one.")
+    if arr.dtype == np.uint64 and arr.max() > INT64_MAX:  # astype would wrap it to a negative id
+        _check_int64(arr.tolist(), source)
+    return arr.astype(np.int64)
+
+
 def _check_int64(values, source: str) -> None:
     """Token ids beyond int64 cannot be stored (and are beyond any vocabulary): refuse instead of wrapping."""
     for row, value in enumerate(values):
