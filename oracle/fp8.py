@@ -47,7 +47,8 @@ def dequantize(stored: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]
                out: np.ndarray | None = None) -> np.ndarray:
     """float32 [out, in] from e4m3 bit patterns [out, in] (uint8) and their block scales; one rounding per element.
 
-    Decoded by table into the output (`out`, float32 [out, in], when given), then scaled in place one block row at a time (no other full-size temporary)."""
+    Decoded by table into the output (`out`, float32 [out, in], when given), then scaled in place one block row
+    at a time (no other full-size temporary)."""
     stored = np.asarray(stored)
     scale_inv = np.asarray(scale_inv, dtype=np.float32)
     if stored.ndim != 2 or stored.dtype != np.uint8:

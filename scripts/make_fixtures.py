@@ -326,7 +326,8 @@ def mtp_layer_shapes(family: str, dims: dict) -> dict[str, tuple[int, ...]]:
     a = p + "self_attn."
     h = dims["num_attention_heads"]
     if family == "deepseek_v3":
-        nope, rope, vd, kvl = dims["qk_nope_head_dim"], dims["qk_rope_head_dim"], dims["v_head_dim"], dims["kv_lora_rank"]
+        nope, rope, vd = dims["qk_nope_head_dim"], dims["qk_rope_head_dim"], dims["v_head_dim"]
+        kvl = dims["kv_lora_rank"]
         shapes |= {a + "kv_a_proj_with_mqa.weight": (kvl + rope, d), a + "kv_a_layernorm.weight": (kvl,),
                    a + "kv_b_proj.weight": (h * (nope + vd), kvl), a + "o_proj.weight": (d, h * vd)}
         if dims.get("q_lora_rank"):
@@ -392,7 +393,8 @@ def write_mtp_layer_checkpoint(out_dir: Path, family: str = "deepseek_v3", dims:
     shapes = mtp_layer_shapes(family, dims)
     p = f"model.layers.{dims['num_hidden_layers']}."
     if not copies:
-        shapes = {n: s for n, s in shapes.items() if n not in (p + "embed_tokens.weight", p + "shared_head.head.weight")}
+        dropped = (p + "embed_tokens.weight", p + "shared_head.head.weight")
+        shapes = {n: s for n, s in shapes.items() if n not in dropped}
     tensors = {}
     for name, shape in sorted(shapes.items()):
         value = torch.from_numpy(mtp_layer_values(name, shape, seed))

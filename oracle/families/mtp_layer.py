@@ -356,4 +356,5 @@ def main_model_hidden(model, sequence):  # pragma: no cover - load_main_model re
 
 
 __all__ = ["MtpLayerHead", "attention_with_uniform_weights", "build_mtp_layer_head", "causal_mask", "embedding_rows",
-           "load_main_model", "main_model_hidden", "official_layer_stepwise", "run_batched", "run_stepwise", "torch_weights"]
+           "load_main_model", "main_model_hidden", "official_layer_stepwise", "run_batched", "run_stepwise",
+           "torch_weights"]

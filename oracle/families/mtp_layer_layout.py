@@ -250,7 +250,8 @@ def layer_tensors(cfg: MtpLayerConfig, attention: dict[str, tuple[int, ...]], na
              p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
              p + "shared_head.norm.weight": (d,),
              p + "mlp.gate.weight": (e, d), p + "mlp.gate.e_score_correction_bias": (e,),
-             p + "mlp.shared_experts.gate_proj.weight": (shared, d), p + "mlp.shared_experts.up_proj.weight": (shared, d),
+             p + "mlp.shared_experts.gate_proj.weight": (shared, d),
+             p + "mlp.shared_experts.up_proj.weight": (shared, d),
              p + "mlp.shared_experts.down_proj.weight": (d, shared)}
     dense |= {p + "self_attn." + n: s for n, s in attention.items()}
     experts = ExpertLayout("per_expert", e, cfg.moe_intermediate_size, d, expert_names(cfg))

@@ -238,7 +238,8 @@ def transcription(ckpt: Path, tokens, hidden, positions, mask_pos0=False, mutate
     pos = torch.from_numpy(positions)
     if mask_pos0 != ("pos0_mask_flipped" in mutate):
         embed = embed.masked_fill((pos == 0)[:, None], 0.0)
-    s = {"e": rms(embed, w[p + "enorm.weight"], eps), "h": rms(torch.from_numpy(hidden).double(), w[p + "hnorm.weight"], eps)}
+    s = {"e": rms(embed, w[p + "enorm.weight"], eps),
+         "h": rms(torch.from_numpy(hidden).double(), w[p + "hnorm.weight"], eps)}
     s["fc_in"] = torch.cat([s["h"], s["e"]] if "concat_swap" in mutate else [s["e"], s["h"]], -1)
     s["fc"] = s["fc_in"] @ w[p + "eh_proj.weight"].T
     s["ah"] = rms(s["fc"], w[p + "input_layernorm.weight"], eps)
@@ -248,7 +249,8 @@ def transcription(ckpt: Path, tokens, hidden, positions, mask_pos0=False, mutate
     s["mh"] = rms(s["res1"], w[p + "post_attention_layernorm.weight"], eps)
     s |= moe(cfg, w, p, s["mh"], set(mutate))
     s["res2"] = s["res1"] + s["mlp"]
-    s["out"] = rms(s["res2"], w["model.norm.weight" if "main_norm_for_out" in mutate else p + "shared_head.norm.weight"], eps)
+    final = "model.norm.weight" if "main_norm_for_out" in mutate else p + "shared_head.norm.weight"
+    s["out"] = rms(s["res2"], w[final], eps)
     return {k: v.numpy() for k, v in s.items()}
 
 
