@@ -27,7 +27,7 @@ from transformers import DynamicCache
 
 from oracle.checkpoint import Checkpoint, check_token_ids
 from oracle.errors import CheckpointError, InputError
-from oracle.export import HiddenSource
+from oracle.export import HiddenSource, quiet_kernel_fallbacks
 from oracle.families.qwen3_5 import MtpHead, causal_mask
 from oracle.families.qwen3_5_layout import LM_HEAD
 from oracle.families.registry import head_module
@@ -288,4 +288,5 @@ def _hidden_of(ckpt: Checkpoint, source: HiddenSource, sequence: np.ndarray,
         return hidden_from_seed(source.seed, n, d)
     log("running the main model over x_0..x_(N-1) for H (post-final-norm)")
     impl = head_module(ckpt.family)
-    return impl.main_model_hidden(impl.load_main_model(ckpt), sequence)
+    with quiet_kernel_fallbacks():
+        return impl.main_model_hidden(impl.load_main_model(ckpt), sequence)

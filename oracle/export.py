@@ -1,7 +1,9 @@
 """`mtp-oracle export` as a library call: checkpoint + inputs -> an `mtp-trace/1` reference trace."""
 
+import contextlib
 import datetime
 import importlib.metadata
+import logging
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -181,7 +183,26 @@ def _resolve_hidden(ckpt: Checkpoint, source: HiddenSource, token_ids: np.ndarra
     check_token_ids(sequence[:1], ckpt.config.vocab_size)
     log("running the main model for H (post-final-norm)")
     impl = head_module(ckpt.family)
-    return impl.main_model_hidden(impl.load_main_model(ckpt), sequence)
+    with quiet_kernel_fallbacks():
+        return impl.main_model_hidden(impl.load_main_model(ckpt), sequence)
+
+
+_FALLBACK_NOTICE = "is falling back to its reference PyTorch implementation"
+
+
+@contextlib.contextmanager
+def quiet_kernel_fallbacks():
+    """Drop transformers' notices that causal_conv1d / flash-linear-attention are not installed so their reference
+    PyTorch implementation runs (the main model's linear-attention layers): that path is the one an oracle wants
+    (float32, the official code), so the notice would only alarm a CPU user. Other warnings pass."""
+    logger = logging.getLogger("transformers.integrations.hub_kernels")
+    drop = logging.Filter()
+    drop.filter = lambda record: _FALLBACK_NOTICE not in record.getMessage()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 def _producer() -> str:
