@@ -1,0 +1,101 @@
+"""Progress on stderr: a tqdm bar (count, rate, ETA) on a terminal, one final timing line per loop otherwise,
+nothing with -q, and nothing from library calls unless the caller turns reporting on."""
+
+import io
+import re
+import sys
+
+import pytest
+
+from oracle import progress
+from oracle.cli import cli as oracle_cli
+from oracle.export import HiddenSource, export_trace
+from oracle.progress import Progress, reporting, timing_line, tracked
+from probe.cli import cli as probe_cli
+from tests.helpers import ROOT, TINY, TINY_REF, run_cli
+
+CANDIDATES = ROOT / "fixtures" / "candidates"
+
+
+def test_timing_line_wording():
+    assert timing_line("export", 1, 1, "step", 0.5) == "export: 1 step in 0.50 s (2 steps/s)"
+    assert timing_line("diff", 3, 8, "row", 2.0) == "diff: 3/8 rows in 2.00 s (1.5 rows/s)"
+
+
+def test_a_terminal_gets_a_bar_with_count_rate_and_eta(monkeypatch):
+    fake = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", fake)
+    monkeypatch.setattr(progress, "_is_terminal", lambda: True)
+    with reporting():
+        for _ in tracked(range(4), "export (stepwise)", 4):
+            pass
+    shown = fake.getvalue()
+    assert "export (stepwise)" in shown and "4/4" in shown and "step/s" in shown
+    assert re.search(r"\d+/4 \[\d\d:\d\d<\d\d:\d\d", shown)  # elapsed<remaining: the ETA
+
+
+def test_twin_not_a_terminal_gets_one_line_and_quiet_or_library_gets_nothing(capsys):
+    with reporting():
+        with Progress("export (batched)", 8) as bar:
+            bar.update(8)
+    assert re.fullmatch(r"export \(batched\): 8 steps in \d+\.\d\d s \(.*steps/s\)\n", capsys.readouterr().err)
+    with reporting(enabled=False):
+        with Progress("x", 2) as bar:
+            bar.update(2)
+    with Progress("library", 2) as bar:  # no reporting block: a library call
+        bar.update(2)
+    assert capsys.readouterr().err == ""
+
+
+def test_a_loop_that_raises_prints_no_timing_line(capsys):
+    with reporting(), pytest.raises(ValueError):
+        with Progress("run", 8) as bar:
+            raise ValueError("candidate crashed")
+    assert capsys.readouterr().err == ""
+
+
+def test_library_export_is_silent(tmp_path, capsys):
+    export_trace(TINY, tmp_path / "ref.h5", [5, 17, 3], HiddenSource(seed=0))
+    assert capsys.readouterr().err == ""
+
+
+def test_export_cli_prints_a_final_timing_line_and_is_quiet_with_q(tmp_path):
+    args = ["export", TINY, "--tokens", "5,17,3", "--hidden-seed", "0", "--mode", "stepwise"]
+    loud = run_cli(oracle_cli, [*args, "--out", tmp_path / "a.h5"])
+    assert loud.exit_code == 0 and re.search(r"^export \(stepwise\): 3 steps in \d", loud.stderr, re.M)
+    assert "\r" not in loud.stderr  # no bar redrawn into a log file
+    quiet = run_cli(oracle_cli, [*args, "--out", tmp_path / "b.h5", "-q"])
+    assert quiet.exit_code == 0 and quiet.stderr == ""
+
+
+def test_run_reports_the_candidates_steps_for_python_and_c(tmp_path, monkeypatch):
+    from probe.adapters.cabi import build_library
+
+    monkeypatch.syspath_prepend(str(CANDIDATES))
+    result = run_cli(probe_cli, ["run", TINY_REF, "--impl", "python:numpy_step:make_head"])
+    assert result.exit_code == 0 and "candidate python:numpy_step:make_head: 8 steps in" in result.stderr
+    lib = build_library(CANDIDATES / "mtp_step.c", tmp_path)
+    result = run_cli(probe_cli, ["run", TINY_REF, "--impl", f"c:{lib}"])
+    assert result.exit_code == 0 and "candidate c:mtp_step.so: 8 steps in" in result.stderr
+    quiet = run_cli(probe_cli, ["run", TINY_REF, "--impl", f"c:{lib}", "-q"])
+    assert quiet.exit_code == 0 and "steps in" not in quiet.stderr
+
+
+def test_the_c_workers_steps_are_read_from_its_progress_file(tmp_path):
+    from probe.adapters.cabi import _steps_done
+
+    path = tmp_path / "progress.txt"
+    assert _steps_done(path, 8) == 0
+    path.write_text("load\t0.0\ncreate\t0.1\nstep 0\t0.2\nstep 1\t0.3\nstep 2\t0.4\n")
+    assert _steps_done(path, 8) == 2
+    path.write_text(path.read_text() + "destroy\t0.5\n")
+    assert _steps_done(path, 8) == 8
+
+
+def test_on_a_terminal_run_of_a_c_library_ends_with_a_full_bar(tmp_path, monkeypatch):
+    from probe.adapters.cabi import build_library
+
+    monkeypatch.setattr(progress, "_is_terminal", lambda: True)
+    lib = build_library(CANDIDATES / "mtp_step.c", tmp_path)
+    result = run_cli(probe_cli, ["run", TINY_REF, "--impl", f"c:{lib}"])
+    assert result.exit_code == 0 and re.search(r"candidate c:mtp_step\.so: 100%.*8/8", result.stderr)
