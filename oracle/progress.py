@@ -91,7 +91,8 @@ class Progress:
 
 def tracked(items: Iterable, desc: str, total: int | None, unit: str = "step",
             count: Callable[[object], int] = lambda item: 1) -> Iterator:
-    """Yield `items`, advancing a Progress by `count(item)` after each (a loop that breaks early ends it too)."""
+    """Yield `items`, advancing a Progress by `count(item)` after each. A loop left early (a break, an error) closes
+    the bar without a timing line: the generator cannot tell which, and a line after an error message misleads."""
     bar = Progress(desc, total, unit)
     finished = False
     try:
@@ -99,9 +100,6 @@ def tracked(items: Iterable, desc: str, total: int | None, unit: str = "step",
             yield item
             bar.update(count(item))
         finished = True
-    except GeneratorExit:  # the loop stopped early (e.g. --fail-fast): still a normal end
-        finished = True
-        raise
     finally:
         bar.close(finished)
 

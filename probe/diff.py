@@ -15,6 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
+from oracle.progress import tracked
 from oracle.stages import INDEX_SET
 from oracle.trace import rows_per_chunk
 
@@ -136,7 +137,9 @@ def _compare_stages(ref: TraceSource, cand: TraceSource, names: Sequence[str], t
     blocks = [(name, start, min(start + step, total)) for start in range(0, total, step) for name in names]
     stages = {name: _StageProgress() for name in names}
     stop, chunk_ok = total, True
-    for (name, start, end), actual, expected, sums in _read_and_sum(ref, cand, blocks, tols, widths):
+    blocks_read = tracked(_read_and_sum(ref, cand, blocks, tols, widths), "diff", total * len(names), unit="row",
+                          count=lambda item: item[0][2] - item[0][1])  # (stage, token) rows compared
+    for (name, start, end), actual, expected, sums in blocks_read:
         if sums is None:  # an index-set stage (topk_ids): compared as sets
             block = compare_index_sets(name, start, actual, expected, tols[name], routing.near_tie(start, end))
             routing.saw_flips(block)

@@ -99,3 +99,19 @@ def test_on_a_terminal_run_of_a_c_library_ends_with_a_full_bar(tmp_path, monkeyp
     lib = build_library(CANDIDATES / "mtp_step.c", tmp_path)
     result = run_cli(probe_cli, ["run", TINY_REF, "--impl", f"c:{lib}"])
     assert result.exit_code == 0 and re.search(r"candidate c:mtp_step\.so: 100%.*8/8", result.stderr)
+
+
+def test_diff_reports_the_rows_it_compared(tmp_path):
+    result = run_cli(probe_cli, ["diff", TINY_REF, TINY_REF])
+    assert result.exit_code == 0 and re.search(r"^diff: 88 rows in \d", result.stderr, re.M)  # 11 stages x 8 tokens
+    assert "rows in" not in run_cli(probe_cli, ["diff", TINY_REF, TINY_REF, "-q"]).stderr
+
+
+def test_a_tracked_loop_left_early_closes_without_a_timing_line(capsys):
+    with reporting():
+        for i in tracked(range(8), "diff", 8):
+            if i == 3:
+                break
+        assert capsys.readouterr().err == ""
+        assert list(tracked(range(2), "diff", 2)) == [0, 1]
+    assert capsys.readouterr().err.startswith("diff: 2 steps in")
