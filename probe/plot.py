@@ -1,53 +1,90 @@
-"""The `--plot` heatmap: stage x token, colour = tolerance budget used (log scale); matplotlib only when asked."""
+"""The `--plot` heatmap: stage x token, colour = tolerance budget used (log scale); matplotlib only when asked.
+
+Rows are the reference's own stages (`report.stage_names`), in its order. The title names the verdict and the
+first divergent (stage, token), and that cell is outlined. Colours are colourblind-safe and match the HTML
+report: Okabe-Ito blue (within tolerance) through light grey (budget 1, the limit) to vermillion (out of
+tolerance); black X = a row never written or of the wrong layout (invalid), reddish purple = NaN/Inf the candidate
+computed, grey = not captured or not compared, `~` = compared but not evidence (explained in the legend).
+
+A trace longer than ZOOM_ABOVE tokens gets two panels: the whole trace with its columns max-pooled (so one bad
+token among thousands still shows) and a window of ZOOM_WIDTH tokens around the first divergence, at full
+resolution with every mark.
+"""
 
 from pathlib import Path
 
 import numpy as np
-
-from oracle.stages import STAGE_NAMES
 
 from oracle.output import agg_figure, atomic_output
 
 from probe.compare import INVALID_STATUSES
 from probe.diff import DiffReport
 from probe.evidence import evidential_rows
-from probe.report import coverage_text
+from probe.report import budget_text, coverage_text
 
 _FLOOR, _CEIL = 1e-3, 1e3  # colour range of the budget; 1 (the limit) sits in the middle
+PASS_BLUE, LIMIT_GREY, FAIL_VERMILLION = "#0072B2", "#EEEEEE", "#D55E00"  # Okabe-Ito
+INVALID_BLACK, NONFINITE_PURPLE, GAP_GREY = "#000000", "#CC79A7", "#BDBDBD"
+ZOOM_ABOVE, ZOOM_WIDTH, OVERVIEW_COLUMNS = 200, 48, 200  # tokens
+_TEXT_CELLS = 64  # up to this many tokens in a panel, every mark is written in its cell
+BLIND_NOTE = "compared, but not evidence: q/k unwitnessed\n(uniform attention would pass too) or a routing near-tie"
 
 
 def write_heatmap(report: DiffReport, path: Path) -> None:
-    """Write a PNG: budget per (stage, token); invalid cells black with an X, computed NaN/Inf red, gaps grey."""
-    fig = agg_figure((min(4 + 0.4 * report.num_tokens, 24), 5.5))  # the Agg canvas, without pyplot's state
-    from matplotlib.colors import LogNorm  # importable now: agg_figure checked matplotlib
-
-    budget, marks = _grids(report)
-    ax = fig.add_subplot()
-    ax.set_facecolor("0.85")  # not captured / not compared: NaN cells show the background
-    image = ax.imshow(np.clip(budget, _FLOOR, _CEIL), aspect="auto", cmap="RdYlGn_r", interpolation="nearest",
-                      norm=LogNorm(vmin=_FLOOR, vmax=_CEIL))
-    overlay = np.zeros(budget.shape + (4,))
-    overlay[marks == "invalid"] = (0, 0, 0, 1)
-    overlay[marks == "nonfinite"] = (0.6, 0, 0, 1)
-    ax.imshow(overlay, aspect="auto", interpolation="nearest")
-    if report.num_tokens <= 64:
-        for (row, col), mark in np.ndenumerate(marks):
-            text = {"invalid": "X", "nonfinite": "NaN", "blind": "~"}.get(mark)
-            if text:
-                ax.text(col, row, text, ha="center", va="center", color="white" if mark != "blind" else "black")
-    names = report.stage_names or STAGE_NAMES
-    ax.set_yticks(range(len(names)), names)
-    ax.set_xlabel("token")
-    ax.set_title(f"{report.verdict.name.upper()}: {Path(report.candidate).name} vs oracle "
-                 f"({coverage_text(report.captured, report.stage_names or STAGE_NAMES)})", fontsize=9)
-    fig.colorbar(image, ax=ax, label="tolerance budget used (1 = limit, log)")
-    fig.tight_layout()
+    """Write the heatmap PNG of `report` to `path` (atomically)."""
+    fig = heatmap_figure(report)
     with atomic_output(path, "--plot") as tmp:
         fig.savefig(tmp, format="png", dpi=100)
 
 
-def _grids(report: DiffReport) -> tuple[np.ndarray, np.ndarray]:
-    names = list(report.stage_names or STAGE_NAMES)
+def heatmap_figure(report: DiffReport):
+    """The heatmap as a matplotlib Figure (Agg canvas): one panel, or overview + zoom for a long trace."""
+    names = row_names(report)
+    budget, marks = grids(report, names)
+    first = _first_cell(report, names)
+    long = report.num_tokens > ZOOM_ABOVE
+    width = 14 if long else min(5 + 0.4 * report.num_tokens, 24)
+    fig = agg_figure((width, (2 if long else 1) * (1.2 + 0.28 * len(names)) + 1.6))
+    fig.set_layout_engine("constrained")
+    axes = fig.subplots(2, 1) if long else [fig.subplots()]
+    if long:
+        lo, hi = zoom_window(report.num_tokens, _focus_token(report, budget, marks))
+        image = _panel(axes[0], *pooled(budget, marks, OVERVIEW_COLUMNS), names, first, detail="none")
+        axes[0].add_patch(_outline(lo - 0.5, -0.5, hi - lo, len(names), "0.3", 1.2, "--"))
+        axes[0].set_title(f"all {report.num_tokens} tokens (each column: the worst of its tokens); dashed: "
+                          f"tokens {lo}-{hi - 1}, below", fontsize=8)
+        _panel(axes[1], budget[:, lo:hi], marks[:, lo:hi], np.arange(lo, hi), names, first, detail="text")
+    else:
+        image = _panel(axes[0], budget, marks, np.arange(report.num_tokens), names, first,
+                       detail="text" if report.num_tokens <= _TEXT_CELLS else "markers")
+    fig.suptitle(title(report), fontsize=10)
+    fig.colorbar(image, ax=axes, label="tolerance budget used (1 = limit, log)", shrink=0.9)
+    fig.legend(handles=_legend_handles(), loc="outside lower center", ncol=3 if width >= 11 else 2, fontsize=7,
+               frameon=False)
+    return fig
+
+
+def title(report: DiffReport) -> str:
+    """Three lines: the verdict (with its reason unless pass/diverged), the first divergent (stage, token) or
+    that there is none, and what was compared."""
+    verdict, first = {"pass": "PASSED"}.get(report.verdict.name, report.verdict.name.upper()), report.first
+    reason = report.verdict.reasons[0] if report.verdict.reasons else ""
+    if report.verdict.name not in ("pass", "diverged") and reason:
+        verdict += f": {reason[:100]}{'…' if len(reason) > 100 else ''}"
+    where = (f"first divergence: {first.stage} at token {first.token} (budget {budget_text(first.diff.budget_used)},"
+             f" outlined)" if first is not None else "no divergent row")
+    names = report.stage_names or tuple(report.rows)
+    return f"{verdict}\n{where}\n{Path(report.candidate).name} vs oracle, {coverage_text(report.captured, names)}, " \
+           f"T={report.num_tokens}"
+
+
+def row_names(report: DiffReport) -> list[str]:
+    """The reference's stages, in its order (the report's rows where an old report lacks the list)."""
+    return list(report.stage_names or report.rows)
+
+
+def grids(report: DiffReport, names: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Budget [stages, T] (NaN: not compared) and marks ("" | invalid | nonfinite | blind) per cell."""
     budget = np.full((len(names), report.num_tokens), np.nan)
     marks = np.full(budget.shape, "", dtype=object)
     for name, rows in report.rows.items():
@@ -59,3 +96,92 @@ def _grids(report: DiffReport) -> tuple[np.ndarray, np.ndarray]:
         budget[at, tokens[valued]] = rows.budget_used[valued]
         marks[at, tokens[valued & ~evidential_rows(rows)]] = "blind"
     return budget, marks
+
+
+def pooled(budget: np.ndarray, marks: np.ndarray, columns: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """At most `columns` columns, each the worst of a run of tokens: the largest budget (NaN only where no token
+    of it was compared), invalid over NaN/Inf; `~` marks are dropped. Returns (budget, marks, first token of each)."""
+    span = -(-budget.shape[1] // columns)  # tokens per column, rounded up
+    starts = np.arange(0, budget.shape[1], span)
+    worst = np.fmax.reduceat(budget, starts, axis=1)  # fmax: NaN only where the whole run is NaN
+    out = np.full(worst.shape, "", dtype=object)
+    for mark in ("nonfinite", "invalid"):  # invalid last: it wins
+        hit = np.logical_or.reduceat(marks == mark, starts, axis=1)
+        out[hit] = mark
+    return worst, out, starts
+
+
+def zoom_window(num_tokens: int, token: int) -> tuple[int, int]:
+    """Tokens lo..hi-1: ZOOM_WIDTH of them around `token`, a quarter before it, inside 0..T-1."""
+    lo = max(0, min(token - ZOOM_WIDTH // 4, num_tokens - ZOOM_WIDTH))
+    return lo, min(num_tokens, lo + ZOOM_WIDTH)
+
+
+def _focus_token(report: DiffReport, budget: np.ndarray, marks: np.ndarray) -> int:
+    """The first divergence's token; else the first invalid or non-finite cell's; else the worst budget's; else 0."""
+    if report.first is not None:
+        return report.first.token
+    bad = np.argwhere(np.isin(marks, ["invalid", "nonfinite"]))
+    if len(bad):
+        return int(bad[:, 1].min())
+    if np.isfinite(budget).any():
+        return int(np.unravel_index(np.nanargmax(np.where(np.isfinite(budget), budget, -1)), budget.shape)[1])
+    return 0
+
+
+def _first_cell(report: DiffReport, names: list[str]) -> tuple[int, int] | None:
+    first = report.first
+    return None if first is None or first.stage not in names else (names.index(first.stage), first.token)
+
+
+def _panel(ax, budget, marks, tokens: np.ndarray, names: list[str], first: tuple[int, int] | None, detail: str):
+    """Draw one heatmap panel; column j covers tokens[j] .. tokens[j+1]-1 (x in token units). `detail`: "text"
+    (X, NaN and ~ written in their cells), "markers" (~ as small marks; cells too narrow for text), "none"."""
+    from matplotlib.colors import LinearSegmentedColormap, ListedColormap, LogNorm
+
+    edges = np.append(tokens, tokens[-1] + (tokens[1] - tokens[0] if len(tokens) > 1 else 1)) - 0.5
+    rows = np.arange(len(names) + 1) - 0.5
+    ax.set_facecolor(GAP_GREY)  # not captured / not compared: NaN cells show the background
+    cmap = LinearSegmentedColormap.from_list("okabe_ito_budget", [PASS_BLUE, LIMIT_GREY, FAIL_VERMILLION])
+    image = ax.pcolormesh(edges, rows, np.ma.masked_invalid(np.clip(budget, _FLOOR, _CEIL)), cmap=cmap,
+                          norm=LogNorm(vmin=_FLOOR, vmax=_CEIL))
+    for mark, colour in (("invalid", INVALID_BLACK), ("nonfinite", NONFINITE_PURPLE)):
+        cells = np.ma.masked_where(marks != mark, np.ones(marks.shape))
+        ax.pcolormesh(edges, rows, cells, cmap=ListedColormap([colour]))
+    if detail == "text":
+        for (row, col), mark in np.ndenumerate(marks):
+            shown = {"invalid": ("X", "white"), "nonfinite": ("NaN", "white"), "blind": ("~", "black")}.get(mark)
+            if shown:
+                ax.text(tokens[col], row, shown[0], ha="center", va="center", color=shown[1], fontsize=8)
+    elif detail == "markers":
+        rows_at, cols_at = np.nonzero(marks == "blind")
+        ax.scatter(tokens[cols_at], rows_at, marker="$\\sim$", s=12, color="black", linewidths=0)
+    ax.set_xlim(edges[0], edges[-1])
+    ax.set_ylim(rows[-1], rows[0])  # first stage on top
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.set_xlabel("token")
+    if first is not None and edges[0] <= first[1] < edges[-1]:
+        col = int(np.searchsorted(tokens, first[1], side="right")) - 1
+        x, w = edges[col], edges[col + 1] - edges[col]
+        ax.add_patch(_outline(x, first[0] - 0.5, w, 1, "black", 3.0))
+        ax.add_patch(_outline(x, first[0] - 0.5, w, 1, "white", 1.0))
+    return image
+
+
+def _outline(x: float, y: float, width: float, height: float, colour: str, linewidth: float, style: str = "-"):
+    from matplotlib.patches import Rectangle
+
+    return Rectangle((x, y), width, height, fill=False, edgecolor=colour, linewidth=linewidth, linestyle=style)
+
+
+def _legend_handles() -> list:
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    return [Patch(color=PASS_BLUE, label="within tolerance (budget < 1)"),
+            Patch(color=FAIL_VERMILLION, label="out of tolerance (budget > 1)"),
+            Patch(facecolor="none", edgecolor="black", linewidth=2, label="first divergence"),
+            Patch(color=INVALID_BLACK, label="X  never written / wrong layout (invalid)"),
+            Patch(color=NONFINITE_PURPLE, label="NaN/Inf computed by the candidate"),
+            Patch(color=GAP_GREY, label="not captured / not compared"),
+            Line2D([], [], linestyle="none", marker="$\\sim$", markersize=9, color="black", label=BLIND_NOTE)]
