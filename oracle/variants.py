@@ -36,7 +36,11 @@ Tensor = torch.Tensor
 RowOk = Callable[[str, np.ndarray, np.ndarray], np.ndarray]  # (stage, actual, expected) -> bool per row
 
 QWEN_HEAD_MODULES = ("oracle.families.qwen3_5", "oracle.families.qwen3_5_moe", "oracle.families.qwen3_next")
-PERTURBATION = 1e-2  # coverage: an error of 1% of the tensor's RMS (of 1+w for a (1+w) norm) in every element
+# Coverage: an error of 1% of the tensor's RMS (of 1+w for a (1+w) norm) in every element. A linear's error is the
+# rank-1 sign pattern eps·rms·s rᵀ (s, r random ±1): every element moves by exactly 1% of the RMS, and
+# (W + δW) x = W x + eps·rms·s (r·x) costs one extra dot product instead of a second copy of the weight.
+PERTURBATION = 1e-2
+PREFIX = 16  # variants and perturbations are tried on the first PREFIX tokens first; most are settled there
 
 
 class StageOps:
@@ -82,6 +86,16 @@ class StageOps:
 
     def copy(self) -> "StageOps":
         return copy.copy(self)
+
+    def prefix(self, n: int) -> "StageOps":
+        """These operators over the first n tokens only (exact for them: step t depends on tokens <= t)."""
+        if n >= self.num_tokens:
+            return self
+        ops = self.copy()
+        ops.embed, ops.hidden, ops.positions = self.embed[:n], self.hidden[:n], self.positions[:, :n]
+        ops.rope = tuple(r[:, :n] for r in self.rope)
+        ops.mask, ops.num_tokens = self.mask[:, :, :n, :n], n
+        return ops
 
     @torch.inference_mode()
     def compute(self, name: str, s: dict[str, Tensor]) -> Tensor:
@@ -288,7 +302,7 @@ class Explainer:
     """The reference's head as per-stage operators over the reference's inputs, with its variants."""
 
     def __init__(self, checkpoint_dir, inputs: TraceInputs, conventions: dict | None = None,
-                 expected_digest: str | None = None):
+                 expected_digest: str | None = None, reference: dict[str, np.ndarray] | None = None):
         import dataclasses
 
         from oracle.checkpoint import Checkpoint
@@ -308,6 +322,7 @@ class Explainer:
         impl = head_module(ckpt.family)
         self.head, self.rotary = impl.build_head(cfg, impl.torch_weights(weights))
         self.inputs = inputs
+        self.reference = reference  # the trace's own stages: the shared pass, already computed by the oracle
         self.supported = hasattr(impl, "explain_ops") or ckpt.family.head_module in QWEN_HEAD_MODULES
         if not self.supported:
             self.ops, self.patches = None, {}
@@ -320,6 +335,8 @@ class Explainer:
     @property
     def base(self) -> dict[str, Tensor]:
         """The oracle's own stages through the operators (the shared pass every variant starts from)."""
+        if self._base is None and self.reference is not None and all(n in self.reference for n in self.ops.order):
+            self._base = {n: torch.from_numpy(np.ascontiguousarray(self.reference[n])) for n in self.ops.order}
         if self._base is None:
             s: dict[str, Tensor] = {}
             for name in self.ops.order:
@@ -361,8 +378,16 @@ class Explainer:
         return results
 
     def _run_variant(self, name, ops, first, cand, row_ok, max_rel) -> dict:
+        """On the first PREFIX tokens, then (if it still reproduces the candidate) on all of them."""
+        for n in sorted({min(PREFIX, self.ops.num_tokens), self.ops.num_tokens}):
+            result = self._chain(name, ops.prefix(n), first, {k: v[:n] for k, v in cand.items()}, row_ok, max_rel, n)
+            if result["status"] != "reproduces":
+                break
+        return result
+
+    def _chain(self, name, ops, first, cand, row_ok, max_rel, n) -> dict:
         start = self.ops.order.index(first)
-        s = {n: self.base[n] for n in self.ops.order[:start]}
+        s = {k: self.base[k][:n] for k in self.ops.order[:start]}
         matched, worst = [], 0.0
         for stage in self.ops.order:
             if stage not in s:
@@ -396,22 +421,24 @@ class Explainer:
         owner_path, leaf = path
         original = _get(ops, owner_path + (leaf,))
         w = original.weight.detach()
-        is_norm = w.dim() == 1
-        scale = (1.0 + w.float() if is_norm else w.float()).pow(2).mean().sqrt()
-        noisy = w.float() + PERTURBATION * scale * torch.randn(w.shape, generator=generator)
-        replacement = (_module_copy(original, weight=nn.Parameter(noisy, requires_grad=False)) if is_norm
-                       else _linear(noisy) if isinstance(original, UpcastLinear)
-                       else _module_copy(original, weight=nn.Parameter(noisy, requires_grad=False)))
+        if isinstance(original, UpcastLinear):
+            replacement = _RankOneError(original, _rms(w), generator)
+        else:  # a norm's (1+w) or a router's [E, D] weight: small, perturbed element by element
+            base = 1.0 + w.float() if w.dim() == 1 else w.float()
+            noisy = w.float() + PERTURBATION * base.pow(2).mean().sqrt() * torch.randn(w.shape, generator=generator)
+            replacement = _module_copy(original, weight=nn.Parameter(noisy, requires_grad=False))
         _set(ops, owner_path + (leaf,), replacement)
         start = ops.order.index(first)
-        s = {n: self.base[n] for n in ops.order[:start]}
-        for stage in ops.order[start:]:
-            s[stage] = ops.compute(stage, s)
-            if stage not in captured:
-                continue
-            ok = row_ok(stage, s[stage].numpy()[:tokens], self.base[stage].numpy()[:tokens])
-            if not ok.all():
-                return {"evidenced": True, "first_seen": {"stage": stage, "token": int(np.flatnonzero(~ok)[0])}}
+        for n in sorted({min(PREFIX, tokens), tokens}):  # most errors show in the first PREFIX tokens
+            part = ops.prefix(n)
+            s = {k: self.base[k][:n] for k in ops.order[:start]}
+            for stage in ops.order[start:]:
+                s[stage] = part.compute(stage, s)
+                if stage not in captured:
+                    continue
+                ok = row_ok(stage, s[stage].numpy(), self.base[stage].numpy()[:n])
+                if not ok.all():
+                    return {"evidenced": True, "first_seen": {"stage": stage, "token": int(np.flatnonzero(~ok)[0])}}
         return {"evidenced": False, "first_seen": None}
 
     def experts(self, ref_topk_ids: np.ndarray | None) -> dict | None:
@@ -421,6 +448,28 @@ class Explainer:
         used = sorted(int(e) for e in np.unique(ref_topk_ids))
         total = int(self.ops.mlp.gate.weight.shape[0])
         return {"num_experts": total, "routed": used, "never_routed": sorted(set(range(total)) - set(used))}
+
+
+class _RankOneError(nn.Module):
+    """`linear` with weight W + eps·rms·s rᵀ, s and r random ±1 vectors: every element off by 1% of the RMS."""
+
+    def __init__(self, linear: nn.Module, rms: float, generator: torch.Generator):
+        super().__init__()
+        out_features, in_features = linear.weight.shape
+        self.linear, self.scale = linear, PERTURBATION * rms
+        self.s = torch.randint(0, 2, (out_features,), generator=generator).float() * 2 - 1
+        self.r = torch.randint(0, 2, (in_features,), generator=generator).float() * 2 - 1
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x) + (self.scale * (x @ self.r))[..., None] * self.s
+
+
+def _rms(weight: Tensor) -> float:
+    """RMS of a stored weight, widened 256 rows at a time (no float32 copy of the whole tensor)."""
+    total = 0.0
+    for start in range(0, weight.shape[0], 256):
+        total += float(weight[start:start + 256].float().pow(2).sum())
+    return (total / weight.numel()) ** 0.5
 
 
 # Which attribute of StageOps holds the module that owns a checkpoint tensor: (path to the owner, leaf module).

@@ -166,7 +166,7 @@ def explain_stages(report: DiffReport, ref_path: Path, cand: dict[str, np.ndarra
         kinds = {s.name: s.kind for s in reader.stage_list}
     family = FAMILIES.get(attrs.get("family", "qwen3_5"))
     conventions = {k: v for k, v in (attrs.get("config") or {}).items() if k in ("norm_topk_prob",)}
-    explainer = Explainer(checkpoint, inputs, conventions, attrs.get("checkpoint_digest"))
+    explainer = Explainer(checkpoint, inputs, conventions, attrs.get("checkpoint_digest"), reference=ref)
     order = tuple(report.stage_names)
     explanation = Explanation([], [], [], None, {}, descriptions={v.name: v.description for v in family.variants}
                               if family else {}, num_stages=len(order))
@@ -204,6 +204,7 @@ def _truncate(explainer, tokens: int):
     clone = type(explainer).__new__(type(explainer))
     clone.__dict__.update(explainer.__dict__)
     clone.inputs, clone._base = inputs, None
+    clone.reference = {k: v[:tokens] for k, v in explainer.reference.items()} if explainer.reference else None
     clone.ops = type(explainer.ops)(explainer.head, explainer.rotary, inputs)
     return clone
 
