@@ -24,7 +24,7 @@ PY = sys.executable
 BIN = Path(PY).parent
 
 
-def timed(cmd: list) -> tuple[float, float, str]:
+def timed(cmd: list) -> tuple[float, float, str, float]:
     start = time.perf_counter()
     proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -32,7 +32,7 @@ def timed(cmd: list) -> tuple[float, float, str]:
     out, err = proc.stdout.read(), proc.stderr.read()
     if os.waitstatus_to_exitcode(status) not in (0, 1, 3):
         raise RuntimeError(f"{cmd} failed:\n{err[-3000:]}")
-    return wall, usage.ru_maxrss / 1e6, out
+    return wall, usage.ru_maxrss / 1e6, out, usage.ru_utime + usage.ru_stime
 
 
 def write_variant_candidate(ckpt: str, ref: str, out: str, variant: str) -> None:
@@ -78,13 +78,16 @@ def main() -> None:
     diagnosis = next((line for line in explain[2].splitlines() if line.startswith("DIAGNOSIS |")), "(none)")
     extra = explain[0] - plain[0]
     print(f"27B-shaped head, T={args.t}, candidate = oracle with {args.variant}")
-    print(f"  mtp-oracle export               {export[0]:7.1f} s   peak RSS {export[1]:.2f} GB")
-    print(f"  mtp-probe diff                  {plain[0]:7.1f} s   peak RSS {plain[1]:.2f} GB")
-    print(f"  mtp-probe diff --explain        {explain[0]:7.1f} s   peak RSS {explain[1]:.2f} GB")
+    print(f"  mtp-oracle export               {export[0]:7.1f} s   cpu {export[3]:6.1f} s   peak RSS {export[1]:.2f} GB")
+    print(f"  mtp-probe diff                  {plain[0]:7.1f} s   cpu {plain[3]:6.1f} s   peak RSS {plain[1]:.2f} GB")
+    print(f"  mtp-probe diff --explain        {explain[0]:7.1f} s   cpu {explain[3]:6.1f} s   peak RSS {explain[1]:.2f} GB")
+    print(f"  cpu-time ratio (explain part / export): {(explain[3] - plain[3]) / export[3]:.2f}x "
+          f"(wall times swing 2x on a shared machine)")
     print(f"  explain part (difference)       {extra:7.1f} s   = {extra / export[0]:.2f}x the export (goal <= 3x); "
           f"whole command {explain[0] / export[0]:.2f}x")
     print(f"  {diagnosis}")
-    print(json.dumps({"export_s": export[0], "diff_s": plain[0], "explain_s": explain[0],
+    print(json.dumps({"export_s": export[0], "diff_s": plain[0], "explain_s": explain[0], "export_cpu_s": export[3],
+                      "explain_cpu_s": explain[3],
                       "ratio_explain_part": extra / export[0], "ratio_whole": explain[0] / export[0]}))
 
 
