@@ -17,6 +17,8 @@ Root attributes
     config             JSON of the head config used
     checkpoint_digest  "sha256:<hex>" over (name, dtype, shape, stored bytes) of each head tensor, in name order
     inputs_digest      "sha256:<hex>" of the four /inputs datasets, see `inputs_digest`
+    evidence_digest    "sha256:<hex>" of evidence_rules and the /evidence datasets, see `evidence_digest`; the
+                       probe uses a reference's evidence only when it matches
     provenance         JSON: command line, checkpoint path, hidden source, seed, mode, dtype, git commit, time
 
 Datasets
@@ -100,6 +102,19 @@ def inputs_digest(inputs: TraceInputs) -> str:
     return "sha256:" + digest.hexdigest()
 
 
+def evidence_digest(rules: dict | None, evidence: dict[str, np.ndarray]) -> str:
+    """sha256 over the evidence rules (canonical JSON) and each /evidence dataset (name, dtype, shape, little-endian
+    bytes, in name order). The probe trusts a reference's evidence only where this matches: edited evidence could
+    otherwise turn blind rows into evidence (a false pass)."""
+    digest = hashlib.sha256(json.dumps(rules or {}, sort_keys=True).encode())
+    for name in sorted(evidence):
+        arr = np.ascontiguousarray(evidence[name])
+        arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
+        digest.update(f"{name}|{arr.dtype.str}|{list(arr.shape)}|".encode())
+        digest.update(arr.tobytes())
+    return "sha256:" + digest.hexdigest()
+
+
 def rows_per_chunk(width: int, num_tokens: int) -> int:
     """Token rows per HDF5 chunk (about 1 MiB of float32), also the probe's read granularity."""
     return max(1, min(num_tokens, _CHUNK_BYTES // (4 * width)))
@@ -122,6 +137,8 @@ def write_trace(path: Path, inputs: TraceInputs, stages: dict[str, np.ndarray], 
     if unknown:
         raise ValueError(f"unknown stage names {sorted(unknown)}; valid: {stage_list.names}")
     attrs = {"dims": dims.to_dict()} | attrs
+    if evidence:
+        attrs["evidence_digest"] = evidence_digest(attrs.get("evidence_rules"), evidence)
     # h5py writes through hdf5_target: HDF5 never sees a failed write (a full disk), which it does not survive
     with atomic_output(path, option) as tmp, hdf5_target(tmp) as sink, h5py.File(sink, "w") as f:
         _write_root_attrs(f, inputs, names, attrs)
@@ -288,6 +305,18 @@ class TraceReader:
     def has_evidence(self, name: str) -> bool:
         return self._guard("/evidence", lambda: f"evidence/{name}" in self._file)
 
+    def evidence_names(self) -> tuple[str, ...]:
+        return self._guard("/evidence", lambda: tuple(sorted(self._file.get("evidence", {}))))
+
+    def evidence_verified(self) -> bool | None:
+        """True when the recorded evidence_digest matches the evidence rules and /evidence; None when the trace
+        records no digest (then its evidence is not trusted); False when it does not match."""
+        recorded = self.attrs.get("evidence_digest")
+        if recorded is None:
+            return None
+        arrays = {n: self.evidence_rows(n) for n in self.evidence_names()}
+        return evidence_digest(self.attrs.get("evidence_rules"), arrays) == recorded
+
     def evidence_rows(self, name: str, start: int = 0, stop: int | None = None,
                       out: np.ndarray | None = None) -> np.ndarray:
         """Rows start..stop of /evidence/<name> (EVIDENCE_DOCS)."""
@@ -429,7 +458,7 @@ def _read_root_attrs(f: h5py.File, path: Path) -> dict:
         attrs[key] = _positive_int_attr(path, key, attrs[key])
     if "stages" in attrs:
         attrs["stages"] = _stage_names_attr(path, attrs["stages"])
-    for key in ("family", "producer", "checkpoint_digest", "inputs_digest"):
+    for key in ("family", "producer", "checkpoint_digest", "inputs_digest", "evidence_digest"):
         if key in attrs and not isinstance(attrs[key], str):
             raise TraceFormatError(f"{path}: root attribute '{key}' is {_attr_kind(attrs[key])}; the schema says a "
                                    f"string (oracle/trace.py).")

@@ -250,8 +250,10 @@ def qk_sensitivity(ref: TraceSource, tol: Tol) -> QkSensitivity:
     """Which reference tokens' attn rows depend on the attention weights: where /evidence/attn_uniform FAILS the
     attn stage's tolerance against /stages/attn (probe/evidence.py). None are, without the record."""
     total = ref.num_tokens
-    rules = ref.attrs.get("evidence_rules", {}) if hasattr(ref, "attrs") else {}
-    dependent = tuple(rules.get("qk_dependent", ())) or tuple(ref.stages[list(ref.stages).index(ATTENTION):])
+    # Every stage from attn on is q/k-dependent unless the (digest-verified) rules say which; attn always is.
+    default = tuple(ref.stages[list(ref.stages).index(ATTENTION):])
+    rules = _verified_rules(ref)
+    dependent = tuple(dict.fromkeys((ATTENTION, *rules.get("qk_dependent", default))))
     if not ref.has_evidence("attn_uniform"):
         return QkSensitivity(np.zeros(total, dtype=bool), recorded=False, dependent=dependent)
     sensitive = np.zeros(total, dtype=bool)
@@ -272,6 +274,14 @@ def qk_sensitivity(ref: TraceSource, tol: Tol) -> QkSensitivity:
     return QkSensitivity(sensitive, recorded=True, dependent=dependent)
 
 
+def _verified_rules(ref: TraceSource) -> dict:
+    """The reference's evidence_rules where its evidence_digest covers them; {} (the defaults) otherwise."""
+    if getattr(ref, "evidence_verified", None) is not True:
+        return {}
+    rules = ref.attrs.get("evidence_rules", {})
+    return rules if isinstance(rules, dict) else {}
+
+
 class _Routing:
     """Routing near-ties: where the reference's own top-k selection margin (/evidence/topk_margin, in router-logit
     units) is below twice the router_logits tolerance, a candidate within tolerance there may select another expert
@@ -287,8 +297,7 @@ class _Routing:
 
     @staticmethod
     def of(ref: TraceSource, cand: TraceSource, tols) -> "_Routing":
-        rules = ref.attrs.get("evidence_rules", {}) if hasattr(ref, "attrs") else {}
-        dependent = tuple(rules.get("routing_dependent", ("topk_weights", "routed", "mlp", "res2", "out")))
+        dependent = tuple(_verified_rules(ref).get("routing_dependent", ("topk_weights", "routed", "mlp", "res2", "out")))
         if "router_logits" not in ref.stages or not ref.has_evidence("topk_margin"):
             return _Routing(None, dependent, True)
         tol, total = tols["router_logits"], ref.num_tokens

@@ -110,7 +110,7 @@ def inconclusive_reasons(rows: Sequence[StageRows], captured: Sequence[str],
     missing = [name for name in REQUIRED_FOR_PASS if name not in captured]
     if missing:
         reasons.append(f"not captured: {', '.join(missing)} (pass needs {' and '.join(REQUIRED_FOR_PASS)} compared)")
-    if ATTENTION in captured and not qk_evidenced(rows):
+    if ATTENTION in captured and (not qk_evidenced(rows) or (qk is not None and not qk.recorded)):
         reasons.append(_no_qk_reason(rows, qk))
     return tuple(reasons)
 

@@ -48,6 +48,10 @@ def check_reference(ref: TraceSource) -> None:
     if stale:
         raise ReferenceTraceError(f"reference trace inconsistent: {stale}. Its inputs were changed after export, so "
                                   f"its stages are not the oracle's output for them. {regenerate}")
+    if getattr(ref, "evidence_verified", None) is False:
+        raise ReferenceTraceError(f"reference trace inconsistent: {ref.path}: its /evidence datasets or "
+                                  f"evidence_rules do not match its evidence_digest (edited after export?), so what "
+                                  f"it says a row can witness cannot be trusted. {regenerate}")
 
 
 def _family_stages(ref: TraceSource) -> tuple[str, ...]:
@@ -89,9 +93,9 @@ def layout_problem(source: TraceSource, name: str, want: tuple[int, int], kind: 
         return "shape", (f"stage {name}: {source.describe(name)} has shape {got}, expected {expected} {want} "
                          f"= [T, width] of the reference; write row t of step t, width {want[1]}.")
     dtype = np.dtype(source.stage_dtype(name))
-    if kind == INDEX_SET and not (dtype.kind in "iu" and dtype.itemsize == 8):
-        return "dtype", (f"stage {name}: {source.describe(name)} is {dtype}, expected int64 (expert ids, "
-                         f"compared as a set per row).")
+    if kind == INDEX_SET and dtype.kind not in "iu":  # int32 ids from an engine are fine: compared as int64
+        return "dtype", (f"stage {name}: {source.describe(name)} is {dtype}, expected integer ids (int64 in a raw "
+                         f"dump), compared as a set per row.")
     if kind != INDEX_SET and not (dtype.kind == "f" and dtype.itemsize == 4):
         return "dtype", (f"stage {name}: {source.describe(name)} is {dtype}, expected float32; write the "
                          f"engine's float32 values (convert bf16/fp16 to float32 exactly, never round f64).")

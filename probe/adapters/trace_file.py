@@ -122,7 +122,15 @@ class Hdf5Trace(_Closing):
         return _native_float32(self._reader.input_rows(name, start, stop))
 
     def has_evidence(self, name: str) -> bool:
-        return self._reader.has_evidence(name)
+        """The evidence dataset is present and covered by a matching evidence_digest (check_reference refuses a
+        mismatch); evidence without a digest is not trusted."""
+        return self._reader.has_evidence(name) and self.evidence_verified is True
+
+    @property
+    def evidence_verified(self) -> bool | None:
+        if not hasattr(self, "_evidence_verified"):
+            self._evidence_verified = self._reader.evidence_verified()
+        return self._evidence_verified
 
     def evidence_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         return _native_float32(self._reader.evidence_rows(name, start, stop))

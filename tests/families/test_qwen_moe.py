@@ -2,6 +2,7 @@
 layouts; the MoE stages are compared as the design says (topk_ids as sets, near-ties excused); only routed experts
 are read; the top-k renormalisation convention is explicit; sharded checkpoints and `accept` work."""
 
+import json
 import shutil
 
 import h5py
@@ -11,7 +12,7 @@ import pytest
 from oracle.checkpoint import Checkpoint
 from oracle.cli import cli as oracle_cli
 from oracle.families.registry import head_module
-from oracle.trace import read_trace, write_trace
+from oracle.trace import evidence_digest, read_trace, write_trace
 from probe.cli import cli as probe_cli
 from probe.diff import diff_traces
 from tests.helpers import ROOT, load_script, run_cli
@@ -126,6 +127,8 @@ def test_a_routing_flip_at_a_reference_near_tie_is_a_tie_not_a_wiring_bug(export
     shutil.copy(trace, near)
     with h5py.File(near, "a") as f:
         f["evidence/topk_margin"][4, 0] = 1e-7  # the reference's own selection is a near-tie at token 4
+        rules = json.loads(f.attrs["evidence_rules"])
+        f.attrs["evidence_digest"] = evidence_digest(rules, {n: f["evidence"][n][()] for n in f["evidence"]})
     cand = _with_stages(trace, tmp_path / "flip.h5", _flip_at(4))
     report = diff_traces(near, cand)
     assert report.verdict.name == "pass" and report.routing_ties == (4,), report.verdict

@@ -67,8 +67,9 @@ def test_export_warns_when_its_inputs_cannot_evidence_q_k(tmp_path):
 def test_a_reference_without_the_sensitivity_record_is_at_best_inconclusive(tmp_path):
     old = tmp_path / "old.h5"
     shutil.copy(TINY_REF, old)
-    with h5py.File(old, "a") as f:
+    with h5py.File(old, "a") as f:  # as an older oracle wrote it: no evidence, no digest of it
         del f["evidence"]
+        del f.attrs["evidence_digest"]
     result = run_cli(cli, ["diff", old, TINY_REF])
     assert result.exit_code == 3 and "re-export the reference" in last_line(result)
 
@@ -204,3 +205,24 @@ def test_the_candidate_being_the_reference_is_said(tmp_path):
 def test_run_does_not_claim_determinism_it_did_not_measure():
     result = run_cli(cli, ["run", TINY_REF, "--impl", "torch", "--checkpoint", TINY])
     assert result.exit_code == 0 and "deterministic" not in result.output
+
+
+def test_a_reference_whose_evidence_was_edited_is_refused(tmp_path, degenerate_ref):
+    """Edited evidence could turn blind rows into q/k evidence (a false pass): it is covered by evidence_digest."""
+    forged = tmp_path / "forged.h5"
+    shutil.copy(degenerate_ref, forged)
+    with h5py.File(forged, "a") as f:
+        f["evidence/attn_uniform"][1:] += 1.0  # claims every attn row at t >= 1 depends on the weights
+    result = run_cli(cli, ["run", forged, "--impl", PY + "no_qk_norm", "--checkpoint", TINY])
+    assert result.exit_code == 2 and "evidence" in result.output and "do not match" in result.output
+    rules = tmp_path / "rules.h5"
+    shutil.copy(degenerate_ref, rules)
+    with h5py.File(rules, "a") as f:
+        f.attrs["evidence_rules"] = json.dumps({"qk_dependent": [], "absolute_positions": "not evidenced"})
+    assert run_cli(cli, ["diff", rules, degenerate_ref]).exit_code == 2
+    unsigned = tmp_path / "unsigned.h5"
+    shutil.copy(TINY_REF, unsigned)
+    with h5py.File(unsigned, "a") as f:
+        del f.attrs["evidence_digest"]  # evidence no digest covers is not trusted: at best inconclusive
+    assert run_cli(cli, ["diff", unsigned, TINY_REF]).exit_code == 3
+    assert run_cli(cli, ["diff", TINY_REF, TINY_REF]).exit_code == 0  # twin: the untouched reference
