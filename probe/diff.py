@@ -23,7 +23,7 @@ from probe.adapters.trace_file import TraceSource, open_candidate, open_referenc
 from probe.compare import (DIVERGENT_STATUSES, Cell, StageDiff, StageRows, compare_index_sets, join_rows,
                            mark_ties, most_severe, not_compared_rows, oracle_finite, rows_from_sums)
 from probe.errors import ProbeError, ReferenceTraceError
-from probe.evidence import ATTENTION, QkSensitivity, Verdict, cell_at, decide
+from probe.evidence import ATTENTION, POSITION_NOTE, QkSensitivity, Verdict, cell_at, decide
 from probe.localize import first_divergence, first_divergence_per_token
 from probe.rowdiff import row_sums
 from probe.findings import candidate_findings
@@ -57,6 +57,7 @@ class DiffReport:
     family: str = "qwen3_5"
     stage_docs: dict = None  # stage name -> one-line doc (from the reference)
     routing_ties: tuple[int, ...] = ()  # tokens whose routing flipped at a reference near-tie
+    evidence_notes: tuple[str, ...] = ()  # what the family's (verified) evidence rules say this trace can show
 
     @property
     def not_captured(self) -> tuple[str, ...]:
@@ -123,7 +124,7 @@ def diff_sources(ref: TraceSource, cand: TraceSource, tols: dict[str, Tol], fail
                       rows, tuple(issues), decide(rows.values(), [i.message for i in issues], captured, qk),
                       first, first_divergence_per_token(rows.values(), ref.stages), compared_tokens, qk,
                       zero_is_unwritten, findings, tuple(ref.stages), ref.attrs.get("family", "qwen3_5"),
-                      {s.name: s.doc for s in ref.stage_list}, routing.tie_tokens())
+                      {s.name: s.doc for s in ref.stage_list}, routing.tie_tokens(), evidence_notes(ref))
 
 
 def _compare_stages(ref: TraceSource, cand: TraceSource, names: Sequence[str], tols: dict[str, Tol],
@@ -272,6 +273,22 @@ def qk_sensitivity(ref: TraceSource, tol: Tol) -> QkSensitivity:
         rows = rows_from_sums(ATTENTION, start, attn.shape[1], sums, tol, zero_is_unwritten=False)
         sensitive[start:stop] = ~rows.has_status({"ok"})
     return QkSensitivity(sensitive, recorded=True, dependent=dependent)
+
+
+def evidence_notes(ref: TraceSource) -> tuple[str, ...]:
+    """The family's own evidence statements (verified rules): absolute positions (e.g. position 0 observable
+    under DeepSeek's embedding mask), how many tokens' routing depended on a group limit, and any other rule the
+    family states in words."""
+    rules = _verified_rules(ref)
+    position = rules.get("absolute_positions", "not evidenced")
+    notes = [POSITION_NOTE if position == "not evidenced" else str(position)]
+    if "router_group_limited" in rules and ref.has_evidence("router_group_limited"):
+        limited = int(np.count_nonzero(np.asarray(ref.evidence_rows("router_group_limited", 0, ref.num_tokens))))
+        notes.append(f"{limited} of {ref.num_tokens} tokens had a routing decision that depended on the group "
+                     f"limit (n_group/topk_group): a group-limit error can show only at those tokens")
+    known = {"qk_dependent", "routing_dependent", "absolute_positions", "router_group_limited"}
+    notes += [str(v) for k, v in sorted(rules.items()) if k not in known and isinstance(v, str)]
+    return tuple(notes)
 
 
 def _verified_rules(ref: TraceSource) -> dict:

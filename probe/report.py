@@ -290,8 +290,13 @@ def qk_text(report: DiffReport) -> str:
 
 def _evidence(report: DiffReport) -> str:
     note = QK_NOTE.replace(", ".join(QK_DEPENDENT), ", ".join(report.qk.dependent))
-    lines = ["evidence:", f"  - {note}", f"  - {qk_text(report)}", f"  - {POSITION_NOTE}",
-             f"  - inputs: {_inputs_text(report)}"]
+    lines = ["evidence:", f"  - {note}", f"  - {qk_text(report)}"]
+    lines += [f"  - {n}" for n in (report.evidence_notes or (POSITION_NOTE,))]
+    if report.routing_ties:
+        lines.append(f"  - routing near-ties at token(s) {_ranges(report.routing_ties)}: the reference's own top-k "
+                     f"margin is within the router-logit tolerance there, so a different selection is rounding; "
+                     f"the rows it changes are not compared (tie)")
+    lines.append(f"  - inputs: {_inputs_text(report)}")
     lines += [f"  - finding: {f}" for f in report.findings]
     if report.not_captured:
         lines.append(f"  - not captured (never counted as passed): {', '.join(report.not_captured)}")
@@ -328,7 +333,9 @@ def _report_head(report: DiffReport) -> dict:
                    "coverage": coverage_text(report.captured, _names(report))},
         "compared_tokens": report.compared_tokens, "rule": MAX_RULE,
         "tolerances": {n: {"rtol": t.rtol, "atol": t.atol, "why": t.why} for n, t in report.tols.items()},
-        "inputs": _inputs_text(report), "evidence_notes": [QK_NOTE, qk_text(report), POSITION_NOTE],
+        "inputs": _inputs_text(report),
+        "evidence_notes": [QK_NOTE, qk_text(report), *(report.evidence_notes or (POSITION_NOTE,))],
+        "routing_ties": list(report.routing_ties),
         "qk_evidence": {"recorded": report.qk.recorded, "sensitive_tokens": int(report.qk.sensitive.sum()),
                         "evidencing_tokens": qk_evidence_tokens(report.rows.values())},
         "findings": list(report.findings),
