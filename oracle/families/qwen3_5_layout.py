@@ -225,26 +225,9 @@ def stem_and_attention_shapes(cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
 
 def head_tensor_shapes(cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
     """The 15 `mtp.*` tensors of the dense head and the shape the config implies for each ([out, in] for linears)."""
-    d, hd, ff = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    layer = "mtp.layers.0."
-    return {
-        "mtp.pre_fc_norm_embedding.weight": (d,),
-        "mtp.pre_fc_norm_hidden.weight": (d,),
-        "mtp.fc.weight": (d, 2 * d),
-        layer + "input_layernorm.weight": (d,),
-        layer + "self_attn.q_proj.weight": (2 * q, d),  # rows per head: [q_h (hd) | gate_h (hd)]
-        layer + "self_attn.k_proj.weight": (kv, d),
-        layer + "self_attn.v_proj.weight": (kv, d),
-        layer + "self_attn.q_norm.weight": (hd,),
-        layer + "self_attn.k_norm.weight": (hd,),
-        layer + "self_attn.o_proj.weight": (d, q),
-        layer + "post_attention_layernorm.weight": (d,),
-        layer + "mlp.gate_proj.weight": (ff, d),
-        layer + "mlp.up_proj.weight": (ff, d),
-        layer + "mlp.down_proj.weight": (d, ff),
-        "mtp.norm.weight": (d,),
-    }
+    d, ff, mlp = cfg.hidden_size, cfg.intermediate_size, "mtp.layers.0.mlp."
+    return stem_and_attention_shapes(cfg) | {mlp + "gate_proj.weight": (ff, d), mlp + "up_proj.weight": (ff, d),
+                                             mlp + "down_proj.weight": (d, ff)}
 
 
 # Known wiring mistakes of the Qwen stem and gated attention that still run (shared/reference/mtp_wiring.md §8).
