@@ -34,7 +34,7 @@ def adapter_from_spec(spec: str, checkpoint: Path, conventions: dict | None = No
     if kind == "c" and rest:
         from probe.adapters.cabi import CAbiAdapter
 
-        return CAbiAdapter(Path(rest), checkpoint)
+        return CAbiAdapter(Path(rest), checkpoint, conventions or {})
     if kind == "python":
         from probe.adapters.python import PythonAdapter
 

@@ -1,7 +1,9 @@
-"""The C ABI adapter: a shared library implementing fixtures/candidates/mtp_probe.h, run in a child process.
+"""The C ABI adapter: a shared library implementing fixtures/candidates/mtp_probe.h (ABI v1, the dense Qwen3.5
+head) or mtp_probe_v2.h (ABI v2, any family: weights and stages as named tables), run in a child process.
 
 `CAbiAdapter(library, checkpoint).run(inputs)` hands the library the checkpoint's head weights and the reference's
-inputs, and returns the rows it wrote. The library runs inside `python -m probe.adapters.cabi_worker`, so a
+inputs, and returns the rows it wrote. Which ABI the library speaks is told by its symbols, in the worker (a v2
+library exports `mtp2_abi_version`): the library is never loaded into the probe's own process. The library runs inside `python -m probe.adapters.cabi_worker`, so a
 segfault or abort in foreign code becomes an AdapterError naming the signal and the step, never a dead probe.
 `build_library` compiles a .c (gcc) or .cu (nvcc) candidate into such a library.
 """
@@ -25,7 +27,7 @@ from probe.adapters import cabi_worker as worker
 from probe.errors import AdapterError, CandidateError
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding probe/ (and, in a checkout, fixtures/)
-HEADER_DIR = _PACKAGE_ROOT / "fixtures" / "candidates"  # mtp_probe.h
+HEADER_DIR = _PACKAGE_ROOT / "fixtures" / "candidates"  # mtp_probe.h, mtp_probe_v2.h
 _TOOLCHAINS = {  # suffix -> (compiler, flags before the sources, flags after)
     ".c": ("gcc", ["-O2", "-std=c11", "-shared", "-fPIC"], ["-lm"]),
     ".cu": ("nvcc", ["-O2", "-shared", "-Xcompiler", "-fPIC"], []),
@@ -75,30 +77,30 @@ def build_library(source: Path, out_dir: Path, defines: tuple[str, ...] = ()) ->
 
 
 class CAbiAdapter:
-    """Runs a library implementing mtp_probe.h step by step over the inputs, in a child process."""
+    """Runs a library implementing mtp_probe.h or mtp_probe_v2.h step by step over the inputs, in a child process.
+    `conventions` (the reference's engine conventions, e.g. norm_topk_prob) go into a v2 library's config."""
 
     deterministic = True
     weights_digest: str | None = None  # known once run() has loaded the weights
     capture_only: tuple[str, ...] | None = None  # set by --explain's observer check: capture at most these
 
-    def __init__(self, library: Path, checkpoint: Path):
+    def __init__(self, library: Path, checkpoint: Path, conventions: dict | None = None):
         self.library = Path(library).resolve()
         if not self.library.is_file():
             raise AdapterError(f"C library {library} does not exist. Pass the path of a built .so (--impl c:PATH, "
                                f"CAbiAdapter(library=...)); build one with probe.adapters.cabi.build_library "
                                f"or gcc -shared -fPIC.")
         self.checkpoint = Path(checkpoint)
-        ckpt = Checkpoint(self.checkpoint)  # fails early on a bad checkpoint
-        if ckpt.family.name != "qwen3_5":
-            raise AdapterError(f"--impl c:{library}: C ABI v1 (mtp_probe.h) drives the dense Qwen3.5 head only; "
-                               f"{self.checkpoint} is a {ckpt.family.name} head. Dump its stages with "
-                               f"fixtures/candidates/mtp_trace_writer.h and use mtp-probe diff.")
-        self.hidden_size = ckpt.config.hidden_size
+        ckpt = Checkpoint(self.checkpoint)  # fails early on a bad checkpoint (a v1 library and a head of
+        # another family are refused by the worker, which is where the library's ABI is known)
+        self.hidden_width = ckpt.family.dims(ckpt.config).hc_mult * ckpt.config.hidden_size  # one `hidden` row
+        self.conventions = dict(conventions or {})
         self.name = f"c:{self.library.name}"
 
     def run(self, inputs: TraceInputs) -> dict[str, np.ndarray]:
-        """Stage -> float32 [T, width] for the stages the library captures, plus `out`; rows it never wrote
-        keep the poison pattern. Stages its mtp_capture_mask excludes are absent, never filled in."""
+        """Stage -> [T, width] for the stages the library captures, plus `out`: float32 (int64 for index sets
+        such as topk_ids); rows it never wrote keep the poison pattern (-1). Stages its mtp_capture_mask /
+        mtp2_capture excludes are absent, never filled in."""
         self._check_inputs(inputs)
         with tempfile.TemporaryDirectory(prefix="mtp-cabi-") as tmp:
             work = Path(tmp)
@@ -107,25 +109,27 @@ class CAbiAdapter:
             np.save(work / "positions.npy", np.asarray(inputs.positions, dtype=np.int64))
             if self.capture_only is not None:
                 (work / worker.CAPTURE_ONLY_FILE).write_text(",".join(self.capture_only))
+            (work / worker.CONVENTIONS_FILE).write_text(json.dumps(self.conventions))
             proc = _run_worker(self._worker_command(work), work / worker.PROGRESS_FILE, self.name, inputs.num_tokens)
             if proc.returncode != 0:
                 raise self._failure(proc, work)
             if not (work / worker.MANIFEST_FILE).is_file():  # e.g. the library called exit(0) inside a step
                 raise CandidateError(f"{self.name}: the process running it exited with status 0 "
-                                     f"{_phase_description(work / worker.PROGRESS_FILE)} without finishing the run "
+                                     f"{_phase_description(work)} without finishing the run "
                                      f"(did the library call exit()?). Its stderr:\n{_tail(proc.stderr) or '(none)'}")
             manifest = json.loads((work / worker.MANIFEST_FILE).read_text())
             self.weights_digest = manifest["weights_digest"]  # of the weights the library was actually given
             return {name: np.load(work / f"{name}.npy") for name in manifest["captured"]}
 
     def _check_inputs(self, inputs: TraceInputs) -> None:
-        if inputs.hidden_size != self.hidden_size:
-            raise AdapterError(f"the inputs have hidden size {inputs.hidden_size} but checkpoint {self.checkpoint} "
-                               f"has {self.hidden_size}; pass the checkpoint the reference was exported from.")
+        if inputs.hidden_size != self.hidden_width:
+            raise AdapterError(f"the inputs have hidden rows of {inputs.hidden_size} but checkpoint "
+                               f"{self.checkpoint}'s head takes {self.hidden_width}; pass the checkpoint the "
+                               f"reference was exported from.")
         positions = np.asarray(inputs.positions)
         if positions.size and (positions.min() < 0 or positions.max() > _INT32_MAX):
-            raise AdapterError(f"positions must fit the ABI's `int pos` (0..{_INT32_MAX}); the inputs hold "
-                               f"{positions.min()}..{positions.max()}.")
+            raise AdapterError(f"positions must fit 0..{_INT32_MAX} (C ABI v1's `int pos`; the oracle never exports "
+                               f"past 2**24); the inputs hold {positions.min()}..{positions.max()}.")
 
     def _worker_command(self, work: Path) -> list[str]:
         return [sys.executable, "-m", "probe.adapters.cabi_worker", str(self.library), str(self.checkpoint),
@@ -137,7 +141,7 @@ class CAbiAdapter:
         if proc.returncode == worker.EXIT_DIAGNOSED and (work / worker.ERROR_FILE).is_file():
             said = f" Its stderr:\n{stderr}" if proc.stderr.strip() else ""  # e.g. which CUDA call failed
             return AdapterError(f"{self.name}: {(work / worker.ERROR_FILE).read_text()}{said}")
-        where = _phase_description(work / worker.PROGRESS_FILE)
+        where = _phase_description(work)
         if proc.returncode < 0:
             sig = _signal_name(-proc.returncode)
             return CandidateError(f"{self.name} crashed with {sig} {where}. The library ran in a child process, "
@@ -194,12 +198,15 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def _phase_description(progress: Path) -> str:
-    """Where the worker was, from the last phase it announced before dying."""
+def _phase_description(work: Path) -> str:
+    """Where the worker was, from the last phase it announced before dying (functions named for the ABI the worker
+    detected: mtp_step, or mtp2_step for a v2 library)."""
+    progress, abi_file = work / worker.PROGRESS_FILE, work / worker.ABI_FILE
     phases = progress.read_text().splitlines() if progress.is_file() else []
     phase = phases[-1].split("\t")[0] if phases else ""
+    fn = "mtp2_" if abi_file.is_file() and abi_file.read_text().strip() == "2" else "mtp_"
     if phase.startswith("step "):
-        return f"in {phase} (the mtp_step call for token row {phase.split()[1]})"
-    return {"load": "while loading the library or the checkpoint (before mtp_create)",
-            "create": "in mtp_create", "destroy": "in mtp_destroy",
-            "save": "after mtp_destroy, while saving the results"}.get(phase, "before it started (no progress)")
+        return f"in {phase} (the {fn}step call for token row {phase.split()[1]})"
+    return {"load": f"while loading the library or the checkpoint (before {fn}create)",
+            "create": f"in {fn}create", "destroy": f"in {fn}destroy",
+            "save": f"after {fn}destroy, while saving the results"}.get(phase, "before it started (no progress)")

@@ -1,10 +1,14 @@
-"""The child process that drives one C-ABI shared library (fixtures/candidates/mtp_probe.h) through ctypes.
+"""The child process that drives one C-ABI shared library through ctypes: ABI v1 (fixtures/candidates/mtp_probe.h,
+the dense Qwen3.5 head) or v2 (mtp_probe_v2.h, any family; probe/adapters/cabi_v2.py), told apart by the exported
+symbols: a library that exports `mtp2_abi_version` is v2.
 
 `probe.adapters.cabi.CAbiAdapter` runs `python -m probe.adapters.cabi_worker LIB CHECKPOINT DIR`, so a segfault
 or abort in foreign code ends this process, never the probe. Everything passes through files in DIR:
 
-    in     embed.npy, hidden.npy (float32 [T, D]) and positions.npy (int64 [T])
-    out    <stage>.npy (float32 [T, width]) for every captured stage and `out`; captured.json lists them
+    in     embed.npy, hidden.npy (float32 [T, D] / [T, hidden_width]) and positions.npy (int64 [T]);
+           optional conventions.json (the reference's engine conventions, e.g. norm_topk_prob; v2 config)
+    out    <stage>.npy ([T, width]: float32, int64 for index sets) for every captured stage and `out`;
+           captured.json lists them; abi.txt holds the ABI version detected (1 or 2)
     progress.txt  the phase about to start, one line each, written unbuffered before it starts ("step 3"):
                   after a crash its last line says where the library died
     error.txt     a failure this worker diagnosed itself (bad library, error code); exit status EXIT_DIAGNOSED
@@ -25,12 +29,15 @@ from oracle.checkpoint import Checkpoint
 from oracle.errors import MtpError
 from oracle.families.qwen3_5_layout import HeadConfig
 from oracle.stages import STAGE_BY_NAME, TRACE_STAGE_NAMES
+from probe.adapters.cabi_v2 import run_v2
 from probe.errors import AdapterError
 from probe.poison import poison
 
 EXIT_DIAGNOSED = 3
 PROGRESS_FILE, ERROR_FILE, MANIFEST_FILE = "progress.txt", "error.txt", "captured.json"
 CAPTURE_ONLY_FILE = "capture_only.txt"  # optional, comma-separated stages: capture at most these (--explain)
+CONVENTIONS_FILE, ABI_FILE = "conventions.json", "abi.txt"
+V1_FAMILY = "qwen3_5"  # the one head ABI v1's fixed structs can describe
 ABI_VERSION = 1  # MTP_PROBE_ABI_VERSION
 ALL_CAPTURED = 0x3FF  # ten trace stages; also what a library without mtp_capture_mask is assumed to capture
 RETURN_CODES = {  # mtp_probe.h enum -> (name, what it means for the user)
@@ -78,18 +85,33 @@ class MtpTrace(ctypes.Structure):
     _fields_ = [(name, c_void_p) for name in TRACE_STAGE_NAMES]  # float *; the header's order is STAGES order
 
 
-def load_library(path: Path) -> ctypes.CDLL:
-    """dlopen `path` and declare the ABI's signatures; AdapterError names a missing symbol."""
+def open_library(path: Path) -> ctypes.CDLL:
+    """dlopen `path`; AdapterError says how to build a loadable one."""
     try:
-        lib = ctypes.CDLL(str(path))
+        return ctypes.CDLL(str(path))
     except OSError as err:
         raise AdapterError(f"cannot load {path}: {err}. Build it as a shared library for this machine "
                            f"(gcc -shared -fPIC ..., or nvcc -shared -Xcompiler -fPIC ...).") from None
+
+
+def abi_version(lib: ctypes.CDLL) -> int:
+    """2 if the library exports mtp2_abi_version (mtp_probe_v2.h), else 1 (mtp_probe.h)."""
+    return 2 if hasattr(lib, "mtp2_abi_version") else 1
+
+
+def load_library(path: Path, lib: ctypes.CDLL | None = None) -> ctypes.CDLL:
+    """dlopen `path` (unless given `lib`) and declare ABI v1's signatures; AdapterError names a missing symbol."""
+    lib = lib if lib is not None else open_library(path)
     signatures = {"mtp_create": (c_int, [POINTER(MtpConfig), POINTER(MtpWeights), POINTER(c_void_p)]),
                   "mtp_step": (c_int, [c_void_p, c_int, c_void_p, c_void_p, c_void_p, POINTER(MtpTrace)]),
                   "mtp_destroy": (None, [c_void_p])}
     for name, (restype, argtypes) in signatures.items():
         if not hasattr(lib, name):
+            v2 = [s for s in ("mtp2_create", "mtp2_step", "mtp2_destroy") if hasattr(lib, s)]
+            if v2:  # meant as v2, but without the symbol that says so
+                raise AdapterError(f"{path} exports {', '.join(v2)} but not mtp2_abi_version, which is how the "
+                                   f"probe tells a C ABI v2 library (mtp_probe_v2.h) from a v1 one. Export "
+                                   f"int mtp2_abi_version(void) returning 2.")
             raise AdapterError(f"{path} does not export the symbol {name}. Export it with C linkage, as "
                                f"declared in mtp_probe.h (non-static; extern \"C\" in C++/CUDA).")
         getattr(lib, name).restype, getattr(lib, name).argtypes = restype, argtypes
@@ -108,8 +130,9 @@ def config_from_head(cfg: HeadConfig, num_steps: int) -> MtpConfig:
                      cfg.rotary_dim, cfg.intermediate_size, num_steps, cfg.rms_norm_eps, cfg.rope_theta)
 
 
-def return_code_message(function: str, code: int, where: str) -> str:
-    name, meaning = RETURN_CODES.get(code, (f"code {code}", "not a return code mtp_probe.h defines"))
+def return_code_message(function: str, code: int, where: str, codes: dict = RETURN_CODES) -> str:
+    header = "mtp_probe_v2.h" if codes is not RETURN_CODES else "mtp_probe.h"
+    name, meaning = codes.get(code, (f"code {code}", f"not a return code {header} defines"))
     return f"{function} returned {code} ({name}) {where}: {meaning}."
 
 
@@ -139,19 +162,21 @@ def run_steps(lib: ctypes.CDLL, ctx: c_void_p, work: Path, buffers: dict[str, np
             raise AdapterError(return_code_message("mtp_step", code, f"at step {t} (token row {t}, position {pos})"))
 
 
-def run_library(lib_path: Path, checkpoint: Path, work: Path) -> None:
-    progress = Progress(work / PROGRESS_FILE)
-    progress("load")
-    lib = load_library(lib_path)
-    ckpt = Checkpoint(checkpoint)
-    digest = ThreadPoolExecutor(max_workers=1).submit(ckpt.head_digest)  # on the core the C step leaves idle
+def run_v1(lib: ctypes.CDLL, path: Path, ckpt: Checkpoint, work: Path, progress: Progress,
+           capture_only: list[str] | None) -> dict[str, np.ndarray]:
+    """ABI v1: the 15 head tensors widened to float32 into mtp_weights, the ten-pointer trace struct."""
+    load_library(path, lib)
+    if ckpt.family.name != V1_FAMILY:
+        raise AdapterError(f"{path.name} implements C ABI v1 (mtp_probe.h), which drives the dense Qwen3.5 head "
+                           f"only; {ckpt.path} is a {ckpt.family.name} head. Implement C ABI v2 "
+                           f"(fixtures/candidates/mtp_probe_v2.h: weights and stages as named tables, any family), "
+                           f"or dump its stages with fixtures/candidates/mtp_trace_writer.h and use mtp-probe diff.")
     tensors = ckpt.read_head(digest=False).tensors
     weights = {field: np.ascontiguousarray(tensors[name], dtype=np.float32) for field, name in WEIGHT_TENSORS}
     num_steps, d = int(np.load(work / "positions.npy").shape[0]), ckpt.config.hidden_size
     mask = capture_mask(lib)
-    if (work / CAPTURE_ONLY_FILE).is_file():
-        only = (work / CAPTURE_ONLY_FILE).read_text().split(",")
-        mask &= sum(1 << i for i, n in enumerate(TRACE_STAGE_NAMES) if n in only)
+    if capture_only is not None:
+        mask &= sum(1 << i for i, n in enumerate(TRACE_STAGE_NAMES) if n in capture_only)
     captured = [n for i, n in enumerate(TRACE_STAGE_NAMES) if mask >> i & 1] + ["out"]
     buffers = {n: poison((num_steps, STAGE_BY_NAME[n].width(d))) for n in captured}
     # Locals, so the structs and the arrays they point at outlive the context (a library may keep pointers).
@@ -161,16 +186,35 @@ def run_library(lib_path: Path, checkpoint: Path, work: Path) -> None:
     progress("create")
     code = lib.mtp_create(byref(config), byref(weight_ptrs), byref(ctx))
     if code != 0:
-        raise AdapterError(return_code_message("mtp_create", code, f"for the config of {checkpoint}"))
+        raise AdapterError(return_code_message("mtp_create", code, f"for the config of {ckpt.path}"))
     try:
         run_steps(lib, ctx, work, buffers, progress)
     finally:
         progress("destroy")
         lib.mtp_destroy(ctx)
+    return buffers
+
+
+def run_library(lib_path: Path, checkpoint: Path, work: Path) -> None:
+    progress = Progress(work / PROGRESS_FILE)
+    progress("load")
+    lib = open_library(lib_path)
+    abi = abi_version(lib)
+    (work / ABI_FILE).write_text(str(abi))  # so the parent names the right functions (mtp_step / mtp2_step)
+    ckpt = Checkpoint(checkpoint)
+    digest = ThreadPoolExecutor(max_workers=1).submit(ckpt.head_digest)  # on the core the C step leaves idle
+    only = (work / CAPTURE_ONLY_FILE).read_text().split(",") if (work / CAPTURE_ONLY_FILE).is_file() else None
+    if abi == 2:
+        conventions = (json.loads((work / CONVENTIONS_FILE).read_text()) if (work / CONVENTIONS_FILE).is_file()
+                       else {})
+        buffers = run_v2(lib, lib_path, ckpt, work, progress, only, conventions)
+    else:
+        buffers = run_v1(lib, lib_path, ckpt, work, progress, only)
     progress("save")
     for name, buf in buffers.items():
         np.save(work / f"{name}.npy", buf)
-    (work / MANIFEST_FILE).write_text(json.dumps({"captured": captured, "weights_digest": digest.result()}))
+    (work / MANIFEST_FILE).write_text(json.dumps({"captured": list(buffers), "weights_digest": digest.result(),
+                                                  "abi": abi}))
 
 
 def main(argv: list[str]) -> None:
