@@ -2,9 +2,10 @@
 head) or mtp_probe_v2.h (ABI v2, any family: weights and stages as named tables), run in a child process.
 
 `CAbiAdapter(library, checkpoint).run(inputs)` hands the library the checkpoint's head weights and the reference's
-inputs, and returns the rows it wrote. Which ABI the library speaks is told by its symbols, in the worker (a v2
-library exports `mtp2_abi_version`): the library is never loaded into the probe's own process. The library runs inside `python -m probe.adapters.cabi_worker`, so a
-segfault or abort in foreign code becomes an AdapterError naming the signal and the step, never a dead probe.
+inputs, and returns the rows it wrote. The library runs inside `python -m probe.adapters.cabi_worker`, so a
+segfault or abort in foreign code becomes an AdapterError naming the signal and the step, never a dead probe; the
+worker also tells which ABI the library speaks, by its symbols (a v2 library exports `mtp2_abi_version`): the
+library is never loaded into the probe's own process.
 `build_library` compiles a .c (gcc) or .cu (nvcc) candidate into such a library.
 """
 
