@@ -164,6 +164,42 @@ def run(ctx, ref, spec, checkpoint, out, profile, rtol, atol, stage_tol, json_pa
 
 @cli.command(epilog="""\b
 Examples:
+  mtp-probe weights fixtures/qwen3_5_tiny engine_dump.safetensors
+  mtp-probe weights CHECKPOINT dump_dir/ --json audit.json -v
+""")
+@click.argument("checkpoint", type=click.Path(exists=True, path_type=Path))
+@click.argument("dump", type=click.Path(exists=True, path_type=Path))
+@click.option("--json", "json_path", type=OUTPUT_FILE, help="Write verdict and every head tensor's audit as JSON.")
+@click.option("-v", "--verbose", is_flag=True, help="List the ok tensors too.")
+@click.pass_context
+def weights(ctx, checkpoint, dump, json_path, verbose) -> None:
+    """Audit the weights an engine loaded (DUMP: .safetensors, or a dir of .safetensors/.npy) against CHECKPOINT.
+
+    Each head tensor is ok, missing, zeros, constant, init_like, transposed, scaled, quantized, permuted_rows or
+    different. Exit 0 all ok, 1 any not, 2 unreadable input; the last line is WEIGHTS OK | … or WEIGHTS DIFFER | ….
+    """
+    from probe.weights import audit_weights, render_weights, write_weights_json
+
+    refuse_overwriting_inputs({"--json": json_path}, {"CHECKPOINT": checkpoint, "DUMP": dump})
+    if json_path:
+        check_writable(json_path, "--json")
+    try:
+        report = audit_weights(checkpoint, dump)
+    except MtpError as err:
+        if json_path:
+            write_weights_json({"schema": "mtp-probe-weights/1", "verdict": "invalid", "error": str(err),
+                                "tensors": []}, json_path)
+        click.echo(f"WEIGHTS INVALID | {str(err).splitlines()[0]}")
+        raise
+    if json_path:
+        write_weights_json(report.to_json(), json_path)
+    click.echo(render_weights(report, verbose))
+    click.echo(report.summary_line())
+    ctx.exit(report.exit_code)
+
+
+@cli.command(epilog="""\b
+Examples:
   mtp-probe selftest
   mtp-probe selftest --build-dir build -q
   mtp-probe selftest --reference ref.h5 --checkpoint CHECKPOINT

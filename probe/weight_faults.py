@@ -1,0 +1,177 @@
+"""What went wrong loading one tensor: the engine's copy `a` against the checkpoint's `e`, classified.
+
+Tried in this order (the first that fits names the fault): ok, zeros, init_like (a norm left at its initial all-0
+or all-1 value), constant, scaled (one constant factor: a forgotten dequant scale), permuted_rows (rows, or the
+input columns, of the checkpoint in another order), quantized (highly correlated, error of quantization size),
+init_like (a linear uncorrelated with the checkpoint whose spread is that of a fresh initialisation), different.
+A tensor whose shape is the checkpoint's transposed is classified after transposing back: `transposed` when it then
+matches (ok, scaled or quantized), otherwise the fault found, noted as stored transposed. Torch-free.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# ok: every element within bfloat16 rounding of the checkpoint's value (an engine holding bf16 of a float32
+# checkpoint is loaded correctly); the 1e-7 of the tensor's max covers values below bf16's normal range
+OK_REL = 2.0 ** -8
+QUANTIZED_CORR, QUANTIZED_RMS = 0.98, 0.25  # int4 per-group is ~8-10% rms error; 25% leaves room, 0.98 keeps noise out
+UNCORRELATED = 0.1
+SCALE_MIN = 0.05  # |log factor| above log(1.05): a real dequant scale is far from 1; quantization bias is not
+
+
+@dataclass(frozen=True)
+class Finding:
+    status: str
+    max_rel: float | None  # max|a - e| / max|e| (after transposing back); None when not comparable
+    note: str
+
+
+@dataclass(frozen=True)
+class TensorFacts:
+    """What the classification may know about the tensor beyond its values."""
+
+    name: str
+    init_stds: dict[str, float]  # label -> std of a fresh initialisation of this tensor
+    halves_perm: np.ndarray | None = None  # the q/gate-halves row order of a q_proj (checkpoint row per dump row)
+
+
+def classify(a: np.ndarray, e: np.ndarray, facts: TensorFacts) -> Finding:
+    """Classify the engine's tensor `a` against the checkpoint's `e` (both float; shapes equal or transposed)."""
+    if a.shape != e.shape:
+        return _transposed(a, e, facts)
+    a, e = np.asarray(a, dtype=np.float64), np.asarray(e, dtype=np.float64)
+    bad = int(a.size - np.count_nonzero(np.isfinite(a)))
+    if bad:
+        return Finding("different", None, f"{bad} NaN/Inf element{'s' if bad > 1 else ''}")
+    err = np.abs(a - e)
+    scale = float(np.abs(e).max()) or 1.0
+    max_rel = float(err.max()) / scale
+    if _close(a, e, scale):
+        return Finding("ok", max_rel, "bit-identical" if max_rel == 0 else "within bfloat16 rounding")
+    flat = a.reshape(-1)
+    if not flat.any():
+        if a.ndim == 1:
+            return Finding("init_like", max_rel, "all 0: a (1+w) RMSNorm's initial value (never loaded?)")
+        return Finding("zeros", max_rel, "every element is 0")
+    if (flat == flat[0]).all():
+        if a.ndim == 1 and flat[0] == 1.0:
+            return Finding("init_like", max_rel, "all 1: an RMSNorm's initial value (never loaded?)")
+        return Finding("constant", max_rel, f"every element is {flat[0]:.6g}")
+    return _by_values(a, e, facts, max_rel)
+
+
+def _by_values(a: np.ndarray, e: np.ndarray, facts: TensorFacts, max_rel: float) -> Finding:
+    ea, ee = float(np.dot(a.ravel(), a.ravel())), float(np.dot(e.ravel(), e.ravel()))
+    dot = float(np.dot(a.ravel(), e.ravel()))
+    corr = dot / np.sqrt(ea * ee) if ea and ee else 0.0
+    factor = dot / ee if ee else 0.0
+    if factor and abs(np.log(abs(factor))) > SCALE_MIN and abs(corr) > QUANTIZED_CORR:
+        residual = np.linalg.norm(a - factor * e) / (abs(factor) * np.sqrt(ee))
+        exact = _close(a / factor, e, float(np.abs(e).max()))
+        return Finding("scaled", max_rel, f"the checkpoint times {factor:.6g} (a forgotten dequant scale?)"
+                       + ("" if exact else f"; {residual:.1%} rms error beyond the factor"))
+    permuted = _permutation_note(a, e, facts)
+    if permuted:
+        return Finding("permuted_rows", max_rel, permuted)
+    rms = float(np.linalg.norm(a - e) / np.sqrt(ee)) if ee else float("inf")
+    if corr > QUANTIZED_CORR and rms < QUANTIZED_RMS:
+        return Finding("quantized", max_rel, f"{rms:.2%} rms error, correlation {corr:.4f}: quantization-sized "
+                                             f"(int8 ~0.5%, fp8 ~2-3%, int4 ~8-10%)")
+    init = _init_like(a, corr, facts)
+    if init:
+        return Finding("init_like", max_rel, init)
+    return Finding("different", max_rel, f"correlation {corr:+.3f} with the checkpoint, {rms:.1%} rms error")
+
+
+def _close(a: np.ndarray, e: np.ndarray, scale: float) -> bool:
+    return bool((np.abs(a - e) <= OK_REL * np.abs(e) + 1e-7 * scale).all())
+
+
+def _transposed(a: np.ndarray, e: np.ndarray, facts: TensorFacts) -> Finding:
+    back = np.swapaxes(a, -1, -2)  # (…, in, out) -> (…, out, in)
+    inner = classify(back, e, facts)
+    if inner.status in ("ok", "scaled", "quantized"):
+        extra = "" if inner.status == "ok" else f"; transposed back it is {inner.status}: {inner.note}"
+        return Finding("transposed", inner.max_rel, f"stored as {list(a.shape)}, the checkpoint's "
+                                                    f"{list(e.shape)} transposed{extra}")
+    return Finding(inner.status, inner.max_rel, f"{inner.note} (and stored transposed, {list(a.shape)})")
+
+
+def _permutation_note(a: np.ndarray, e: np.ndarray, facts: TensorFacts) -> str:
+    """A note when `a`'s rows (or, 2-D, columns) are the checkpoint's in another order; '' otherwise."""
+    if a.ndim < 2:
+        return ""
+    rows = _row_permutation(a.reshape(-1, a.shape[-1]), e.reshape(-1, e.shape[-1]))
+    if rows is not None:
+        moved = int(np.count_nonzero(rows != np.arange(len(rows))))
+        note = f"{moved} of {len(rows)} rows are checkpoint rows in another order"
+        if facts.halves_perm is not None and np.array_equal(rows[:len(facts.halves_perm)], facts.halves_perm):
+            note += ("; exactly [all q | all gate] instead of the per-head [q_h | gate_h] interleave "
+                     "(q/gate halves)")
+        elif a.ndim == 3 and (rows.reshape(a.shape[0], -1) // a.shape[1] == rows.reshape(a.shape[0], -1)[:, :1]
+                              // a.shape[1]).all():
+            note += "; whole experts swapped (expert order)"
+        return note
+    if a.ndim == 2:
+        cols = _row_permutation(a.T, e.T)
+        if cols is not None:
+            half = a.shape[1] // 2
+            swapped = a.shape[1] % 2 == 0 and np.array_equal(cols, np.r_[half:2 * half, 0:half])
+            return (f"columns (the input dimension) in another order, rows intact"
+                    + ("; exactly its two halves swapped (e.g. fc's concat [e, h] read as [h, e])" if swapped else ""))
+    return ""
+
+
+def _row_permutation(a: np.ndarray, e: np.ndarray) -> np.ndarray | None:
+    """perm with a[i] ≈ e[perm[i]] for every row (not the identity), found by matching row fingerprints; None if
+    the rows are not a permutation of the checkpoint's."""
+    n = a.shape[0]
+    if n < 2:
+        return None
+    r = np.random.default_rng(0).standard_normal(a.shape[1])
+    pa, pe = a @ r, e @ r  # (rows,) fingerprints: equal rows, equal fingerprints (to rounding)
+    order_e = np.argsort(pe, kind="stable")
+    perm = np.empty(n, dtype=np.int64)
+    perm[np.argsort(pa, kind="stable")] = order_e
+    scale = float(np.abs(e).max()) or 1.0
+    for i in np.flatnonzero(~_rows_close(a, e[perm], scale)):  # near-equal fingerprints may pair wrongly
+        at = np.searchsorted(pe[order_e], pa[i])
+        window = order_e[max(0, at - 8):at + 8]
+        hits = window[_rows_close(np.broadcast_to(a[i], (len(window), a.shape[1])), e[window], scale)]
+        if not len(hits):
+            return None
+        perm[i] = hits[0]
+    return None if np.array_equal(perm, np.arange(n)) else perm
+
+
+def _rows_close(a: np.ndarray, e: np.ndarray, scale: float) -> np.ndarray:
+    return (np.abs(a - e) <= OK_REL * np.abs(e) + 1e-7 * scale).all(axis=1)
+
+
+def _init_like(a: np.ndarray, corr: float, facts: TensorFacts) -> str:
+    if abs(corr) > UNCORRELATED or a.ndim < 2:
+        return ""
+    std, mean = float(a.std()), float(a.mean())
+    if abs(mean) > 0.1 * std:
+        return ""
+    for label, init in facts.init_stds.items():
+        if 0.7 < std / init < 1.4:
+            return (f"uncorrelated with the checkpoint (correlation {corr:+.3f}), std {std:.3g} ≈ {label} "
+                    f"({init:.3g}): a fresh initialisation, never loaded?")
+    return ""
+
+
+def halves_permutation(num_heads: int, head_dim: int) -> np.ndarray:
+    """Checkpoint row of each row of a q_proj laid out [all q | all gate] (the checkpoint is per head
+    [q_h | gate_h]): the permutation an engine that splits q_proj in halves applies."""
+    head, dim = np.divmod(np.arange(num_heads * head_dim), head_dim)
+    q = head * 2 * head_dim + dim
+    return np.concatenate([q, q + head_dim])
+
+
+def init_stds(shape: tuple[int, ...], initializer_range: float) -> dict[str, float]:
+    """Standard deviations of the usual fresh initialisations of a linear weight [.., out, in]."""
+    fan_in = shape[-1]
+    return {f"normal(0, initializer_range={initializer_range:g})": initializer_range,
+            "nn.Linear's default kaiming_uniform": 1.0 / np.sqrt(3.0 * fan_in)}
