@@ -140,7 +140,7 @@ def write_trace(path: Path, inputs: TraceInputs, stages: dict[str, np.ndarray], 
     if evidence:
         attrs["evidence_digest"] = evidence_digest(attrs.get("evidence_rules"), evidence)
     # h5py writes through hdf5_target: HDF5 never sees a failed write (a full disk), which it does not survive
-    with atomic_output(path, option) as tmp, hdf5_target(tmp) as sink, h5py.File(sink, "w") as f:
+    with atomic_output(path, option) as tmp, hdf5_target(tmp) as sink, _create_hdf5(sink) as f:
         _write_root_attrs(f, inputs, names, attrs)
         for name in INPUT_NAMES:
             f.create_dataset(f"inputs/{name}", data=getattr(inputs, name))
@@ -150,14 +150,39 @@ def write_trace(path: Path, inputs: TraceInputs, stages: dict[str, np.ndarray], 
             _write_evidence(f, name, values, inputs)
 
 
+def _put(attrs, key: str, value) -> None:
+    """Store an attribute; strings (and lists of them) as fixed-length UTF-8, inline in the object header. h5py's
+    default, variable-length strings, live in a global heap, and libhdf5 can loop forever reading a damaged one
+    (found by corrupting a trace byte by byte); a damaged inline string reads as garbage or fails cleanly."""
+    if isinstance(value, str) or (isinstance(value, list) and value and all(isinstance(v, str) for v in value)):
+        encoded = [v.encode("utf-8") for v in value] if isinstance(value, list) else value.encode("utf-8")
+        longest = max(len(e) for e in encoded) if isinstance(encoded, list) else len(encoded)
+        attrs.create(key, data=np.array(encoded, dtype=h5py.string_dtype("utf-8", max(longest, 1))))
+    else:
+        attrs[key] = value
+
+
+def _create_hdf5(sink) -> h5py.File:
+    """A new HDF5 file on the file object `sink`, whose groups keep up to 64 attributes in their object header
+    ("compact" storage) instead of moving them to a fractal heap after 8: a trace's root has more than 8, and
+    libhdf5 can loop forever reading a damaged attribute heap (found by corrupting a trace byte by byte), where a
+    damaged compact attribute fails cleanly."""
+    from h5py._hl import files
+
+    fcpl = h5py.h5p.create(h5py.h5p.FILE_CREATE)
+    fcpl.set_attr_phase_change(64, 48)
+    fapl = files.make_fapl("fileobj", fileobj=sink)
+    return h5py.File(files.make_fid(repr(sink).encode("ascii", "replace"), "w", None, fapl, fcpl))
+
+
 def _write_root_attrs(f: h5py.File, inputs: TraceInputs, names: list[str], attrs: dict) -> None:
-    f.attrs["schema"] = SCHEMA
+    _put(f.attrs, "schema", SCHEMA)
     f.attrs["num_tokens"] = inputs.num_tokens
     f.attrs["hidden_size"] = inputs.hidden_size
-    f.attrs["stages"] = names
-    f.attrs["inputs_digest"] = inputs_digest(inputs)
+    _put(f.attrs, "stages", list(names))
+    _put(f.attrs, "inputs_digest", inputs_digest(inputs))
     for key, value in attrs.items():
-        f.attrs[key] = json.dumps(value, sort_keys=True) if isinstance(value, dict) else value
+        _put(f.attrs, key, json.dumps(value, sort_keys=True) if isinstance(value, dict) else value)
 
 
 def _write_stage(f: h5py.File, stage: Stage, values: np.ndarray, inputs: TraceInputs, dims: Dims) -> None:
@@ -167,7 +192,8 @@ def _write_stage(f: h5py.File, stage: Stage, values: np.ndarray, inputs: TraceIn
                          f"{(inputs.num_tokens, width)}")
     ds = f.create_dataset(f"stages/{stage.name}", data=values,
                           chunks=(rows_per_chunk(max(width, 1), inputs.num_tokens), max(width, 1)))
-    ds.attrs["doc"], ds.attrs["kind"], ds.attrs["shape"] = stage.doc, stage.kind, stage.shape
+    for key, value in (("doc", stage.doc), ("kind", stage.kind), ("shape", stage.shape)):
+        _put(ds.attrs, key, value)
 
 
 def _write_evidence(f: h5py.File, name: str, values: np.ndarray, inputs: TraceInputs) -> None:
@@ -176,7 +202,7 @@ def _write_evidence(f: h5py.File, name: str, values: np.ndarray, inputs: TraceIn
         raise ValueError(f"evidence {name}: got {values.dtype} {values.shape}, need one of {sorted(EVIDENCE_DOCS)} "
                          f"as float32 [T, w]")
     ds = f.create_dataset(f"evidence/{name}", data=values, chunks=(rows_per_chunk(shape[1], shape[0]), shape[1]))
-    ds.attrs["doc"] = EVIDENCE_DOCS[name]
+    _put(ds.attrs, "doc", EVIDENCE_DOCS[name])
 
 
 class TraceReader:

@@ -7,6 +7,8 @@ import json
 import shutil
 
 import h5py
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -189,20 +191,37 @@ def test_non_finite_reference_is_an_error(tmp_path, ref_data):
     assert result.exit_code == 2 and "stage res2 holds NaN/Inf" in last_line(result)
 
 
+SWEEP = """
+import sys
+from pathlib import Path
+from oracle.errors import MtpError
+from probe.diff import diff_traces
+ref, step, out = Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+data, errors = ref.read_bytes(), 0
+for offset in range(0, len(data), step):
+    damaged = bytearray(data)
+    damaged[offset:offset + 256] = b"\\xff" * 256
+    path = out / f"corrupt_{offset}.h5"
+    path.write_bytes(bytes(damaged))
+    try:
+        diff_traces(ref, path)
+    except MtpError:
+        errors += 1
+    path.unlink()
+print(errors)
+"""
+
+
 def test_corrupt_bytes_anywhere_give_a_verdict_or_a_user_error(tmp_path):
-    """Overwrite 256 bytes at every 2 KiB of a copy: never a traceback (h5py fails in several ways)."""
-    data = TINY_REF.read_bytes()
-    errors = 0
-    for offset in range(0, len(data), 2048):
-        damaged = bytearray(data)
-        damaged[offset:offset + 256] = b"\xff" * 256
-        path = tmp_path / f"corrupt_{offset}.h5"
-        path.write_bytes(bytes(damaged))
-        try:
-            diff_traces(TINY_REF, path)
-        except MtpError:
-            errors += 1
-    assert errors > 0
+    """Overwrite 256 bytes at every 1 KiB of a copy: never a traceback, and never a hang (libhdf5 loops forever on
+    some damaged heaps: the trace writer keeps attributes inline, and this sweep runs in a child with a timeout)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", SWEEP, str(TINY_REF), "1024", str(tmp_path)], capture_output=True,
+                          text=True, timeout=240, cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert int(proc.stdout.strip()) > 0
 
 
 def test_usage_errors(tmp_path):
