@@ -164,7 +164,7 @@ def run_v2(lib: ctypes.CDLL, path: Path, ckpt: Checkpoint, work: Path, progress,
     num_steps, d = len(positions), cfg.hidden_size
     buffers = {n: np.full((num_steps, stages[n].width(dims)), -1, dtype=np.int64) if stages[n].kind == INDEX_SET
                else poison((num_steps, stages[n].width(dims))) for n in captured}
-    buffers["out"] = poison((num_steps, d))
+    buffers["out"] = poison((num_steps, stages["out"].width(dims) if "out" in stages.names else d))
     # Locals, so the tables and the arrays they point at outlive the context (a library may keep pointers).
     head = ckpt.read_head(widen=False, digest=False)  # as stored: bf16 stays bf16, experts stay mapped
     weights, weights_alive = weight_table(head.tensors, head.dtypes)
