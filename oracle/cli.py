@@ -13,6 +13,7 @@ from oracle.progress import reporting, say
 
 EXISTING_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
 EXISTING_FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
+CHECKPOINT = click.Path(exists=True, path_type=Path)  # a folder in the HF layout, or a GGUF file
 
 
 @click.group(cls=MtpGroup)
@@ -28,7 +29,7 @@ Examples:
   mtp-oracle export CHECKPOINT --out ref.h5 --tokens-file steps.txt --hidden H.npy --start-pos 100
   mtp-oracle export CHECKPOINT --out ref.h5 --tokens 17,42,3 --main-model --first-token 9 --mode stepwise
 """)
-@click.argument("checkpoint", type=EXISTING_DIR)
+@click.argument("checkpoint", type=CHECKPOINT)
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Trace file to write (HDF5).")
 @click.option("--tokens", help="Step token ids t_1..t_T, comma separated (already shifted: step i reads t_{i+1}).")
 @click.option("--tokens-file", type=EXISTING_FILE, help="Step token ids from a text file or a .npy int array.")
@@ -81,7 +82,7 @@ Examples:
   mtp-oracle accept CHECKPOINT --tokens-file text.txt --hidden H.npy --json acc.json --plot acc.png
   mtp-oracle accept CHECKPOINT --tokens-file text.txt --hidden-seed 0 --target text -q
 """)
-@click.argument("checkpoint", type=EXISTING_DIR)
+@click.argument("checkpoint", type=CHECKPOINT)
 @click.option("--k", type=int, default=4, show_default=True, help="Drafts per chain (speculation depth).")
 @click.option("--tokens", help="The sequence x_0..x_{N-1}, comma separated (NOT shifted: bridge step i reads x_{i+1}).")
 @click.option("--tokens-file", type=EXISTING_FILE, help="The sequence from a text file or a .npy int array.")
