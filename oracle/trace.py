@@ -227,7 +227,7 @@ class TraceReader:
         """Run `read`; h5py reports damage as OSError, RuntimeError or KeyError from whichever call meets it."""
         try:
             return read()
-        except (OSError, RuntimeError, KeyError) as err:
+        except (OSError, RuntimeError, KeyError, UnicodeDecodeError) as err:  # (a damaged name: not UTF-8)
             raise TraceFormatError(f"{self.path} is corrupt or truncated: reading {what} failed ({err}). Write "
                                    f"the trace again ({export_hint(self.path)}).") from None
 
