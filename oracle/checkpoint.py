@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from oracle import gguf_source
 from oracle.errors import CheckpointError, InputError
 from oracle.families.registry import detect
 from oracle.families.spec import FamilySpec, HeadConfig, TensorLayout
@@ -52,7 +53,8 @@ class Checkpoint:
     """An opened checkpoint directory: its head config and a map from tensor name to where its bytes lie."""
 
     def __init__(self, path: Path):
-        self.path = Path(path)
+        self.path = gguf_source.checkpoint_dir(Path(path))  # a GGUF: dequantized once into a cache folder
+        self.source = gguf_source.source_of(self.path)  # {"format": "safetensors"} or the GGUF's record
         if not self.path.is_dir():
             raise CheckpointError(f"checkpoint {self.path} is not a directory; pass the folder that holds "
                                   f"config.json and the safetensors files.")

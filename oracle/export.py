@@ -112,7 +112,8 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
                      "h5py": h5py.__version__, "numpy": np.__version__},
         "config": cfg.to_dict(),
         "checkpoint_digest": weights.digest,
-        "provenance": {"command": command, "checkpoint": str(Path(ckpt.path).resolve()), "hidden": hidden.describe(),
+        "provenance": {"command": command, "checkpoint": str(Path(ckpt.path).resolve()), "source": ckpt.source,
+                       "hidden": hidden.describe(),
                        "mode": mode, "dtype": "float32", "attn_implementation": "eager",
                        "oracle_commit": _git_commit(), "created": _now()},
     }

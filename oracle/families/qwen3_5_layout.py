@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from oracle.errors import CheckpointError
-from oracle.families.spec import FamilySpec, TensorLayout, Variant
+from oracle.families.spec import FamilySpec, Fusion, TensorLayout, Variant
 from oracle.stages import SPINE, Dims
 
 FAMILY = "qwen3_5"
@@ -262,6 +262,19 @@ def dense_layout(cfg: HeadConfig, names: set[str]) -> TensorLayout:
     return TensorLayout(head_tensor_shapes(cfg))
 
 
+def attention_fusions(cfg: HeadConfig, layout: TensorLayout) -> dict[str, Fusion]:
+    """vLLM's fused attention input: `qkv_proj` = cat(q_proj (q and gate rows), k_proj, v_proj) along rows."""
+    attn = "mtp.layers.0.self_attn."
+    return {attn + "qkv_proj.weight": Fusion(tuple(attn + p + "_proj.weight" for p in "qkv"))}
+
+
+def dense_fusions(cfg: HeadConfig, layout: TensorLayout) -> dict[str, Fusion]:
+    """The attention fusion plus the dense MLP's `gate_up_proj` = cat(gate_proj, up_proj) rows."""
+    mlp = "mtp.layers.0.mlp."
+    return attention_fusions(cfg, layout) | {mlp + "gate_up_proj.weight": Fusion((mlp + "gate_proj.weight",
+                                                                          mlp + "up_proj.weight"))}
+
+
 def spine_dims(cfg: HeadConfig) -> Dims:
     return Dims(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok)
 
@@ -272,4 +285,5 @@ SPEC = FamilySpec(
     parse_config=head_config_from_json, layout=dense_layout, head_prefix="mtp.",
     stages=lambda cfg: SPINE, dims=spine_dims, main_model_prefixes=MAIN_MODEL_PREFIXES, lm_head=LM_HEAD,
     head_module="oracle.families.qwen3_5", variants=QWEN_VARIANTS, tiny_config=tiny_config,
+    fusions=dense_fusions,
 )

@@ -14,8 +14,9 @@ has the key and transformers (true) otherwise, records the value in the trace's 
 
 from oracle.errors import CheckpointError
 from oracle.families.qwen3_5_layout import (LM_HEAD, MAIN_MODEL_PREFIXES, QWEN_VARIANTS, HeadConfig,
-                                            parse_qwen_config, spine_dims, stem_and_attention_shapes)
-from oracle.families.spec import ExpertLayout, FamilySpec, TensorLayout, Variant
+                                            attention_fusions, parse_qwen_config, spine_dims,
+                                            stem_and_attention_shapes)
+from oracle.families.spec import ExpertLayout, FamilySpec, Fusion, TensorLayout, Variant
 from oracle.stages import SPINE, with_moe
 
 FAMILY = "qwen3_5_moe"
@@ -54,6 +55,18 @@ def moe_layout(cfg: HeadConfig, names: set[str]) -> TensorLayout:
     return TensorLayout(stem_and_attention_shapes(cfg) | moe_block_shapes(cfg), experts)
 
 
+def moe_fusions(cfg: HeadConfig, layout: TensorLayout) -> dict[str, Fusion]:
+    """vLLM's names: `qkv_proj`, the shared expert's `gate_up_proj`, and FusedMoE `experts.w13_weight` [E, 2I, D]
+    (per expert cat(gate, up); a fused checkpoint's `gate_up_proj` as is) and `experts.w2_weight` [E, D, I]."""
+    shared, fused = MLP + "shared_expert.", layout.experts is not None and layout.experts.kind == "fused"
+    experts = ({MLP + "experts.w13_weight": Fusion((FUSED["gate_up"],)),
+                MLP + "experts.w2_weight": Fusion((FUSED["down"],))} if fused else
+               {MLP + "experts.w13_weight": Fusion((PER_EXPERT["gate"], PER_EXPERT["up"]), experts=cfg.num_experts),
+                MLP + "experts.w2_weight": Fusion((PER_EXPERT["down"],), experts=cfg.num_experts)})
+    return attention_fusions(cfg, layout) | experts | {
+        shared + "gate_up_proj.weight": Fusion((shared + "gate_proj.weight", shared + "up_proj.weight"))}
+
+
 def tiny_config(**overrides) -> dict:
     text = {"model_type": "qwen3_5_moe_text", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
             "head_dim": 32, "vocab_size": 512, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
@@ -73,6 +86,7 @@ SPEC = FamilySpec(
     parse_config=head_config_from_json, layout=moe_layout, head_prefix="mtp.",
     stages=lambda cfg: with_moe(SPINE), dims=spine_dims, main_model_prefixes=MAIN_MODEL_PREFIXES, lm_head=LM_HEAD,
     head_module="oracle.families.qwen3_5_moe", variants=QWEN_VARIANTS + MOE_VARIANTS, tiny_config=tiny_config,
+    fusions=moe_fusions,
     notes=("norm_topk_prob: transformers' Qwen3_5MoeTopKRouter always renormalises; the oracle follows the config's "
            "norm_topk_prob when present, else true (recorded in config)",),
 )

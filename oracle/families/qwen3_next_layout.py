@@ -4,7 +4,7 @@ head itself is `oracle/families/qwen3_next.py`. Released checkpoints use per-exp
 accepted too."""
 
 from oracle.families.qwen3_5_layout import (LM_HEAD, QWEN_VARIANTS, HeadConfig, parse_qwen_config, spine_dims)
-from oracle.families.qwen3_5_moe_layout import MOE_VARIANTS, moe_layout
+from oracle.families.qwen3_5_moe_layout import MOE_VARIANTS, moe_fusions, moe_layout
 from oracle.families.spec import FamilySpec
 from oracle.stages import SPINE, with_moe
 
@@ -34,4 +34,5 @@ SPEC = FamilySpec(
     parse_config=head_config_from_json, layout=moe_layout, head_prefix="mtp.",
     stages=lambda cfg: with_moe(SPINE), dims=spine_dims, main_model_prefixes=MAIN_MODEL_PREFIXES, lm_head=LM_HEAD,
     head_module="oracle.families.qwen3_next", variants=QWEN_VARIANTS + MOE_VARIANTS, tiny_config=tiny_config,
+    fusions=moe_fusions,
 )

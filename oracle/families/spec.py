@@ -77,6 +77,19 @@ class Variant:
 
 
 @dataclass(frozen=True)
+class Fusion:
+    """How an engine's fused tensor is assembled from checkpoint tensors (the load audit, `mtp-probe weights`).
+
+    The parts are concatenated along `axis` in order (vLLM's `qkv_proj` = cat(q, k, v) rows, `gate_up_proj` =
+    cat(gate, up)); with `experts` > 0 the parts are templates with {e} and the result stacks expert e's
+    concatenation along a new first axis (vLLM's FusedMoE `w13_weight` [E, 2I, D]). One part is an alias."""
+
+    parts: tuple[str, ...]
+    axis: int = 0
+    experts: int = 0
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     name: str
     model_types: tuple[str, ...]  # config.json model_type (top level or text_config)
@@ -93,6 +106,9 @@ class FamilySpec:
     variants: tuple[Variant, ...] = ()
     tiny_config: Callable[..., dict] | None = None  # (**overrides) -> a config.json dict for fixtures
     notes: tuple[str, ...] = field(default=())  # conventions recorded in the trace (e.g. top-k renormalisation)
+    # engine-side fused tensor name -> how it is built from this checkpoint's tensors ((config, layout) -> {name:
+    # Fusion}); used by the load audit (`mtp-probe weights`) to read dumps that use the engine's fused names
+    fusions: Callable[[HeadConfig, TensorLayout], dict[str, Fusion]] | None = None
 
     def evidence_rules(self, cfg: HeadConfig) -> dict:
         """What the probe needs to know about this head's evidence, stored with the trace."""
