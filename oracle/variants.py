@@ -15,11 +15,13 @@ diagnosis costs little more than one pass.
 What it is not: imported by the probe's normal paths (torch and transformers load only under --explain), or a
 judge of tolerances: the probe passes `row_ok` (its own row rule) in.
 
-Interface for another family (e.g. DeepSeek/GLM): the family's head module may define
-`explain_ops(head, rotary, inputs, cfg) -> StageOps-like` (attributes `order`, `uses`, `compute(name, stages)`)
-and `EXPLAIN_VARIANTS: dict[name, (first_stage, patch(ops) -> ops | str)]` (a string is the reason the variant
-cannot be checked on this trace). Without them, --explain reports local error and diagnosis as unavailable for
-that family.
+Interface for another family (DeepSeek-V3/GLM-4.5: oracle/families/mtp_layer_explain.py): the family's head
+module may define `explain_ops(head, rotary, inputs, cfg) -> StageOps-like` (attributes `order`, `uses`, `moe`,
+`num_tokens`, `compute(name, stages)`, `copy()`, `prefix(n)`; optional `owners` {tensor: (path, leaf)} for
+coverage, `plain_norms` (w, not 1+w, norms), `qk_path`, and `checkpoint`, which the Explainer fills with the
+reference's Checkpoint) and `EXPLAIN_VARIANTS: dict[name, (first_stage, patch(ops) -> ops | str)]` (a string is
+the reason the variant cannot be checked on this trace). Without them, --explain reports local error and diagnosis
+as unavailable for that family.
 """
 
 import copy
@@ -329,6 +331,8 @@ class Explainer:
             return
         self.ops = (impl.explain_ops(self.head, self.rotary, inputs, cfg) if hasattr(impl, "explain_ops")
                     else StageOps(self.head, self.rotary, inputs))
+        if hasattr(self.ops, "checkpoint"):  # variants that read a main-model tensor (e.g. model.norm.weight)
+            self.ops.checkpoint = ckpt
         self.patches = getattr(impl, "EXPLAIN_VARIANTS", QWEN_PATCHES)
         self._base: dict[str, Tensor] | None = None
 
@@ -409,8 +413,9 @@ class Explainer:
         rows (captured stages, tokens < `tokens`) fail? Measured by rerunning from the stage that reads it."""
         results = []
         generator = torch.Generator().manual_seed(seed)
+        owners = getattr(self.ops, "owners", _OWNERS)  # a family's operators name their own owners
         for tensor, first in self.ops.uses.items():
-            path = _OWNERS.get(tensor)
+            path = owners.get(tensor)
             if path is None:
                 continue
             results.append({"tensor": tensor, **self._perturbed(first, path, captured, tokens, row_ok, generator)})
@@ -423,8 +428,8 @@ class Explainer:
         w = original.weight.detach()
         if isinstance(original, UpcastLinear):
             replacement = _RankOneError(original, _rms(w), generator)
-        else:  # a norm's (1+w) or a router's [E, D] weight: small, perturbed element by element
-            base = 1.0 + w.float() if w.dim() == 1 else w.float()
+        else:  # a norm's (1+w) (w for plain norms) or a router's [E, D] weight: perturbed element by element
+            base = 1.0 + w.float() if w.dim() == 1 and not getattr(ops, "plain_norms", False) else w.float()
             noisy = w.float() + PERTURBATION * base.pow(2).mean().sqrt() * torch.randn(w.shape, generator=generator)
             replacement = _module_copy(original, weight=nn.Parameter(noisy, requires_grad=False))
         _set(ops, owner_path + (leaf,), replacement)

@@ -25,12 +25,14 @@ The oracle's operators need torch and transformers, so this module imports oracl
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from oracle.families.registry import FAMILIES
+from oracle.families.spec import CONVENTIONS
 from oracle.stages import INDEX_SET
 from oracle.trace import read_trace
 from probe.adapters.trace_file import open_candidate, open_reference
@@ -165,7 +167,7 @@ def explain_stages(report: DiffReport, ref_path: Path, cand: dict[str, np.ndarra
         ref = {n: reader.stage_rows(n) for n in reader.stages}
         kinds = {s.name: s.kind for s in reader.stage_list}
     family = FAMILIES.get(attrs.get("family", "qwen3_5"))
-    conventions = {k: v for k, v in (attrs.get("config") or {}).items() if k in ("norm_topk_prob",)}
+    conventions = {k: v for k, v in (attrs.get("config") or {}).items() if k in CONVENTIONS}
     explainer = Explainer(checkpoint, inputs, conventions, attrs.get("checkpoint_digest"), reference=ref)
     order = tuple(report.stage_names)
     explanation = Explanation([], [], [], None, {}, descriptions={v.name: v.description for v in family.variants}
@@ -188,6 +190,10 @@ def explain_stages(report: DiffReport, ref_path: Path, cand: dict[str, np.ndarra
         explanation.variants = truncated.variants(names, compared, row_ok, max_rel)
         explanation.diagnosis = sorted((v for v in explanation.variants if v["status"] == "reproduces"),
                                        key=lambda v: v["max_rel"])
+        unchecked = [v for v in explanation.variants if v["status"] in ("not checkable", "not implemented")]
+        if unchecked:
+            explanation.notes.append("variants not checked on this trace: " + "; ".join(
+                f"{v['variant']} ({v['reason']})" for v in unchecked))
     else:
         explanation.not_run = "nothing to diagnose: no row diverges"
     explanation.coverage = _coverage(explainer, report, tokens, row_ok, ref)
@@ -205,7 +211,7 @@ def _truncate(explainer, tokens: int):
     clone.__dict__.update(explainer.__dict__)
     clone.inputs, clone._base = inputs, None
     clone.reference = {k: v[:tokens] for k, v in explainer.reference.items()} if explainer.reference else None
-    clone.ops = type(explainer.ops)(explainer.head, explainer.rotary, inputs)
+    clone.ops = explainer.ops.prefix(tokens)  # exact for the first `tokens` steps (step t reads tokens <= t)
     return clone
 
 
@@ -238,12 +244,13 @@ def _coverage(explainer, report: DiffReport, tokens: int, row_ok, ref) -> dict:
         lines.append(f"{', '.join(evidenced)}: evidenced")
     blind = [t for t in tensors if not t["evidenced"]]
     qk_rows = int(report.qk.sensitive[:tokens].sum()) if report.qk.recorded else 0
-    qk = [short[t["tensor"]] for t in blind if short[t["tensor"]] in QK_PATH]
+    qk_path = getattr(explainer.ops, "qk_path", QK_PATH)
+    qk = [short[t["tensor"]] for t in blind if short[t["tensor"]] in qk_path]
     if qk:
         why = ("no sensitive attention row" if qk_rows == 0 or "attn" not in captured
                else f"the {qk_rows} attention row(s) that depend on the weights do not move beyond tolerance")
         lines.append(f"{', '.join(qk)}: not evidenced ({why})")
-    other = [short[t["tensor"]] for t in blind if short[t["tensor"]] not in QK_PATH]
+    other = [short[t["tensor"]] for t in blind if short[t["tensor"]] not in qk_path]
     if other:
         lines.append(f"{', '.join(other)}: not evidenced (no compared row moves beyond tolerance)")
     experts = explainer.experts(ref.get("topk_ids"))
@@ -260,7 +267,8 @@ def _coverage(explainer, report: DiffReport, tokens: int, row_ok, ref) -> dict:
 
 
 def _short(tensor: str) -> str:
-    name = tensor.removeprefix("mtp.").removeprefix("layers.0.").removesuffix(".weight")
+    name = tensor.removeprefix("mtp.").removeprefix("layers.0.")
+    name = re.sub(r"^model\.layers\.\d+\.", "", name).removesuffix(".weight")  # DeepSeek/GLM: the MTP layer
     return name.removeprefix("self_attn.").removeprefix("mlp.") if name.startswith(("self_attn.", "mlp.")) else name
 
 

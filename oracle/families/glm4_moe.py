@@ -15,11 +15,12 @@ from oracle.families.mtp_layer import (MtpLayerHead, attention_with_uniform_weig
                                        causal_mask, embedding_rows, load_main_model,
                                        main_model_hidden, official_layer_stepwise, run_batched, run_stepwise,
                                        torch_weights)
+from oracle.families.mtp_layer_explain import GLM4_MOE as EXPLAIN_VARIANTS
+from oracle.families.mtp_layer_explain import explain_ops
 
-__all__ = ["MtpLayerHead", "attention_with_uniform_weights", "build_head", "causal_mask", "embedding_rows",
-           "head_text_config", "load_main_model", "main_model_hidden", "official_layer_stepwise",
-           "run_batched",
-           "run_stepwise", "torch_weights"]
+__all__ = ["EXPLAIN_VARIANTS", "MtpLayerHead", "attention_with_uniform_weights", "build_head", "causal_mask",
+           "embedding_rows", "explain_ops", "head_text_config", "load_main_model", "main_model_hidden",
+           "official_layer_stepwise", "run_batched", "run_stepwise", "torch_weights"]
 
 
 def head_text_config(cfg: HeadConfig) -> Glm4MoeConfig:

@@ -317,15 +317,18 @@ VARIANTS = (
     Variant("concat_swap", "fc_in is [h, e], expected [e, h]"),
     Variant("pre_norm_hidden", "the main model's hidden taken before its final norm"),
     Variant("main_norm_for_out", "out normed with the main model's model.norm instead of shared_head.norm"),
-    Variant("pos0_mask_flipped", "the position-0 embedding mask applied where the reference does not, or not "
-                                 "applied where it does"),
+    Variant("pos0_mask_missing", "the embedding at absolute position 0 not zeroed, although the reference masks it "
+                                 "(mask_pos0_embedding on)"),
+    Variant("pos0_mask_extra", "the embedding at absolute position 0 zeroed (vLLM's convention), although the "
+                               "reference does not mask it"),
     Variant("embed_main_copy", "the main model's embed_tokens used where the MTP layer has its own (differing) copy"),
     Variant("bias_in_weights", "topk_weights taken from the biased scores (sigmoid + e_score_correction_bias)"),
     Variant("no_correction_bias", "experts chosen without e_score_correction_bias"),
     Variant("no_group_limit", "top-k over all experts, ignoring n_group/topk_group"),
     Variant("not_renormalised", "top-k weights not renormalised although norm_topk_prob"),
-    Variant("no_routed_scaling", "routed_scaling_factor not applied (or applied to the shared experts too)"),
-    Variant("gate_up_swap", "gate and up projections swapped in the experts"),
+    Variant("no_routed_scaling", "routed_scaling_factor not applied to the routed experts' weights"),
+    Variant("shared_scaled", "routed_scaling_factor applied to the shared experts' output too"),
+    Variant("gate_up_swap", "gate and up projections swapped in the routed experts"),
     Variant("fp8_scale_transposed", "FP8 block scales indexed [col block, row block]"),
     Variant("pos_frozen", "every step at the first position"),
 )
