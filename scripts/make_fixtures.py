@@ -146,6 +146,8 @@ def main() -> None:
     write_checkpoint(fixtures / "qwen3_5_tiny_sharded", sharded=True)
     args = reference_export_args(Path("fixtures/qwen3_5_tiny"), Path("fixtures/qwen3_5_tiny_ref.h5"))
     oracle_main(args, standalone_mode=False)
+    write_moe_checkpoint(fixtures / "qwen3_5_moe_tiny", "qwen3_5_moe", "per_expert")  # with its main model
+    write_moe_checkpoint(fixtures / "qwen3_next_tiny_fused", "qwen3_next", "fused", main_model=False)
     print(f"wrote {fixtures}", file=sys.stderr)
 
 
