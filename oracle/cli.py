@@ -54,7 +54,7 @@ Examples:
 def export(obj, checkpoint, out, tokens, tokens_file, hidden_file, hidden_seed, main_model, first_token, start_pos,
            norm_topk_prob, mask_pos0_embedding, mode, quiet) -> None:
     """Run the head on T teacher-forced steps and write every stage to an mtp-trace/1 file."""
-    from oracle.export import HiddenSource, export_trace
+    from oracle.export import HiddenSource, export_trace  # no torch: export_trace loads it beside its first reads
     from oracle.inputs import token_ids_from_file, token_ids_from_text
 
     _exactly_one({"--tokens": tokens, "--tokens-file": tokens_file})
@@ -101,8 +101,6 @@ Examples:
 def accept(obj, checkpoint, k, tokens, tokens_file, hidden_file, main_model, hidden_seed, target, chunk_rows,
            json_out, plot, quiet) -> None:
     """Measure the head's acceptance: conditional alpha_j and chain-break E[len] over k-draft chains."""
-    from oracle.accept import measure_acceptance
-    from oracle.accept_report import render_report, summary_line, write_json, write_plot
     from oracle.export import HiddenSource
     from oracle.inputs import token_ids_from_file, token_ids_from_text
 
@@ -113,6 +111,8 @@ def accept(obj, checkpoint, k, tokens, tokens_file, hidden_file, main_model, hid
         if path is not None:
             check_writable(path, option)  # fail before the work, not after it
     ids = token_ids_from_file(tokens_file) if tokens_file else token_ids_from_text(tokens, "--tokens")
+    from oracle.accept import measure_acceptance  # torch: only once the arguments are known to be usable
+    from oracle.accept_report import render_report, summary_line, write_json, write_plot
     log = (lambda msg: None) if quiet else say
     with reporting(enabled=not quiet):
         result = measure_acceptance(checkpoint, ids, HiddenSource(file=hidden_file, seed=hidden_seed,

@@ -75,11 +75,12 @@ class MtpGroup(click.Group):
             return super().main(*args, standalone_mode=False, **kwargs)
         try:
             return super().main(*args, standalone_mode=True, **kwargs)
-        except SystemExit:
+        except SystemExit as done:
             if _owns_the_process(args, kwargs):
                 # The command is over and its exit code says what happened to its output; a Ctrl-C arriving
                 # while Python tears down (torch can take a while) must not turn that into a killed process.
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
+                _exit_without_teardown(done.code)
             raise
         except KeyboardInterrupt:  # outside the command, where click would report it as exit 1
             _echo_interrupted(signal.SIGINT)
@@ -101,6 +102,29 @@ def _owns_the_process(args: tuple, kwargs: dict) -> bool:
     """True when run as the program (arguments from sys.argv), not in-process (click's CliRunner, a library)."""
     given = args[0] if args else kwargs.get("args")
     return given is None and threading.current_thread() is threading.main_thread()
+
+
+def _exit_without_teardown(code) -> None:
+    """End the program as Python's exit would (atexit handlers run, stdout and stderr are flushed, the same exit
+    status) but without tearing down every loaded module: after torch and transformers that teardown alone takes
+    over a second on a 2-core machine, and by now the command's output is complete (files are written through
+    atomic_output and closed). Returns, so that Python exits normally, while another non-daemon thread runs."""
+    if any(not t.daemon for t in threading.enumerate() if t is not threading.current_thread()):
+        return  # Python's exit joins it
+    import atexit
+
+    atexit._run_exitfuncs()
+    if code is None or isinstance(code, int):
+        status = code or 0
+    else:  # sys.exit("message"): printed, status 1
+        print(code, file=sys.stderr)
+        status = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed reader: Python's own exit says 120
+            status = status or 120
+    os._exit(status)
 
 
 def _silence_stdout() -> None:

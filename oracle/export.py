@@ -11,10 +11,7 @@ from pathlib import Path
 
 import h5py
 import numpy as np
-import torch
-import transformers
 
-from oracle.attention_evidence import qk_blind_tokens, qk_warning
 from oracle.checkpoint import Checkpoint, check_token_ids
 from oracle.errors import InputError
 from oracle.families.registry import head_module
@@ -62,6 +59,9 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
                  warn: Callable[[str], None] = lambda msg: None, config_overrides: dict | None = None) -> Path:
     """Run the head on T teacher-forced steps and write every stage to `out` (atomically).
 
+    Importing this module loads no torch: the family's torch half (torch, its transformers modules) is imported
+    here, while a thread hashes the head and reads the embedding rows (`_Prefetch`).
+
     `warn` receives what the user must know about the trace (e.g. inputs that cannot evidence q/k), even when
     `log` is silenced. `config_overrides` sets head-config fields where engines disagree on a convention (e.g.
     {"norm_topk_prob": False}); the trace's config records the value used."""
@@ -78,11 +78,17 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     log(f"checkpoint {ckpt.path}: family {family.name}, D={cfg.hidden_size}, T={len(token_ids)} "
         f"step{'s' if len(token_ids) != 1 else ''}")
     h = _resolve_hidden(ckpt, hidden, token_ids, start_pos, log)
-    weights = ckpt.read_head(widen=False)  # bf16 stays bf16: half the memory
-    impl = head_module(family)
+    weights = ckpt.read_head(widen=False, digest=False)  # mapped; bf16 stays bf16: half the memory
+    reads = _Prefetch(ckpt, token_ids)
+    try:
+        impl = head_module(family)  # torch and the family's transformers modules, while the thread reads
+    finally:
+        reads.join()  # from here on only this thread touches the checkpoint
+    from oracle.attention_evidence import qk_blind_tokens, qk_warning  # torch: loaded with the head module
+
     # a family whose head has its own embedding copy (DeepSeek/GLM) reads it, and says which table it used
     embed, embedding = (impl.embedding_rows(ckpt, token_ids) if hasattr(impl, "embedding_rows")
-                        else (ckpt.embedding_rows(token_ids), None))
+                        else (reads.rows.result(), None))
     if embedding and embedding.get("rows_equal_main") is False:
         warn(f"warning: {embedding['tensor']} differs from {embedding['main']} at these tokens; the trace uses the "
              f"MTP layer's own copy (recorded in the trace's `embedding` attribute).")
@@ -104,18 +110,21 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     blind = qk_blind_tokens(stages["attn"], evidence["attn_uniform"])
     if blind.all():
         warn(qk_warning(inputs.num_tokens))
+    import torch
+    import transformers  # both loaded by the head module: the versions recorded are the ones that ran
+
     attrs = {
         "family": family.name,
         "evidence_rules": family.evidence_rules(cfg),
-        "producer": _producer(),
+        "producer": reads.producer.result(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "h5py": h5py.__version__, "numpy": np.__version__},
         "config": cfg.to_dict(),
-        "checkpoint_digest": weights.digest,
+        "checkpoint_digest": reads.digest.result(),
         "provenance": {"command": command, "checkpoint": str(Path(ckpt.path).resolve()), "source": ckpt.source,
                        "hidden": hidden.describe(),
                        "mode": mode, "dtype": "float32", "attn_implementation": "eager",
-                       "oracle_commit": _git_commit(), "created": _now()},
+                       "oracle_commit": reads.commit.result(), "created": _now()},
     }
     if weights.layout is not None and weights.layout.experts is not None:
         # The head digest leaves the routed experts out (gigabytes); these are the ones this trace used.
@@ -128,6 +137,27 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     log(f"writing {out}")
     write_trace(out, inputs, stages, attrs, evidence=evidence, stage_list=stage_list, dims=family.dims(cfg))
     return Path(out)
+
+
+class _Prefetch:
+    """What the export reads before it needs torch, on one thread while the heavy imports run: the shared
+    embedding's rows, the head digest (a pass over the mapped head; hashlib and page faults run without the GIL,
+    and the pages are then resident for the forward), the producer version and git commit (a subprocess).
+
+    `join` waits for all of it, so the checkpoint is never used by two threads at once. A result is read only
+    where it is needed: the rows of a family that reads its own embedding copy are a page-cache warm-up, and an
+    error there (no shared table) is never raised."""
+
+    def __init__(self, ckpt: Checkpoint, token_ids: np.ndarray) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="export-prefetch")
+        self.rows = self.pool.submit(ckpt.embedding_rows, token_ids)
+        self.digest = self.pool.submit(ckpt.head_digest)
+        self.producer, self.commit = self.pool.submit(_producer), self.pool.submit(_git_commit)
+
+    def join(self) -> None:
+        self.pool.shutdown(wait=True)
 
 
 class _ExpertsDigest:
