@@ -25,7 +25,7 @@ from transformers import DynamicCache
 from oracle.attention_evidence import uniform_weights
 from oracle.checkpoint import Checkpoint, HeadWeights
 from oracle.errors import CheckpointError, InputError
-from oracle.families.moe_experts import RoutedExperts
+from oracle.families.moe_experts import RoutedExperts, _populate, _release
 from oracle.families.mtp_layer_layout import MtpLayerConfig, MtpLayerTensors
 from oracle.families.qwen3_5 import (UpcastLinear, _step_tensors, _to_numpy, _widen_non_linear_parameters,
                                      causal_mask)
@@ -212,7 +212,9 @@ class RoutedFp8Experts(RoutedExperts):
         return tuple(self.fp8.value(n[p].format(e=e)) for p in ("gate", "up", "down"))
 
     def widen(self, which: str, e: int) -> torch.Tensor:
-        """FP8 experts are dequantized straight into the reused float32 buffers (no intermediate copy)."""
+        """FP8 experts are dequantized straight into the reused float32 buffers (no intermediate copy); their mapped
+        pages are populated in one call and released once dequantized, as RoutedExperts does for bf16 (otherwise
+        every routed expert's stored bytes stay resident: 7.9 GB peak RSS at DeepSeek-V3 scale, T=32)."""
         n = self.layout.names
         names = [n[p].format(e=e) for p in (("gate", "up") if which == "gate_up" else ("down",))]
         if not all(name in self.fp8.fp8 for name in names):
@@ -223,7 +225,9 @@ class RoutedFp8Experts(RoutedExperts):
             stored = self.fp8.weights[name]
             rows = buffer[start:start + stored.shape[0]].numpy()
             scale = self.fp8.weights[name.removesuffix("weight") + _SCALE].numpy()
+            _populate(stored, self._file_backed)
             dequantize(stored.numpy(), scale, self.fp8.block, name, out=rows)
+            _release(stored, self._file_backed)
             start += stored.shape[0]
         if which == "gate_up":
             self.touched.add(e)
