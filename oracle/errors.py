@@ -73,6 +73,9 @@ class MtpGroup(click.Group):
     def main(self, *args, standalone_mode: bool = True, **kwargs):
         if not standalone_mode:
             return super().main(*args, standalone_mode=False, **kwargs)
+        if _owns_the_process(args, kwargs):
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(signum, _end_now)
         try:
             return super().main(*args, standalone_mode=True, **kwargs)
         except SystemExit as done:
@@ -96,6 +99,24 @@ class MtpGroup(click.Group):
         except KeyboardInterrupt:  # click would turn it into Abort, exit 1
             _echo_interrupted(signal.SIGINT)
             raise click.exceptions.Exit(128 + signal.SIGINT) from None
+
+
+def _end_now(signum, frame) -> None:
+    """The program's SIGINT/SIGTERM handler: remove unfinished outputs and end with 128 + signal at once.
+
+    Raising KeyboardInterrupt from here could land inside a C++ callback into Python (torch's pybind11), where it
+    cannot propagate and aborts the process (SIGABRT, exit -6: measured with a Ctrl-C 2.5 s into an export). A
+    write in progress holds the signal itself until its file is gone (oracle/output.py atomic_output)."""
+    from oracle.output import remove_pending
+
+    remove_pending()
+    _echo_interrupted(signum)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(128 + signum)
 
 
 def _owns_the_process(args: tuple, kwargs: dict) -> bool:

@@ -93,7 +93,7 @@ def atomic_output(path: Path, option: str = "--out") -> Iterator[Path]:
     check_writable(path, option)
     _remove_stale_temporaries(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with _unraisable_collected() as lost, _signals_held() as held:
+    with removed_on_interrupt(tmp), _unraisable_collected() as lost, _signals_held() as held:
         try:
             yield tmp
             if lost:
@@ -107,6 +107,31 @@ def atomic_output(path: Path, option: str = "--out") -> Iterator[Path]:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+
+
+_PENDING: set[Path] = set()  # unfinished outputs and scratch directories, removed if the program is interrupted
+
+
+@contextmanager
+def removed_on_interrupt(path: Path) -> Iterator[Path]:
+    """While the block runs, `path` (a temporary file or directory) is removed by `remove_pending`, which the
+    CLIs' interrupt handler calls before ending the process at once (oracle/errors.py)."""
+    _PENDING.add(Path(path))
+    try:
+        yield Path(path)
+    finally:
+        _PENDING.discard(Path(path))
+
+
+def remove_pending() -> None:
+    """Remove every unfinished output and scratch directory (from a signal handler: never raises)."""
+    import shutil
+
+    for path in list(_PENDING):
+        try:
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 class _Interrupted(BaseException):

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from oracle.checkpoint import Checkpoint
+from oracle.output import removed_on_interrupt
 from oracle.progress import Progress
 from oracle.trace import TraceInputs
 from probe.adapters import cabi_worker as worker
@@ -103,7 +104,7 @@ class CAbiAdapter:
         such as topk_ids); rows it never wrote keep the poison pattern (-1). Stages its mtp_capture_mask /
         mtp2_capture excludes are absent, never filled in."""
         self._check_inputs(inputs)
-        with tempfile.TemporaryDirectory(prefix="mtp-cabi-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="mtp-cabi-") as tmp, removed_on_interrupt(Path(tmp)):
             work = Path(tmp)
             np.save(work / "embed.npy", np.ascontiguousarray(inputs.embed, dtype=np.float32))
             np.save(work / "hidden.npy", np.ascontiguousarray(inputs.hidden, dtype=np.float32))
