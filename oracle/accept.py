@@ -203,6 +203,10 @@ def measure_acceptance(checkpoint_dir: Path, sequence: np.ndarray, hidden: Hidde
     sequence = token_ids_from_array(sequence, "sequence")
     _check_k(k, len(sequence))
     ckpt = Checkpoint(checkpoint_dir)
+    if ckpt.family.hidden_width(ckpt.config) != ckpt.config.hidden_size:  # DeepSeek-V4: hc streams recycled
+        raise InputError(f"mtp-oracle accept does not support the {ckpt.family.name} family yet (its drafts recycle "
+                         f"the block's hc residual streams and attend through a sliding window); export traces "
+                         f"with mtp-oracle export instead.")
     check_token_ids(sequence, ckpt.config.vocab_size)
     lm_head = _lm_head(ckpt, chunk_rows)
     target = _resolved_target(target, hidden)

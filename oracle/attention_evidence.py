@@ -22,13 +22,19 @@ from transformers.integrations.sdpa_attention import repeat_kv
 UNIFORM = "mtp_uniform_weights"
 
 
-def uniform_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention with uniform weights over the visible keys: (B, H, T, d) q/k/v -> ((B, T, H, d), weights)."""
+def uniform_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, s_aux=None, **kwargs):
+    """Attention with uniform weights over the visible keys: (B, H, T, d) q/k/v -> ((B, T, H, d), weights).
+
+    With attention sinks (`s_aux`, one logit per head that joins the softmax and is dropped: DeepSeek-V4,
+    gpt-oss), the sink is one more slot of the softmax at the same logit as every visible key: each of n visible
+    keys gets 1/(n+1). At t=0 that is 1/2, where the real weight is sigmoid(q·k·scale - sink), so a t=0 row with
+    sinks does depend on q and k (their score against the sink), unlike a sink-free softmax (≡ 1)."""
     value = repeat_kv(value, query.shape[1] // value.shape[1])  # GQA: each query head reads its kv head
-    scores = torch.zeros(query.shape[0], query.shape[1], query.shape[2], key.shape[2], dtype=query.dtype)
-    if attention_mask is not None:
-        scores = scores + attention_mask[:, :, :, : key.shape[2]]  # additive: 0 visible, finfo.min blocked
-    weights = torch.softmax(scores, dim=-1)
+    slots = key.shape[2] + (s_aux is not None)  # the sink: one more slot, dropped after the softmax
+    scores = torch.zeros(query.shape[0], query.shape[1], query.shape[2], slots, dtype=query.dtype)
+    if attention_mask is not None:  # additive: 0 visible, finfo.min blocked
+        scores[..., : key.shape[2]] = scores[..., : key.shape[2]] + attention_mask[:, :, :, : key.shape[2]]
+    weights = torch.softmax(scores, dim=-1)[..., : key.shape[2]]
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 

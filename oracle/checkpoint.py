@@ -26,9 +26,10 @@ from oracle.fp8 import E4M3, decode_e4m3, dequantize
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, E4M3: 1}
+E8M0 = "F8_E8M0"  # UE8M0 block scales (DeepSeek-V4 `.scale`): 2^(bits - 127), 255 is NaN
+_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, E4M3: 1, E8M0: 1}
 # numpy has no bfloat16 or float8: keep their bit patterns (FP8 block scales are applied by oracle/fp8.py)
-_STORED_NUMPY = {"BF16": "<u2", "F16": "<f2", "F32": "<f4", E4M3: "u1"}
+_STORED_NUMPY = {"BF16": "<u2", "F16": "<f2", "F32": "<f4", E4M3: "u1", E8M0: "u1"}
 
 
 @dataclass(frozen=True)
@@ -147,9 +148,12 @@ class Checkpoint:
             tensors[name] = _widen(stored, entry.dtype) if widen else stored
             dtypes[name] = "F32" if widen else entry.dtype
             scale = name.removesuffix("weight") + "weight_scale_inv"
+            if scale not in entries:  # DeepSeek-V4 names the block scale `X.scale`
+                scale = name.removesuffix("weight") + "scale"
             if widen and entry.dtype == E4M3 and scale in entries:  # FP8: the value the model means
                 block = tuple(getattr(self.config, "weight_block_size", None) or (128, 128))
-                tensors[name] = dequantize(stored, self._stored(entries[scale]), block, name)
+                scales = _widen(self._stored(entries[scale]), entries[scale].dtype)
+                tensors[name] = dequantize(stored, scales, block, name)
         return HeadWeights(tensors=tensors, dtypes=dtypes, digest=self.head_digest() if digest else None,
                            layout=self.layout())
 
@@ -358,6 +362,8 @@ def _widen(stored: np.ndarray, dtype: str) -> np.ndarray:
     F8_E4M3 is decoded exactly, without its block scale (oracle/fp8.py dequantize applies that)."""
     if dtype == E4M3:
         return decode_e4m3(stored)
+    if dtype == E8M0:  # exact: every 2^k, k in -127..127, is a float32 (2^-127 subnormal)
+        return np.where(stored == 255, np.nan, np.ldexp(1.0, stored.astype(np.int32) - 127)).astype(np.float32)
     if dtype != "BF16":
         return stored.astype(np.float32)
     out = np.empty(stored.shape, dtype=np.uint32)

@@ -198,9 +198,9 @@ def _overridden(ckpt: Checkpoint, overrides: dict):
 
 def _resolve_hidden(ckpt: Checkpoint, source: HiddenSource, token_ids: np.ndarray, start_pos: int,
                     log: Callable[[str], None]) -> np.ndarray:
-    t, d = len(token_ids), ckpt.config.hidden_size
+    t, d = len(token_ids), ckpt.family.hidden_width(ckpt.config)  # D, or hc·D streams (DeepSeek-V4)
     if source.file is not None:
-        return hidden_from_file(source.file, t, d)
+        return hidden_from_file(source.file, t, d, d // ckpt.config.hidden_size)
     if not source.main_model:
         return hidden_from_seed(source.seed, t, d)
     if source.first_token is None:

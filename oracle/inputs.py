@@ -95,8 +95,9 @@ def hidden_from_seed(seed: int, num_tokens: int, hidden_size: int) -> np.ndarray
     return np.random.default_rng(seed).standard_normal((num_tokens, hidden_size), dtype=np.float32)
 
 
-def hidden_from_file(spec: str, num_tokens: int, hidden_size: int) -> np.ndarray:
-    """H [T, D] float32 from FILE.npy, FILE.bin (raw little-endian float32) or FILE.h5:/dataset."""
+def hidden_from_file(spec: str, num_tokens: int, hidden_size: int, streams: int = 1) -> np.ndarray:
+    """H [T, D] float32 from FILE.npy, FILE.bin (raw little-endian float32) or FILE.h5:/dataset. `hidden_size` is
+    the row width: D, or hc·D for a head fed `streams` = hc_mult residual streams (DeepSeek-V4)."""
     path, dataset = _split_h5_spec(spec)
     if dataset is not None:
         arr = np.asarray(array_from_hdf5(path, dataset))  # a scalar (e.g. a string) comes back unwrapped
@@ -108,7 +109,7 @@ def hidden_from_file(spec: str, num_tokens: int, hidden_size: int) -> np.ndarray
     else:
         raise InputError(f"--hidden {spec}: unknown format; use .npy, .bin (raw little-endian float32) "
                          f"or FILE.h5:/dataset.")
-    return _checked_hidden(arr, where, num_tokens, hidden_size)
+    return _checked_hidden(arr, where, num_tokens, hidden_size, streams)
 
 
 def hidden_file_path(spec: str) -> Path:
@@ -146,13 +147,16 @@ def _load_bin(path: Path, num_tokens: int, hidden_size: int) -> np.ndarray:
     return np.fromfile(path, dtype="<f4").reshape(num_tokens, hidden_size)
 
 
-def _checked_hidden(arr: np.ndarray, where: str, num_tokens: int, hidden_size: int) -> np.ndarray:
+def _checked_hidden(arr: np.ndarray, where: str, num_tokens: int, hidden_size: int, streams: int = 1) -> np.ndarray:
     if arr.dtype != np.float32:
         kind = {"S": "bytes", "U": "text", "O": "objects (strings?)", "V": "a compound type"}.get(arr.dtype.kind)
         raise InputError(f"{where} is {kind or arr.dtype}; the hidden must be float32 [T, D]. Convert it explicitly "
                          f"(the oracle does not cast silently).")
     if arr.ndim != 2 or arr.shape[1] != hidden_size:
-        raise InputError(f"{where} has shape {list(arr.shape)}; the checkpoint's hidden_size is {hidden_size}, "
+        width = (f"hidden_size is {hidden_size}" if streams == 1 else
+                 f"hidden_size is {hidden_size // streams} and the head takes its hc_mult={streams} residual streams "
+                 f"(the main model's last block output, flattened [T, hc·D])")
+        raise InputError(f"{where} has shape {list(arr.shape)}; the checkpoint's {width}, "
                          f"so it must be [T, {hidden_size}].")
     if arr.shape[0] != num_tokens:
         raise InputError(f"{where} has {arr.shape[0]} rows but {num_tokens} token ids were given; "

@@ -133,9 +133,20 @@ def with_moe(spine: StageList) -> StageList:
     return StageList(spine[:at] + MOE + spine[at:])
 
 
+# --- Hyper-connection (mHC) heads (DeepSeek-V4): hc_mult residual streams of width D around one block. ---
+E_PROJ = Stage("e_proj", "T×D", "e_proj(e): the embedding's projection, added to every stream")
+H_PROJ = Stage("h_proj", "T×hc·D", "h_proj(h), per stream")
+X_IN = Stage("x_in", "T×hc·D", "the block's input streams: h_proj(h) + e_proj(e), the e term broadcast to every stream")
+AFTER_ATTN = Stage("after_attn", "T×hc·D", "the streams after the attention hyper-connection: "
+                                           "post * attn + comb^T @ x_in")
+BLOCK_OUT = Stage("block_out", "T×hc·D", "the block's output streams (after the MLP hyper-connection): recycled "
+                                         "as the hidden for draft k+1")
+HEAD_COLLAPSED = Stage("head_collapsed", "T×D", "the head's hyper-connection collapse of block_out (hc_head), before "
+                                                "the final norm")
+HC_STAGES = (X_IN, AFTER_ATTN, BLOCK_OUT, HEAD_COLLAPSED, E_PROJ, H_PROJ)
+
 # Every stage name any family uses (for validating names before a reference says which family it is).
-KNOWN_STAGE_NAMES: tuple[str, ...] = with_moe(SPINE).names + ("x_in", "after_attn", "block_out", "head_collapsed",
-                                                               "e_proj", "h_proj")
+KNOWN_STAGE_NAMES: tuple[str, ...] = with_moe(SPINE).names + tuple(s.name for s in HC_STAGES)
 
 # The default list: a trace that records no stage metadata (written before families) has these stages.
 STAGES: StageList = SPINE

@@ -24,7 +24,9 @@ Root attributes
 Datasets
     /inputs/token_ids  int64   [T]      step i's token t_{i+1}
     /inputs/positions  int64   [T]      step i's RoPE position p_i
-    /inputs/hidden     float32 [T, D]   H_i: the main model's post-final-norm hidden (the lm_head input)
+    /inputs/hidden     float32 [T, hc·D] H_i: the main model's post-final-norm hidden (the lm_head input); hc =
+                                        dims.hc, 1 but for DeepSeek-V4, whose H is the main model's hc residual
+                                        streams (last block output, before hc_head and the final norm)
     /inputs/embed      float32 [T, D]   embedding rows of token_ids as stored (bf16 widened exactly)
     /stages/<name>     float32 [T, w]   row t = step t; chunked by token rows. Attributes: `doc` (one line: what the
                                         stage is), `kind` ("rows": judged by the tolerance rule; "index_set": int64
@@ -79,7 +81,7 @@ class TraceInputs:
 
     token_ids: np.ndarray  # int64 [T]
     positions: np.ndarray  # int64 [T]
-    hidden: np.ndarray  # float32 [T, D]
+    hidden: np.ndarray  # float32 [T, hc·D] (hc = 1 but for hyper-connection heads: DeepSeek-V4)
     embed: np.ndarray  # float32 [T, D]
 
     @property
@@ -88,7 +90,7 @@ class TraceInputs:
 
     @property
     def hidden_size(self) -> int:
-        return int(self.hidden.shape[1])
+        return int(self.embed.shape[1])  # D (the hidden is hc·D wide for a hyper-connection head)
 
 
 def inputs_digest(inputs: TraceInputs) -> str:
@@ -359,7 +361,8 @@ class TraceReader:
             raise TraceFormatError(f"{self.path} has no complete /inputs group ({', '.join(INPUT_NAMES)}).")
         arrays = {n: self.input_rows(n) for n in INPUT_NAMES}
         t, d = self.num_tokens, self.hidden_size
-        for name, shape in (("token_ids", (t,)), ("positions", (t,)), ("hidden", (t, d)), ("embed", (t, d))):
+        w = self.dims.hc_mult * d  # the hidden: hc streams of D (DeepSeek-V4), else D
+        for name, shape in (("token_ids", (t,)), ("positions", (t,)), ("hidden", (t, w)), ("embed", (t, d))):
             if arrays[name].shape != shape:
                 raise TraceFormatError(f"{self.path}: /inputs/{name} has shape {arrays[name].shape}, "
                                        f"expected {shape} from num_tokens={t}, hidden_size={d}.")

@@ -62,6 +62,8 @@ class StageDiff:
     actual_stats: RowStats | None
     tol: Tol
     worst: tuple[tuple[int, float, float], ...]  # (index, oracle, candidate), largest |difference| first
+    # a [T, hc·D] stage's row per stream s (elements s·D .. s·D+D-1): (max|a-e|, max|e|, max|a|); () otherwise
+    per_stream: tuple[tuple[float, float, float], ...] = ()
 
     def __bool__(self) -> bool:
         return self.status == "ok"
@@ -326,6 +328,14 @@ def _stats(x: np.ndarray) -> RowStats:
         return RowStats(_NAN, _NAN, _NAN, int(x.size))
     return RowStats(float(finite.mean()), float(finite.std()), float(np.abs(finite).max()),
                     int(x.size - finite.size))
+
+
+def stream_detail(actual: np.ndarray, expected: np.ndarray, streams: int) -> tuple[tuple[float, float, float], ...]:
+    """Per stream of a [hc·D] row (hyper-connection heads: hc streams of D, stream-major): (max|a-e|, max|e|,
+    max|a|), so a report can say which stream diverged (e.g. the e term added to stream 0 only)."""
+    a = actual.astype(np.float64).reshape(streams, -1)
+    e = expected.astype(np.float64).reshape(streams, -1)
+    return tuple((float(np.abs(x - y).max()), float(np.abs(y).max()), float(np.abs(x).max())) for x, y in zip(a, e))
 
 
 def _worst(rank: np.ndarray, a: np.ndarray, e: np.ndarray) -> tuple[tuple[int, float, float], ...]:

@@ -8,7 +8,7 @@ The result is data (`DiffReport`); probe/report.py renders it.
 """
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Sequence
@@ -21,9 +21,9 @@ from oracle.trace import rows_per_chunk
 
 from probe.adapters.trace_file import TraceSource, open_candidate, open_reference
 from probe.compare import (DIVERGENT_STATUSES, Cell, StageDiff, StageRows, compare_index_sets, join_rows,
-                           mark_ties, most_severe, not_compared_rows, oracle_finite, rows_from_sums)
+                           mark_ties, most_severe, not_compared_rows, oracle_finite, rows_from_sums, stream_detail)
 from probe.errors import ProbeError, ReferenceTraceError
-from probe.evidence import ATTENTION, POSITION_NOTE, QkSensitivity, Verdict, cell_at, decide
+from probe.evidence import ATTENTION, POSITION_NOTE, QkSensitivity, Verdict, cell_at, decide, window_reason
 from probe.localize import first_divergence, first_divergence_per_token
 from probe.rowdiff import row_sums
 from probe.findings import candidate_findings
@@ -136,7 +136,7 @@ def _compare_stages(ref: TraceSource, cand: TraceSource, names: Sequence[str], t
     widths = {n: ref.stage_shape(n)[1] for n in ref.stages}
     step = read_rows(widths, total, names)
     blocks = [(name, start, min(start + step, total)) for start in range(0, total, step) for name in names]
-    stages = {name: _StageProgress() for name in names}
+    stages = {name: _StageProgress(_streams(ref, name)) for name in names}
     stop, chunk_ok = total, True
     blocks_read = tracked(_read_and_sum(ref, cand, blocks, tols, widths), "diff", total * len(names), unit="row",
                           count=lambda item: item[0][2] - item[0][1])  # (stage, token) rows compared
@@ -207,7 +207,8 @@ class _StageProgress:
     """One stage's blocks so far, and which of their rows keep full detail: the stage's first divergent row, and a
     valid row worse than any before it (so, in the end, the stage's worst valid row, which `-v` shows)."""
 
-    def __init__(self) -> None:
+    def __init__(self, streams: int = 1) -> None:
+        self.streams = streams  # > 1: a [T, hc·D] stage, whose detailed rows also get per-stream detail
         self.blocks: list[StageRows] = []
         self.worst: tuple[int, float] = (-1, -1.0)  # severity of the worst valid row so far (most_severe)
         self.diverged = False
@@ -226,8 +227,7 @@ class _StageProgress:
         self.blocks.append(block)
         return bool(block.has_status({"ok"}).all())
 
-    @staticmethod
-    def _detail(block: StageRows, i: int, actual: np.ndarray, expected: np.ndarray) -> None:
+    def _detail(self, block: StageRows, i: int, actual: np.ndarray, expected: np.ndarray) -> None:
         if actual.dtype.kind in "iu":  # an index-set row: the two sets, side by side
             d = block.diff(block.start + i)
             worst = tuple((j, float(e), float(a)) for j, (e, a) in enumerate(zip(expected[i], actual[i])))
@@ -235,6 +235,15 @@ class _StageProgress:
                                                       d.budget_used, d.rel_l2, d.cosine, None, None, d.tol, worst)
             return
         block.add_detail(block.start + i, actual[i], expected[i])
+        if self.streams > 1 and actual.shape == expected.shape:
+            block.detail[block.start + i] = replace(block.detail[block.start + i],
+                                                    per_stream=stream_detail(actual[i], expected[i], self.streams))
+
+
+def _streams(ref: TraceSource, name: str) -> int:
+    """hc for a [T, hc·D] stage of the reference (DeepSeek-V4's hyper-connection streams), else 1."""
+    stage = ref.stage_list[name]
+    return ref.dims.hc_mult if stage.shape == "T×hc·D" and getattr(ref, "dims", None) is not None else 1
 
 
 def _block_rows(ref_path: Path, name: str, start: int, width: int, sums: np.ndarray, tol: Tol,
@@ -256,7 +265,8 @@ def qk_sensitivity(ref: TraceSource, tol: Tol) -> QkSensitivity:
     rules = _verified_rules(ref)
     dependent = tuple(dict.fromkeys((ATTENTION, *rules.get("qk_dependent", default))))
     if not ref.has_evidence("attn_uniform"):
-        return QkSensitivity(np.zeros(total, dtype=bool), recorded=False, dependent=dependent)
+        return QkSensitivity(np.zeros(total, dtype=bool), recorded=False, dependent=dependent,
+                             window=_window(rules))
     sensitive = np.zeros(total, dtype=bool)
     step = read_rows({n: ref.stage_shape(n)[1] for n in ref.stages}, total, ref.stages)  # as the comparison reads
     for start in range(0, total, step):
@@ -272,7 +282,13 @@ def qk_sensitivity(ref: TraceSource, tol: Tol) -> QkSensitivity:
                                       f"{start}. Regenerate it with mtp-oracle export.")
         rows = rows_from_sums(ATTENTION, start, attn.shape[1], sums, tol, zero_is_unwritten=False)
         sensitive[start:stop] = ~rows.has_status({"ok"})
-    return QkSensitivity(sensitive, recorded=True, dependent=dependent)
+    return QkSensitivity(sensitive, recorded=True, dependent=dependent, window=_window(rules))
+
+
+def _window(rules: dict) -> int | None:
+    """A sliding-window head's W from its (verified) evidence rules; None for full attention."""
+    window = rules.get("window")
+    return window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None
 
 
 def evidence_notes(ref: TraceSource) -> tuple[str, ...]:
@@ -286,7 +302,14 @@ def evidence_notes(ref: TraceSource) -> tuple[str, ...]:
         limited = int(np.count_nonzero(np.asarray(ref.evidence_rows("router_group_limited", 0, ref.num_tokens))))
         notes.append(f"{limited} of {ref.num_tokens} tokens had a routing decision that depended on the group "
                      f"limit (n_group/topk_group): a group-limit error can show only at those tokens")
-    known = {"qk_dependent", "routing_dependent", "absolute_positions", "router_group_limited"}
+    window = _window(rules)
+    if window is not None and ref.num_tokens > window:
+        notes.append(f"sliding window W={window}: steps t >= {window} ({ref.num_tokens - window} of "
+                     f"{ref.num_tokens}) attend to W keys and drop the earlier ones, so their attn rows evidence "
+                     f"the window")
+    elif window is not None:
+        notes.append(window_reason(window, ref.num_tokens))
+    known = {"qk_dependent", "routing_dependent", "absolute_positions", "router_group_limited", "window"}
     notes += [str(v) for k, v in sorted(rules.items()) if k not in known and isinstance(v, str)]
     return tuple(notes)
 

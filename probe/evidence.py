@@ -57,6 +57,7 @@ class QkSensitivity:
     sensitive: np.ndarray  # bool [T]
     recorded: bool  # False: the reference holds no /evidence/attn_uniform (every row counts as blind)
     dependent: tuple[str, ...] = QK_DEPENDENT  # stages that see q/k only through attention (the family's rule)
+    window: int | None = None  # a sliding-window head's W (evidence_rules "window"): only T > W evidences it
 
     def blind(self, stage: str, start: int, stop: int) -> np.ndarray:
         """Rows start..stop of `stage` that cannot witness the q/k path."""
@@ -112,7 +113,16 @@ def inconclusive_reasons(rows: Sequence[StageRows], captured: Sequence[str],
         reasons.append(f"not captured: {', '.join(missing)} (pass needs {' and '.join(REQUIRED_FOR_PASS)} compared)")
     if ATTENTION in captured and (not qk_evidenced(rows) or (qk is not None and not qk.recorded)):
         reasons.append(_no_qk_reason(rows, qk))
+    if ATTENTION in captured and qk is not None and qk.window is not None and len(qk.sensitive) <= qk.window:
+        reasons.append(window_reason(qk.window, len(qk.sensitive)))
     return tuple(reasons)
+
+
+def window_reason(window: int, num_tokens: int) -> str:
+    """Why a sliding-window head's trace with T <= W cannot evidence the window."""
+    return (f"the sliding window (W={window}) is not evidenced: T={num_tokens} <= W, so no step drops a key (only "
+            f"steps t >= W do) and a candidate with full causal attention, or another window, gives the same rows; "
+            f"compare a reference with T > {window}")
 
 
 def _no_qk_reason(rows: Sequence[StageRows], qk: QkSensitivity | None) -> str:

@@ -237,9 +237,22 @@ def cell_detail(cell: Cell, verbose: bool = False, names: tuple[str, ...] = STAG
              f"  rel L2 {d.rel_l2:.3g}, cosine {d.cosine:.6g}",
              f"  oracle     {_stats_text(d.expected_stats)}",
              f"  candidate  {_stats_text(d.actual_stats)}{_stats_hint(d)}"]
+    lines += _streams_text(d)
     if verbose:
         lines += _side_by_side(d)
     return "\n".join(lines)
+
+
+def _streams_text(d: StageDiff) -> list[str]:
+    """A [T, hc·D] row stream by stream (hyper-connection heads), the worst stream marked."""
+    if not d.per_stream:
+        return []
+    width = d.n_total // len(d.per_stream)
+    worst = max(range(len(d.per_stream)), key=lambda s: d.per_stream[s][0])
+    lines = [f"  per stream ({len(d.per_stream)} streams of {width}; element i is stream i // {width}):"]
+    lines += [f"    stream {s}: max|diff| {diff:.3g}  oracle absmax {e:.4g}  candidate absmax {a:.4g}"
+              + ("   <- worst" if s == worst and diff > 0 else "") for s, (diff, e, a) in enumerate(d.per_stream)]
+    return lines
 
 
 def _stats_text(s: RowStats) -> str:
@@ -269,7 +282,7 @@ def _worst_per_stage(report: DiffReport) -> str:
             d = cell.diff
             lines.append(f"{name} token {cell.token}: {d.status}, budget {budget_text(d.budget_used)}, "
                          f"max_abs {d.max_abs:.3g} at index {d.max_abs_index}, max_rel {d.max_rel:.3g}")
-            lines += _side_by_side(d)
+            lines += _streams_text(d) + _side_by_side(d)
     return "\n".join(lines)
 
 
@@ -375,7 +388,9 @@ def _detailed_row_json(cell: Cell) -> dict:
     return {"stage": cell.stage, "token": cell.token, "status": d.status, "evidential": cell.evidential,
             "n_total": d.n_total, **{name: _num(getattr(d, name)) for name in _JSON_COLUMNS}, "detailed": True,
             "expected_stats": _stats_json(d.expected_stats), "actual_stats": _stats_json(d.actual_stats),
-            "worst": [{"index": i, "oracle": _num(e), "candidate": _num(a)} for i, e, a in d.worst]}
+            "worst": [{"index": i, "oracle": _num(e), "candidate": _num(a)} for i, e, a in d.worst],
+            **({"per_stream": [{"stream": k, "max_abs": _num(x), "oracle_absmax": _num(e), "candidate_absmax": _num(a)}
+                               for k, (x, e, a) in enumerate(d.per_stream)]} if d.per_stream else {})}
 
 
 def _stats_json(s: RowStats | None) -> dict | None:

@@ -422,3 +422,118 @@ def write_mtp_layer_checkpoint(out_dir: Path, family: str = "deepseek_v3", dims:
              "weight_map": {n: files[part[n]] for n in names}}
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return out_dir
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DeepSeek-V4: the MTP layer as released, `mtp.0.*` (names transcribed from shared/reference/mtp_wiring.md §3.7 and
+# seed 002's MTPBlock, not from the oracle), beside the shared `embed.weight` / `head.weight` and a few main-model
+# tensors under the release's native names (layers.N.*, the main hc_head_*, norm).
+
+DEEPSEEK_V4_TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 32,
+                    "q_lora_rank": 48, "qk_rope_head_dim": 8, "o_groups": 2, "o_lora_rank": 24, "vocab_size": 512,
+                    "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "hc_mult": 3,
+                    "sliding_window": 4}
+# the release's inference/config.json key for each transformers DeepseekV4Config key (release_keys=True)
+V4_RELEASE_KEYS = {"hidden_size": "dim", "num_attention_heads": "n_heads", "num_hidden_layers": "n_layers",
+                   "sliding_window": "window_size", "num_experts_per_tok": "n_activated_experts",
+                   "moe_intermediate_size": "moe_inter_dim", "scoring_func": "score_func",
+                   "routed_scaling_factor": "route_scale", "rms_norm_eps": "norm_eps",
+                   "qk_rope_head_dim": "rope_head_dim"}
+# FP8 e4m3 + block scale in the release: e_proj/h_proj (atlas §3.7), the attention projections and the experts;
+# norms, hyper-connection mixes, sinks, router and embedding/head stay bf16/f32.
+V4_FP8_PARTS = ("e_proj.", "h_proj.", "attn.wq_a.", "attn.wq_b.", "attn.wkv.", "attn.wo_a.", "attn.wo_b.",
+                "ffn.experts.", "ffn.shared_experts.")
+
+
+def deepseek_v4_config(dims: dict, release_keys: bool = False, fp8_block: list[int] | None = None,
+                       scale_fmt: str = "ue8m0") -> dict:
+    n = dims["num_hidden_layers"]
+    config = {"model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"], "_generated_by": GENERATED_BY,
+              "num_key_value_heads": 1, "n_shared_experts": 1, "scoring_func": "sqrtsoftplus",
+              "routed_scaling_factor": 1.5, "norm_topk_prob": True, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
+              "rms_norm_eps": 1e-6, "swiglu_limit": 1.5, "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+              "compress_ratios": [4 if i % 2 else 128 for i in range(n)] + [0],  # main layers, then the MTP's 0
+              "num_hash_layers": 1, "max_position_embeddings": 4096, "num_nextn_predict_layers": 1,
+              "hidden_act": "silu", "tie_word_embeddings": False} | dims
+    if release_keys:
+        config = {V4_RELEASE_KEYS.get(k, k): v for k, v in config.items()}
+    if fp8_block:
+        config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                         "weight_block_size": fp8_block, "scale_fmt": scale_fmt}
+    return config
+
+
+def deepseek_v4_shapes(dims: dict) -> dict[str, tuple[int, ...]]:
+    d, v, hc, e, i = (dims[k] for k in ("hidden_size", "vocab_size", "hc_mult", "n_routed_experts",
+                                        "moe_intermediate_size"))
+    h, hd, q, g, o = (dims[k] for k in ("num_attention_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank"))
+    mix = (2 + hc) * hc
+    p = "mtp.0."
+    shapes = {"e_proj.weight": (d, d), "h_proj.weight": (d, d), "enorm.weight": (d,), "hnorm.weight": (d,),
+              "norm.weight": (d,), "hc_head_fn": (hc, hc * d), "hc_head_base": (hc,), "hc_head_scale": (1,),
+              "attn_norm.weight": (d,), "ffn_norm.weight": (d,), "hc_attn_fn": (mix, hc * d), "hc_attn_base": (mix,),
+              "hc_attn_scale": (3,), "hc_ffn_fn": (mix, hc * d), "hc_ffn_base": (mix,), "hc_ffn_scale": (3,),
+              "attn.wq_a.weight": (q, d), "attn.q_norm.weight": (q,), "attn.wq_b.weight": (h * hd, q),
+              "attn.wkv.weight": (hd, d), "attn.kv_norm.weight": (hd,), "attn.wo_a.weight": (g * o, h * hd // g),
+              "attn.wo_b.weight": (d, g * o), "attn.attn_sink": (h,), "ffn.gate.weight": (e, d), "ffn.gate.bias": (e,),
+              "ffn.shared_experts.w1.weight": (i, d), "ffn.shared_experts.w2.weight": (d, i),
+              "ffn.shared_experts.w3.weight": (i, d)}
+    for x in range(e):
+        shapes |= {f"ffn.experts.{x}.w1.weight": (i, d), f"ffn.experts.{x}.w2.weight": (d, i),
+                   f"ffn.experts.{x}.w3.weight": (i, d)}
+    shapes = {p + k: s for k, s in shapes.items()}
+    # shared with the main model, and a few main-model tensors that must not be taken for the head's
+    return shapes | {"embed.weight": (v, d), "head.weight": (v, d), "norm.weight": (d,), "hc_head_fn": (hc, hc * d),
+                     "layers.0.attn.wq_a.weight": (q, d), "layers.0.hc_attn_scale": (3,)}
+
+
+def deepseek_v4_values(name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
+    """Plain w·x̂ norms around 1; hyper-connection mixes of order 1 (pre/post/comb vary per token); sinks around 0
+    (so the sink's share of the softmax matters); a router scaled so its choice depends on the logits, and a
+    selection bias large enough to change some choices."""
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    if name.endswith(("_base", "gate.bias")):
+        return ((1.0 if name.endswith("gate.bias") else 0.5) * rng.standard_normal(shape)).astype(np.float32)
+    if name.endswith("_scale"):
+        return rng.uniform(0.5, 2.0, shape).astype(np.float32)
+    if name.endswith("attn_sink"):
+        return rng.standard_normal(shape).astype(np.float32)
+    if len(shape) == 1:
+        return (1.0 + 0.3 * rng.standard_normal(shape)).astype(np.float32)
+    if name == "embed.weight":
+        return rng.standard_normal(shape).astype(np.float32)
+    scale = 3.0 if name.endswith("gate.weight") else 1.5 if "hc_" in name else 1.0
+    return (scale * rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32)
+
+
+def fp8_quantize_ue8m0(w: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block FP8 with power-of-two (UE8M0) scales: s = 2^ceil(log2(amax / 448)), q = e4m3(w / s)."""
+    q, scale = fp8_quantize(w, block)
+    pow2 = torch.exp2(torch.ceil(torch.log2(scale)))
+    full = pow2.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[: w.shape[0], : w.shape[1]]
+    return (w / full).to(torch.float8_e4m3fn), pow2.to(torch.float8_e8m0fnu)
+
+
+def write_deepseek_v4_checkpoint(out_dir: Path, dims: dict | None = None, seed: int = 0,
+                                 fp8_block: list[int] | None = None, scale_fmt: str = "ue8m0",
+                                 release_keys: bool = False) -> Path:
+    """A tiny DeepSeek-V4 checkpoint: `mtp.0.*` as released, bf16 (hyper-connection mixes, sinks and the router
+    bias f32), or FP8 e4m3 with `.scale` block scales (`scale_fmt` "ue8m0": F8_E8M0 powers of two, "float": F32);
+    config.json with transformers' key names, or the release's (`release_keys`: dim, n_heads, window_size, ...)."""
+    dims = {**DEEPSEEK_V4_TINY, **(dims or {})}
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, shape in sorted(deepseek_v4_shapes(dims).items()):
+        value = torch.from_numpy(deepseek_v4_values(name, shape, seed))
+        if "hc_" in name or name.endswith(("attn_sink", "gate.bias")):
+            tensors[name] = value  # f32 as released
+        elif fp8_block and name.startswith("mtp.0.") and any(x in name for x in V4_FP8_PARTS):
+            quantize = fp8_quantize_ue8m0 if scale_fmt == "ue8m0" else fp8_quantize
+            tensors[name], tensors[name.removesuffix("weight") + "scale"] = quantize(value, fp8_block)
+        else:
+            tensors[name] = value.to(torch.bfloat16)
+    config = deepseek_v4_config(dims, release_keys, fp8_block, scale_fmt)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    return out_dir

@@ -109,6 +109,14 @@ class FamilySpec:
     # engine-side fused tensor name -> how it is built from this checkpoint's tensors ((config, layout) -> {name:
     # Fusion}); used by the load audit (`mtp-probe weights`) to read dumps that use the engine's fused names
     fusions: Callable[[HeadConfig, TensorLayout], dict[str, Fusion]] | None = None
+    # the decoder layer's input and output stages (the family contract test runs the official layer between them)
+    layer_input: str = "fc"
+    layer_output: str = "res2"
+
+    def hidden_width(self, cfg: HeadConfig) -> int:
+        """Width of the hidden H one step consumes: hc·D (DeepSeek-V4: the main model's hc_mult residual streams),
+        D for every family without hyper-connection streams."""
+        return self.dims(cfg).hc_mult * cfg.hidden_size
 
     def evidence_rules(self, cfg: HeadConfig) -> dict:
         """What the probe needs to know about this head's evidence, stored with the trace."""

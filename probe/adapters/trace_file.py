@@ -13,7 +13,8 @@ Raw directory layout (for engines that do not write HDF5):
                    (topk_ids). The files carry no header: T and widths are the reference's. Omit the stages you
                    do not capture.
     inputs.json    optional: {"token_ids": [T ints], "positions": [T ints]} as the engine consumed them
-    hidden.bin     optional: the hidden H [T, D] float32 the engine consumed (must be the reference's, bit for bit)
+    hidden.bin     optional: the hidden H [T, D] float32 the engine consumed (must be the reference's, bit for bit;
+                   DeepSeek-V4: [T, hc·D], the main model's hc residual streams)
 
 Any other `*.bin` name is an error (a misspelt stage would otherwise be silently "not captured").
 """
@@ -67,7 +68,7 @@ def open_candidate(path: Path, ref: "Hdf5Trace | int", hidden_size: int | None =
         if isinstance(ref, int):
             return RawDirTrace(path, ref, hidden_size)
         return RawDirTrace(path, ref.num_tokens, ref.hidden_size, ref.stage_list,
-                           {n: ref.stage_shape(n)[1] for n in ref.stages})
+                           {n: ref.stage_shape(n)[1] for n in ref.stages}, ref.hidden_width)
     return Hdf5Trace(path)
 
 
@@ -92,6 +93,7 @@ class Hdf5Trace(_Closing):
         self._reader = read_trace(self.path)
         self.num_tokens = self._reader.num_tokens
         self.hidden_size = self._reader.hidden_size
+        self.hidden_width = self._reader.dims.hc_mult * self.hidden_size  # the hidden: hc·D (DeepSeek-V4), else D
         self.stages = self._reader.stages
         self.stage_list = self._reader.stage_list
         self.dims = self._reader.dims
@@ -116,7 +118,7 @@ class Hdf5Trace(_Closing):
 
     def input_shape(self, name: str) -> tuple[int, ...]:
         # As declared by the root attributes (oracle.trace checks /inputs against them); reads verify the rest.
-        return (self.num_tokens,) if name != "hidden" else (self.num_tokens, self.hidden_size)
+        return (self.num_tokens,) if name != "hidden" else (self.num_tokens, self.hidden_width)
 
     def input_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         return _native_float32(self._reader.input_rows(name, start, stop))
@@ -151,9 +153,10 @@ class RawDirTrace(_Closing):
     attrs: dict = {}
 
     def __init__(self, path: Path, num_tokens: int, hidden_size: int, stage_list: StageList = STAGES,
-                 widths: dict[str, int] | None = None):
+                 widths: dict[str, int] | None = None, hidden_width: int | None = None):
         self.path = Path(path)
         self.num_tokens, self.hidden_size = num_tokens, hidden_size
+        self.hidden_width = hidden_width or hidden_size  # hidden.bin rows: hc·D (DeepSeek-V4), else D
         self._widths = widths or {s.name: s.width(Dims(hidden_size)) for s in stage_list}
         self._kinds = {s.name: s.kind for s in stage_list}
         try:
@@ -176,7 +179,7 @@ class RawDirTrace(_Closing):
         return self.path / f"{name}.bin"
 
     def _width(self, name: str) -> int:
-        return self.hidden_size if name == "hidden" else self._widths[name]
+        return self.hidden_width if name == "hidden" else self._widths[name]
 
     def _stored(self, name: str) -> np.dtype:
         """Little-endian int64 for index-set stages, float32 for every other file."""

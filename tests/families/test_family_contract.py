@@ -39,6 +39,7 @@ WRITERS = {
     "qwen3_next": lambda path: FIXTURES.write_moe_checkpoint(path, "qwen3_next", "per_expert", main_model=False),
     "deepseek_v3": lambda path: FIXTURES.write_mtp_layer_checkpoint(path, "deepseek_v3"),
     "glm4_moe": lambda path: FIXTURES.write_mtp_layer_checkpoint(path, "glm4_moe"),
+    "deepseek_v4": lambda path: FIXTURES.write_deepseek_v4_checkpoint(path),
 }
 FAMILY_NAMES = sorted(FAMILIES)
 
@@ -84,10 +85,11 @@ def test_the_transcribed_tail_equals_the_official_decoder_layer_stepping_through
     checkpoint = Checkpoint(ckpt)
     impl = head_module(checkpoint.family)
     head, rotary = impl.build_head(checkpoint.config, impl.torch_weights(checkpoint.read_head(widen=False)))
-    official = impl.official_layer_stepwise(head, rotary, inputs, stages["fc"])
-    np.testing.assert_allclose(official, stages["res2"], rtol=0, atol=1e-5 * np.abs(stages["res2"]).max())
+    layer_in, layer_out = FAMILIES[name].layer_input, FAMILIES[name].layer_output  # Qwen: fc -> res2
+    official = impl.official_layer_stepwise(head, rotary, inputs, stages[layer_in])
+    np.testing.assert_allclose(official, stages[layer_out], rtol=0, atol=1e-5 * np.abs(stages[layer_out]).max())
     # twin: the comparison sees a wiring change in the tail (a dropped residual)
-    assert np.abs(official - (stages["res2"] - stages["fc"])).max() > 1e-3
+    assert np.abs(official - (stages[layer_out] - stages[layer_in])).max() > 1e-3
 
 
 def test_stepwise_and_batched_runs_agree(family):
