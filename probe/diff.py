@@ -184,12 +184,35 @@ def _read_and_sum(ref: TraceSource, cand: TraceSource, blocks: list[tuple[str, i
             shape = (stop - start, widths[name])
             into = [buffer[:shape[0] * shape[1]].reshape(shape) for buffer in pairs[k % 2]]
             actual, expected = cand.stage_rows(name, start, stop, into[0]), ref.stage_rows(name, start, stop, into[1])
+            if name == ALIGNED_BY_IDS and INDEX_STAGE in cand.stages:
+                actual = _aligned_to_reference_ids(ref, cand, start, stop, actual)
             current = ((name, start, stop), actual, expected, pool.submit(row_sums, actual, expected, tols[name]))
             if pending is not None:
                 yield *pending[:3], pending[3].result()
             pending = current
         if pending is not None:
             yield *pending[:3], pending[3].result()
+
+
+ALIGNED_BY_IDS, INDEX_STAGE = "topk_weights", "topk_ids"
+
+
+def _aligned_to_reference_ids(ref: TraceSource, cand: TraceSource, start: int, stop: int,
+                              weights: np.ndarray) -> np.ndarray:
+    """The candidate's topk_weights rows reordered into the reference's topk_ids order, where both rows select the
+    same experts: an engine may list its top-k in any order (topk_ids compare as sets), and its weights follow its
+    own order. Rows whose sets differ stay as they are (topk_ids reports them)."""
+    cand_ids = np.array(cand.stage_rows(INDEX_STAGE, start, stop), dtype=np.int64)
+    ref_ids = np.array(ref.stage_rows(INDEX_STAGE, start, stop), dtype=np.int64)
+    if cand_ids.shape != ref_ids.shape or cand_ids.shape != weights.shape:
+        return weights  # a layout the self-checks report
+    out = np.array(weights, copy=True)
+    for row, (mine, theirs) in enumerate(zip(cand_ids, ref_ids)):
+        if not np.array_equal(mine, theirs) and np.array_equal(np.sort(mine), np.sort(theirs)) and \
+                len(set(mine.tolist())) == len(mine):
+            where = {int(e): j for j, e in enumerate(mine)}
+            out[row] = weights[row, [where[int(e)] for e in theirs]]
+    return out
 
 
 def read_rows(widths: "dict[str, int] | int", num_tokens: int, names: Sequence[str]) -> int:

@@ -190,3 +190,21 @@ def test_experts_in_ordinary_memory_are_never_dropped_and_repeated_passes_agree(
     for stage in stages:
         np.testing.assert_array_equal(first[stage], stages[stage], err_msg=stage)
         np.testing.assert_array_equal(second[stage], stages[stage], err_msg=stage)
+
+
+def test_topk_weights_follow_the_candidates_own_expert_order(exported, tmp_path):
+    """An engine may list its top-k in any order: its weights are compared in the reference's topk_ids order."""
+    _, trace = exported["qwen3_next", "fused"]
+
+    def reorder(stages):
+        stages["topk_ids"] = stages["topk_ids"][:, ::-1].copy()
+        stages["topk_weights"] = stages["topk_weights"][:, ::-1].copy()
+
+    report = diff_traces(trace, _with_stages(trace, tmp_path / "reordered.h5", reorder))
+    assert report.verdict.name == "pass", report.first
+
+    def weights_only(stages):  # twin: the same weights in another order, ids not: a real divergence
+        stages["topk_weights"] = stages["topk_weights"][:, ::-1].copy()
+
+    twin = diff_traces(trace, _with_stages(trace, tmp_path / "twin.h5", weights_only))
+    assert twin.verdict.name == "diverged" and twin.first.stage == "topk_weights"
