@@ -2,6 +2,7 @@
 
 import contextlib
 import datetime
+import functools
 import importlib.metadata
 import logging
 import subprocess
@@ -77,9 +78,12 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     positions = positions_from_start(len(token_ids), start_pos)
     log(f"checkpoint {ckpt.path}: family {family.name}, D={cfg.hidden_size}, T={len(token_ids)} "
         f"step{'s' if len(token_ids) != 1 else ''}")
-    h = _resolve_hidden(ckpt, hidden, token_ids, start_pos, log)
+    # Synthetic H is drawn on the prefetch thread (numpy's generator releases the GIL). A file is read here, so that
+    # its errors come before the imports; the main model runs here too (it reads the checkpoint).
+    resolve = functools.partial(_resolve_hidden, ckpt, hidden, token_ids, start_pos, log)
+    h = None if hidden.seed is not None else resolve()
     weights = ckpt.read_head(widen=False, digest=False)  # mapped; bf16 stays bf16: half the memory
-    reads = _Prefetch(ckpt, token_ids)
+    reads = _Prefetch(ckpt, token_ids, hidden=resolve if h is None else None)
     try:
         impl = head_module(family)  # torch and the family's transformers modules, while the thread reads
     finally:
@@ -92,6 +96,7 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     if embedding and embedding.get("rows_equal_main") is False:
         warn(f"warning: {embedding['tensor']} differs from {embedding['main']} at these tokens; the trace uses the "
              f"MTP layer's own copy (recorded in the trace's `embedding` attribute).")
+    h = reads.hidden.result() if h is None else h
     inputs = TraceInputs(token_ids=token_ids, positions=positions, hidden=h, embed=embed)
     head, rotary = impl.build_head(cfg, impl.torch_weights(weights))
     experts_hash = _ExpertsDigest(ckpt, head) if weights.layout is not None and weights.layout.experts else None
@@ -140,18 +145,20 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
 
 
 class _Prefetch:
-    """What the export reads before it needs torch, on one thread while the heavy imports run: the shared
-    embedding's rows, the head digest (a pass over the mapped head; hashlib and page faults run without the GIL,
-    and the pages are then resident for the forward), the producer version and git commit (a subprocess).
+    """What the export reads before it needs torch, on one thread while the heavy imports run: synthetic H (when
+    `hidden` is given), the shared embedding's rows, the head digest (a pass over the mapped head; hashlib and page
+    faults run without the GIL, and the pages are then resident for the forward), the producer version and git
+    commit (a subprocess).
 
     `join` waits for all of it, so the checkpoint is never used by two threads at once. A result is read only
     where it is needed: the rows of a family that reads its own embedding copy are a page-cache warm-up, and an
     error there (no shared table) is never raised."""
 
-    def __init__(self, ckpt: Checkpoint, token_ids: np.ndarray) -> None:
+    def __init__(self, ckpt: Checkpoint, token_ids: np.ndarray, hidden: Callable[[], np.ndarray] | None) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="export-prefetch")
+        self.hidden = self.pool.submit(hidden) if hidden is not None else None
         self.rows = self.pool.submit(ckpt.embedding_rows, token_ids)
         self.digest = self.pool.submit(ckpt.head_digest)
         self.producer, self.commit = self.pool.submit(_producer), self.pool.submit(_git_commit)
