@@ -115,8 +115,8 @@ def child_diff(ref: str, cand: str) -> None:
                       "kernel_bytes": vector_bytes()}))
 
 
-def child_floors(shard: str) -> None:
-    print(json.dumps({"read_gbps": read_rate(Path(shard)), "gemm": {t: gemm_rate(t) for t in (169, 1024)}}))
+def child_floors(shard: str, steps: list[int]) -> None:
+    print(json.dumps({"read_gbps": read_rate(Path(shard)), "gemm": {t: gemm_rate(t) for t in steps}}))
 
 
 def child_synth(path: str, t: int, noise: float, seed: int) -> None:
@@ -270,29 +270,36 @@ def bench_export(ckpt: Path, work: Path, rate: float, gemm: dict[int, float], ro
                      f"{inner['export_s'] / floor:.2f}x", f"<= {target}x"))
         rows.append((f"export peak RSS, T={t}", f"{rss:.2f} GB", f"head f32 {2 * head_bytes / 1e9:.2f} GB",
                      f"{rss / (2 * head_bytes / 1e9):.2f}x", f"<= {TARGETS['export_rss']}x"))
-        bench_export_cli(ckpt, work, t, floor, rows)
+        bench_export_cli(ckpt, work, t, rows)
         naive_wall, naive_rss, naive_out = run_child([PY, __file__, "child-naive", str(ckpt), str(t)])
         naive = json.loads(naive_out)["naive_s"]
         rows.append((f"naive (default init + load_state_dict), T={t}", f"{naive:.2f} s", f"RSS {naive_rss:.2f} GB",
                      f"ours {naive / inner['export_s']:.1f}x faster", ""))
 
 
-def bench_export_cli(ckpt: Path, work: Path, t: int, floor: float, rows: list) -> None:
-    """What a user waits for, `mtp-oracle export`, against its floor measured in the same run: a bare Python that
-    imports torch and the family's transformers modules (and exits without module teardown, as the CLI does; with
-    it for reference) plus the forward's floor. Split where the CLI says "running the head" (stderr, timed here):
-    before it, start-up (imports, checkpoint reads, head build) against the bare import; after it, the forward,
-    the evidence pass, the write and the exit against the forward's floor. Alternated, best of 3 each."""
+def bench_export_cli(ckpt: Path, work: Path, t: int, rows: list) -> None:
+    """What a user waits for, `mtp-oracle export`, against its floor measured beside it: a bare Python that imports
+    torch and the family's transformers modules (and exits without module teardown, as the CLI does; with it for
+    reference) plus the forward's floor (head bytes / read rate + FLOPs / GEMM rate). Split where the CLI says
+    "running the head" (stderr, timed here): before it, start-up (imports, checkpoint reads, head build) against the
+    bare import; after it, the forward, the evidence pass, the write and the exit against the forward's floor.
+    Alternated (the floor's rates too, so that a busy moment of a shared machine does not skew one side), best of 3
+    each."""
+    shard = ckpt / "model-00003-of-00003.safetensors"
     cli = [str(BIN / "mtp-oracle"), "export", str(ckpt), "--out", str(work / "cli.h5"), "--tokens",
            ",".join(map(str, token_ids(t))), "--hidden-seed", "0"]
-    runs = {"cli": [], "start": [], "rest": [], "bare": [], "teardown": []}
+    runs = {"cli": [], "start": [], "rest": [], "bare": [], "teardown": [], "floor": []}
     for _ in range(3):
+        rates = json.loads(run_child([PY, __file__, "child-floors", str(shard), str(t)])[2])
+        runs["floor"].append(shard.stat().st_size / rates["read_gbps"] / 1e9
+                             + head_flops(t) / rates["gemm"][str(t)] / 1e9)
         runs["bare"].append(run_child([PY, "-c", FLOOR_IMPORTS + "; import os; os._exit(0)"])[0])
         runs["teardown"].append(run_child([PY, "-c", FLOOR_IMPORTS])[0])
         wall, lines = timed_stderr(cli)
         running = next(at for at, line in lines if line.startswith("running the head"))
         runs["cli"].append(wall), runs["start"].append(running), runs["rest"].append(wall - running)
-    cli_s, start, rest, bare, teardown = (min(runs[k]) for k in ("cli", "start", "rest", "bare", "teardown"))
+    cli_s, start, rest, bare, teardown, floor = (min(runs[k]) for k in ("cli", "start", "rest", "bare", "teardown",
+                                                                        "floor"))
     rows.append((f"export CLI wall, T={t}", f"{cli_s:.2f} s", f"bare import {bare:.2f} s + floor {floor:.2f} s",
                  f"{cli_s / (bare + floor):.2f}x", f"<= {TARGETS['export_cli']}x"))
     rows.append((f"export CLI until the forward starts, T={t}", f"{start:.2f} s", f"bare import {bare:.2f} s",
@@ -477,7 +484,7 @@ def main() -> None:
         subprocess.run([PY, str(ROOT / "scripts" / "make_realscale_checkpoint.py"), str(args.checkpoint)], check=True)
     args.work.mkdir(parents=True, exist_ok=True)
     shard = args.checkpoint / "model-00003-of-00003.safetensors"
-    floors = json.loads(run_child([PY, __file__, "child-floors", str(shard)])[2])
+    floors = json.loads(run_child([PY, __file__, "child-floors", str(shard), "169", "1024"])[2])
     rate, gemm = floors["read_gbps"], {int(t): v for t, v in floors["gemm"].items()}
     rows = [("floor: sequential read, warm", f"{rate:.1f} GB/s", "", "", ""),
             ("floor: f32 GEMM, head shapes", f"T=169 {gemm[169]:.0f}", f"T=1024 {gemm[1024]:.0f} GFLOP/s", "", "")]
@@ -503,7 +510,7 @@ def main() -> None:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1].startswith("child-"):
         {"child-export": lambda a: child_export(a[0], int(a[1]), a[2]),
-         "child-floors": lambda a: child_floors(a[0]),
+         "child-floors": lambda a: child_floors(a[0], [int(t) for t in a[1:]]),
          "child-synth": lambda a: child_synth(a[0], int(a[1]), float(a[2]), int(a[3])),
          "child-rawread": lambda a: child_rawread(*a),
          "child-cabi-prep": lambda a: child_cabi_prep(a[0], a[1], int(a[2])),
