@@ -53,19 +53,15 @@ def uniform_weights(config):
         config._attn_implementation = saved
 
 
-# The probe's default float32 rule (probe/tolerance.py DEFAULT), used here only to decide whether to warn at export;
-# the probe itself re-judges /evidence/attn_uniform with whatever tolerance the diff runs with.
-WARN_RTOL, WARN_ATOL = 1e-4, 1e-5
-
-
 def qk_blind_tokens(attn: np.ndarray, uniform: np.ndarray) -> np.ndarray:
-    """Per token: True where uniform weights give the same attn row within the default float32 rule, i.e. the row
-    cannot witness q/k. (max_rel < rtol or max_abs < atol, max_rel = max|a-e| / max|e|.)"""
-    diff = np.abs(attn.astype(np.float64) - uniform.astype(np.float64)).max(axis=1)
-    scale = np.abs(attn.astype(np.float64)).max(axis=1)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        rel = np.where(diff == 0, 0.0, diff / scale)
-    return (rel < WARN_RTOL) | (diff < WARN_ATOL)
+    """Per token: True where uniform weights give the same attn row under the probe's own rule and default float32
+    tolerance (probe/rule.py RULE, probe/tolerance.py DEFAULT), i.e. the row cannot witness q/k. Used only to
+    decide whether to warn at export; the probe re-judges /evidence/attn_uniform with the tolerance of its diff."""
+    from probe.rule import RULE  # torch-free, numpy only: the one statement of the rule
+    from probe.tolerance import DEFAULT
+
+    attn, uniform = (np.ascontiguousarray(x, dtype=np.float32).reshape(len(x), -1) for x in (attn, uniform))
+    return RULE.passes(uniform, attn, DEFAULT)
 
 
 def qk_warning(num_tokens: int) -> str:

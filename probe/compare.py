@@ -1,20 +1,18 @@
 """Comparing a candidate's (stage, token) rows with the oracle's: pure data in, a `StageDiff` (one row) or
 `StageRows` (a block of rows, as columns) out.
 
-Definitions (a = actual/candidate row, e = expected/oracle row, both upcast to float64, i over the row):
+The rule that decides a row, its per-row sums and their compiled kernel are one object, `RULE` (probe/rule.py):
+max_rel < rtol or max_abs < atol, max_rel = max|a-e| / max|e| (a = candidate row, e = oracle row). Every metric
+here derives from its sums (a and e widened to float64, i over the row):
 
-    max_abs     = max_i |a_i - e_i|                      (max_abs_index: where it occurs)
-    max_rel     = max_abs / max_i |e_i|                  the largest difference relative to the row's largest
-                                                         reference magnitude; 0 if max_abs == 0, inf if e == 0
-    budget_used = min(max_rel / rtol, max_abs / atol)    1 = at the limit
-    pass        ⇔ budget_used < 1 ⇔ max_rel < rtol or max_abs < atol   (a zero tolerance means exact equality)
+    budget_used = min(max_rel / rtol, max_abs / atol)    1 = at the limit; pass ⇔ budget_used < 1
     n_mismatch  = elements with |a_i - e_i| >= max(atol, rtol * max|e|) and > 0: those that alone fail the row,
                   so a row fails iff n_mismatch > 0
     rel_l2      = ||a - e|| / ||e||,   cosine = a·e / (||a|| ||e||)
 
-`compare_block` does the same for a block of consecutive rows of one stage and returns columns (`StageRows`), with
-the sums from probe/rowdiff.py (a compiled kernel); only rows chosen for full detail get the statistics and worst
-elements, from `compare_rows`. A diff over thousands of tokens therefore builds no Python object per row.
+`compare_block` judges a block of consecutive rows of one stage and returns columns (`StageRows`); only rows chosen
+for full detail get the statistics and worst elements, from `compare_rows`, which judges its one row through the
+same sums. A diff over thousands of tokens therefore builds no Python object per row.
 
 A NaN or Inf on either side never passes. Status, checked in this order: `shape`, `dtype` (the candidate row
 must be float32), `unwritten` (an element still holds the poison pattern, or the row is all zeros where the
@@ -24,13 +22,13 @@ files and raw dumps): where the probe poisoned the buffers itself (the C and Pyt
 a value the candidate computed and is compared like any other (`zero_is_unwritten=False`).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 import numpy as np
 
 from probe.poison import is_poison
-from probe.rowdiff import row_sums
+from probe.rule import RULE, ratios
 from probe.tolerance import Tol
 
 INVALID_STATUSES = frozenset({"shape", "dtype", "unwritten"})  # a failed self-check: the row is no evidence
@@ -89,28 +87,19 @@ def not_compared(status: str, n_total: int, tol: Tol) -> StageDiff:
 
 
 def compare_rows(actual: np.ndarray, expected: np.ndarray, tol: Tol, zero_is_unwritten: bool = True) -> StageDiff:
-    """Compare a candidate row with the oracle row (module docstring: definitions and statuses)."""
+    """Compare a candidate row with the oracle row (module docstring: definitions and statuses): the verdict and
+    metrics from RULE's sums, as for a block, plus the row's statistics and worst elements."""
     if actual.shape != expected.shape:
         return not_compared("shape", expected.size, tol)
     if actual.dtype != np.float32:
         return not_compared("dtype", expected.size, tol)
-    a = actual.astype(np.float64).ravel()
-    e = expected.astype(np.float64).ravel()
-    d = np.abs(a - e)
-    rank = np.where(np.isnan(d), np.inf, d)  # a NaN difference is the worst kind
-    index = int(np.argmax(rank)) if d.size else 0
-    max_abs = float(d[index]) if d.size else 0.0
-    e_max = float(np.abs(e).max(initial=0.0))
-    max_rel = _ratio(max_abs, e_max)
-    finite = bool(np.isfinite(a).all() and np.isfinite(e).all())
-    budget = min(_ratio(max_rel, tol.rtol), _ratio(max_abs, tol.atol)) if finite else float("inf")
-    limit = max(tol.atol, tol.rtol * e_max)
-    n_mismatch = int(np.count_nonzero(~(d < limit) & (d != 0)))  # NaN counts as a mismatch
-    n_poison = int(np.count_nonzero(is_poison(actual)))
-    status = _status(n_poison, a, e, finite, budget, zero_is_unwritten)
-    return StageDiff(status, int(a.size), n_mismatch, n_poison, max_abs, index, max_rel, budget,
-                     _ratio(float(np.linalg.norm(a - e)), float(np.linalg.norm(e))),
-                     _cosine(a, e), _stats(e), _stats(a), tol, _worst(rank, a, e))
+    a, e = actual.reshape(1, -1), expected.reshape(1, -1)
+    sums = RULE.sums(a, e, tol) if e.dtype == np.float32 else RULE.specification(a, e, tol)  # the kernel reads f32
+    judged = rows_from_sums("", 0, a.shape[1], sums, tol, zero_is_unwritten=zero_is_unwritten)
+    a64, e64 = a[0].astype(np.float64), e[0].astype(np.float64)
+    d = np.abs(a64 - e64)
+    rank = np.where(np.isnan(d), np.inf, d)  # a NaN difference is the worst kind, as in RULE
+    return replace(judged.diff(0), expected_stats=_stats(e64), actual_stats=_stats(a64), worst=_worst(rank, a64, e64))
 
 
 # `tie`: a row that differs only because the reference's own top-k selection was a near-tie at that token (a
@@ -199,7 +188,7 @@ def compare_block(stage: str, start: int, actual: np.ndarray, expected: np.ndarr
     if actual.shape != expected.shape or actual.ndim != 2 or actual.dtype != np.float32:
         raise ValueError(f"compare_block needs two float32 arrays of one [rows, width] shape, got {actual.dtype} "
                          f"{actual.shape} and {expected.dtype} {expected.shape}")
-    return rows_from_sums(stage, start, expected.shape[1], row_sums(actual, expected, tol), tol,
+    return rows_from_sums(stage, start, expected.shape[1], RULE.sums(actual, expected, tol), tol,
                           zero_is_unwritten=zero_is_unwritten)
 
 
@@ -212,18 +201,16 @@ def rows_from_sums(stage: str, start: int, width: int, sums: np.ndarray, tol: To
                    qk_blind: np.ndarray | None = None, zero_is_unwritten: bool = True) -> StageRows:
     """The StageRows columns from probe/rowdiff.py's per-row sums (compare_rows' definitions, vectorised);
     `qk_blind` marks the rows that cannot witness the q/k path (default: none)."""
-    aa, ee, max_abs = sums["aa"], sums["ee"], sums["max_abs"]
-    finite = np.isfinite(aa) & np.isfinite(ee)
-    max_rel = _ratios(max_abs, sums["e_max"])
-    budget = np.where(finite, np.minimum(_ratios(max_rel, tol.rtol), _ratios(max_abs, tol.atol)), np.inf)
+    aa, ee = sums["aa"], sums["ee"]
+    judged = RULE.judge(sums, tol)
     unwritten = sums["n_poison"] > 0  # poison left
     if zero_is_unwritten:
         unwritten = unwritten | ((aa == 0) & (ee != 0))  # an all-zero row where the reference is not
-    status = np.where(unwritten, _CODE["unwritten"], np.where(~finite, _CODE["nonfinite"],
-                                                               np.where(budget < 1, _CODE["ok"], _CODE["values"])))
+    status = np.where(unwritten, _CODE["unwritten"], np.where(~judged.finite, _CODE["nonfinite"],
+                                                               np.where(judged.passes, _CODE["ok"], _CODE["values"])))
     return StageRows(stage, start, width, tol, status.astype(np.int8), sums["n_mismatch"].copy(),
-                     sums["n_poison"].copy(), max_abs.copy(), sums["index"].copy(), max_rel, budget,
-                     _ratios(np.sqrt(sums["dd"]), np.sqrt(ee)), _cosines(aa, ee, sums["ae"]),
+                     sums["n_poison"].copy(), sums["max_abs"].copy(), sums["index"].copy(), judged.max_rel,
+                     judged.budget_used, ratios(np.sqrt(sums["dd"]), np.sqrt(ee)), _cosines(aa, ee, sums["ae"]),
                      np.zeros(len(aa), dtype=bool) if qk_blind is None else np.asarray(qk_blind, dtype=bool),
                      (aa == 0) & (ee == 0), {}, zero_is_unwritten)
 
@@ -279,47 +266,12 @@ _COLUMNS = ("status", "n_mismatch", "n_poison", "max_abs", "max_abs_index", "max
             "cosine", "qk_blind", "both_zero")
 
 
-def _ratios(values: np.ndarray, limits: np.ndarray | float) -> np.ndarray:
-    """_ratio elementwise: 0 where the value is 0, inf where only the limit is 0."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out = np.where(values == 0, 0.0, values / limits)
-    return np.where((values != 0) & (np.asarray(limits) == 0), np.inf, out)
-
-
 def _cosines(aa: np.ndarray, ee: np.ndarray, ae: np.ndarray) -> np.ndarray:
-    """_cosine per row from |a|², |e|² and a·e."""
+    """a·e / (|a| |e|) per row from |a|², |e|² and a·e: 1 for two zero rows, NaN for one or a non-finite norm."""
     norms = np.sqrt(aa) * np.sqrt(ee)
     with np.errstate(divide="ignore", invalid="ignore"):
         cos = ae / norms
     return np.where((aa == 0) & (ee == 0), 1.0, np.where((aa == 0) | (ee == 0) | ~np.isfinite(norms), np.nan, cos))
-
-
-def _status(n_poison: int, a: np.ndarray, e: np.ndarray, finite: bool, budget: float,
-            zero_is_unwritten: bool) -> str:
-    if n_poison:
-        return "unwritten"
-    if zero_is_unwritten and not a.any() and e.any():  # a zero-initialised buffer that was never written
-        return "unwritten"
-    if not finite:
-        return "nonfinite"
-    return "ok" if budget < 1 else "values"
-
-
-def _ratio(value: float, limit: float) -> float:
-    if value == 0:
-        return 0.0
-    if limit == 0:
-        return float("inf")
-    return value / limit
-
-
-def _cosine(a: np.ndarray, e: np.ndarray) -> float:
-    norm_a, norm_e = float(np.linalg.norm(a)), float(np.linalg.norm(e))
-    if norm_a == 0 and norm_e == 0:
-        return 1.0
-    if norm_a == 0 or norm_e == 0 or not np.isfinite(norm_a * norm_e):
-        return _NAN
-    return float(np.dot(a, e) / (norm_a * norm_e))
 
 
 def _stats(x: np.ndarray) -> RowStats:

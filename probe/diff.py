@@ -25,7 +25,7 @@ from probe.compare import (DIVERGENT_STATUSES, Cell, StageDiff, StageRows, compa
 from probe.errors import ProbeError, ReferenceTraceError
 from probe.evidence import ATTENTION, POSITION_NOTE, QkSensitivity, Verdict, cell_at, decide, window_reason
 from probe.localize import first_divergence, first_divergence_per_token
-from probe.rowdiff import row_sums
+from probe.rule import RULE
 from probe.findings import candidate_findings
 from probe.selfcheck import (Issue, check_reference, coverage_issues, expected_shape, input_issues,
                              integrity_issues, layout_problem, unwritten_issues)
@@ -186,7 +186,7 @@ def _read_and_sum(ref: TraceSource, cand: TraceSource, blocks: list[tuple[str, i
             actual, expected = cand.stage_rows(name, start, stop, into[0]), ref.stage_rows(name, start, stop, into[1])
             if name == ALIGNED_BY_IDS and INDEX_STAGE in cand.stages:
                 actual = _aligned_to_reference_ids(ref, cand, start, stop, actual)
-            current = ((name, start, stop), actual, expected, pool.submit(row_sums, actual, expected, tols[name]))
+            current = ((name, start, stop), actual, expected, pool.submit(RULE.sums, actual, expected, tols[name]))
             if pending is not None:
                 yield *pending[:3], pending[3].result()
             pending = current
@@ -299,7 +299,7 @@ def qk_sensitivity(ref: TraceSource, tol: Tol) -> QkSensitivity:
             raise ReferenceTraceError(f"reference {ref.path}: /evidence/attn_uniform is {uniform.dtype} "
                                       f"{uniform.shape}, expected float32 {attn.shape}. Regenerate it with "
                                       f"mtp-oracle export.")
-        sums = row_sums(uniform, attn, tol)
+        sums = RULE.sums(uniform, attn, tol)
         if not oracle_finite(sums).all() or not np.isfinite(sums["aa"]).all():
             raise ReferenceTraceError(f"reference {ref.path}: /evidence/attn_uniform or attn holds NaN/Inf near row "
                                       f"{start}. Regenerate it with mtp-oracle export.")

@@ -38,6 +38,7 @@ from oracle.trace import read_trace
 from probe.adapters.trace_file import open_candidate, open_reference
 from probe.diff import DiffReport
 from probe.evidence import Verdict
+from probe.rule import RULE
 from probe.selfcheck import Issue
 from probe.tolerance import Tol
 
@@ -153,7 +154,7 @@ def observer_effect(adapter, ref_path: Path, full_out: np.ndarray | None) -> tup
     differ = tuple(int(t) for t in np.flatnonzero((a != b).any(axis=1))) if a.shape == b.shape else tuple(range(len(a)))
     if not differ:
         return None, ()
-    rel = _rel(alone.astype(np.float64), full_out.astype(np.float64)).max() if a.shape == b.shape else math.inf
+    rel = _verdicts(alone, full_out, Tol(0, 0, "exact"), False)[0].max() if a.shape == b.shape else math.inf
     return (f"capturing changes the result: out with every stage captured differs from out with only out captured "
             f"at {len(differ)} token(s) (max rel {rel:.3g}); a capture point must not change what is computed"), differ
 
@@ -221,11 +222,9 @@ def _local(explainer, cand, ref, divergent, tols, kinds, order) -> tuple[list[di
     for stage in [n for n in order if n in cand]:
         tol, index_set = tols[stage], kinds.get(stage) == INDEX_SET
         a, lo, e = (_order_free(stage, x[divergent]) for x in (cand[stage], local[stage], ref[stage]))
-        lrel, labs = _rel_rows(a, lo, index_set), _abs_rows(a, lo, index_set)
-        crel, cabs = _rel_rows(a, e, index_set), _abs_rows(a, e, index_set)
+        (lrel, lok), (crel, cok) = _verdicts(a, lo, tol, index_set), _verdicts(a, e, tol, index_set)
         for i, token in enumerate(divergent):
-            local_bad = not (lrel[i] < tol.rtol or labs[i] < tol.atol)
-            cum_bad = not (crel[i] < tol.rtol or cabs[i] < tol.atol)
+            local_bad, cum_bad = not lok[i], not cok[i]
             kind = "local" if local_bad else "inherited" if cum_bad else "ok"
             rows.append({"stage": stage, "token": token, "local_max_rel": float(lrel[i]),
                          "cumulative_max_rel": float(crel[i]), "kind": kind})
@@ -285,15 +284,15 @@ def _candidate_stages(ref, cand, report: DiffReport) -> dict[str, np.ndarray]:
 
 
 def _row_rule(tols: dict[str, Tol], kinds: dict[str, str]):
-    """The probe's row rule (pass iff max_rel < rtol or max_abs < atol; index sets as sets), for the oracle side."""
+    """The probe's row rule (probe/rule.py RULE; index sets as sets), for the oracle side."""
 
     def row_ok(stage: str, actual: np.ndarray, expected: np.ndarray) -> np.ndarray:
-        index_set, tol = kinds.get(stage) == INDEX_SET, tols[stage]
-        actual, expected = _order_free(stage, actual), _order_free(stage, expected)
-        return (_rel_rows(actual, expected, index_set) < tol.rtol) | (_abs_rows(actual, expected, index_set) < tol.atol)
+        return _verdicts(_order_free(stage, actual), _order_free(stage, expected), tols[stage],
+                         kinds.get(stage) == INDEX_SET)[1]
 
     def max_rel(stage: str, actual: np.ndarray, expected: np.ndarray) -> float:
-        rel = _rel_rows(_order_free(stage, actual), _order_free(stage, expected), kinds.get(stage) == INDEX_SET)
+        rel = _verdicts(_order_free(stage, actual), _order_free(stage, expected), tols[stage],
+                        kinds.get(stage) == INDEX_SET)[0]
         return float(rel.max()) if rel.size else 0.0
 
     return row_ok, max_rel
@@ -305,36 +304,15 @@ def _order_free(stage: str, rows: np.ndarray) -> np.ndarray:
     return -np.sort(-np.asarray(rows, dtype=np.float64), axis=1) if stage == "topk_weights" else rows
 
 
-def _prepared(actual, expected, index_set: bool):
+def _verdicts(actual, expected, tol: Tol, index_set: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(max_rel, passes) per row: RULE for float rows (any float dtype: its specification widens to float64); for
+    index sets, the same set passes and a differing set counts as 100%."""
     a, e = np.asarray(actual), np.asarray(expected)
     if index_set:
-        return np.sort(a.astype(np.int64), axis=1), np.sort(e.astype(np.int64), axis=1)
-    return a.astype(np.float64), e.astype(np.float64)
-
-
-def _abs_rows(actual, expected, index_set: bool) -> np.ndarray:
-    a, e = _prepared(actual, expected, index_set)
-    if index_set:
-        return np.where((a != e).any(axis=1), np.inf, 0.0)
-    with np.errstate(invalid="ignore"):
-        d = np.abs(a - e).max(axis=1) if a.shape[1] else np.zeros(len(a))
-    return np.where(np.isnan(d), np.inf, d)
-
-
-def _rel_rows(actual, expected, index_set: bool) -> np.ndarray:
-    if index_set:
-        a, e = _prepared(actual, expected, True)
-        return np.where((a != e).any(axis=1), 1.0, 0.0)  # a differing set counts as 100%
-    a, e = _prepared(actual, expected, False)
-    return _rel(a, e)
-
-
-def _rel(a: np.ndarray, e: np.ndarray) -> np.ndarray:
-    with np.errstate(invalid="ignore", divide="ignore"):
-        d = np.abs(a - e).max(axis=1)
-        scale = np.abs(e).max(axis=1)
-        rel = np.where(d == 0, 0.0, d / scale)
-    return np.where(np.isnan(rel), np.inf, rel)
+        same = (np.sort(a.astype(np.int64), axis=1) == np.sort(e.astype(np.int64), axis=1)).all(axis=1)
+        return np.where(same, 0.0, 1.0), same
+    judged = RULE.judge(RULE.specification(a.reshape(len(a), -1), e.reshape(len(e), -1), tol), tol)
+    return np.where(np.isnan(judged.max_rel), np.inf, judged.max_rel), judged.passes
 
 
 def _num(x: float):

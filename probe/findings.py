@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from probe.compare import Cell, rows_from_sums
-from probe.rowdiff import row_sums
+from probe.rule import RULE
 from probe.tolerance import Tol
 
 SHIFT_WINDOW = 256  # rows examined for a shift: enough to be sure, bounded whatever T
@@ -66,6 +66,6 @@ def _shift_finding(ref, cand, stage: str, tol: Tol) -> str | None:
 
 
 def _all_within(actual: np.ndarray, expected: np.ndarray, tol: Tol) -> bool:
-    rows = rows_from_sums("shift", 0, expected.shape[1], row_sums(actual, expected, tol), tol,
+    rows = rows_from_sums("shift", 0, expected.shape[1], RULE.sums(actual, expected, tol), tol,
                           zero_is_unwritten=False)
     return bool(rows.has_status({"ok"}).all())

@@ -16,9 +16,9 @@ from probe.adapters.trace_file import CHECKED_INPUTS
 from probe.compare import DIVERGENT_STATUSES, STATUSES, Cell, RowStats, StageDiff, StageRows, most_severe
 from probe.diff import DiffReport
 from probe.evidence import ATTENTION, NO_RECORD, POSITION_NOTE, QK_DEPENDENT, QK_NOTE, cell_at, evidential_rows, qk_evidence_tokens
+from probe.rule import RULE
 from probe.selfcheck import Issue
 
-MAX_RULE = "pass iff max_rel < rtol or max_abs < atol, max_rel = max|a-e| / max|e| per (stage, token) row"
 _COL = 7
 _ALL_ROWS = 40  # up to this many tokens the table shows every token
 _STATUS_TEXT = {"unwritten": "UNWR", "shape": "SHAPE", "dtype": "DTYPE", "nonfinite": "NaN!"}
@@ -80,7 +80,7 @@ def budget_text(budget: float) -> str:
 def _header(report: DiffReport) -> str:
     lines = [f"oracle     {report.reference}  (mtp-trace/1, T={report.num_tokens}, D={report.hidden_size})",
              f"candidate  {report.candidate}  ({report.candidate_kind}): {coverage_text(report.captured, _names(report))}",
-             f"inputs     {_inputs_text(report)}", f"tolerance  {MAX_RULE}"]
+             f"inputs     {_inputs_text(report)}", f"tolerance  {RULE.text}"]
     tols = {tol for tol in report.tols.values()}
     for tol in sorted(tols, key=lambda t: t.why):
         stages = [n for n in _names(report) if report.tols[n] == tol]
@@ -344,7 +344,7 @@ def _report_head(report: DiffReport) -> dict:
         "num_tokens": report.num_tokens, "hidden_size": report.hidden_size,
         "stages": {"captured": list(report.captured), "not_captured": list(report.not_captured),
                    "coverage": coverage_text(report.captured, _names(report))},
-        "compared_tokens": report.compared_tokens, "rule": MAX_RULE,
+        "compared_tokens": report.compared_tokens, "rule": RULE.text,
         "tolerances": {n: {"rtol": t.rtol, "atol": t.atol, "why": t.why} for n, t in report.tols.items()},
         "inputs": _inputs_text(report),
         "evidence_notes": [QK_NOTE, qk_text(report), *(report.evidence_notes or (POSITION_NOTE,))],

@@ -1,17 +1,10 @@
-"""Per-row sums for comparing two [rows, width] float32 blocks: what `compare_block` (probe/compare.py) needs.
+"""The compiled kernel of the tolerance rule's per-row sums (probe/_rowdiff.c), loaded with ctypes.
 
-`row_sums_numpy` is the specification. probe/_rowdiff.c computes the same fields in one pass in C, about ten times
-faster than numpy on this machine; setuptools builds it as the optional extension `probe._rowdiff` when the
-package is installed (`pip install -e .`), and it is loaded here with ctypes. Without it (no C compiler at install
-time) the numpy code runs instead, with the same results, and `kernel_note()` says so.
-
-Fields, per row, with a and e widened to float64 and d_i = |a_i - e_i|:
-    max_abs, index   the largest d_i and its first index; a NaN d_i ranks above every number
-    e_max            max_i |e_i|
-    aa, ee, dd, ae   sums of a_i², e_i², (a_i - e_i)², a_i·e_i
-    n_mismatch       elements with d_i >= max(atol, rtol·e_max) or NaN, and d_i != 0 (probe/compare.py)
-    n_poison         elements of a that still hold the poison pattern (probe/poison.py)
-A row whose oracle side holds NaN/Inf is refused by the caller before these are used (e_max is unspecified there).
+The rule, its numpy specification and the fields are in probe/rule.py (`RULE`); this module only finds the
+kernel and calls it. The kernel computes the same fields as the specification in one pass, about ten times faster
+than numpy on this machine; setuptools builds it as the optional extension `probe._rowdiff` when the package is
+installed (`pip install -e .`). Without it (no C compiler at install time) `RULE` runs the specification instead,
+with the same results, and `kernel_note()` says so.
 """
 
 import ctypes
@@ -20,7 +13,6 @@ from functools import cache
 
 import numpy as np
 
-from probe.poison import is_poison
 from probe.tolerance import Tol
 
 KERNEL_VERSION = 1  # = ROWDIFF_VERSION in _rowdiff.c; bump both when the kernel's meaning changes
@@ -28,34 +20,16 @@ ROW_SUMS = np.dtype([("max_abs", "f8"), ("e_max", "f8"), ("aa", "f8"), ("ee", "f
                      ("index", "i8"), ("n_mismatch", "i8"), ("n_poison", "i8")])  # = row_sums in _rowdiff.c
 
 
-def row_sums(actual: np.ndarray, expected: np.ndarray, tol: Tol) -> np.ndarray:
-    """ROW_SUMS for each row of two float32 [rows, width] arrays of the same shape (the kernel when built)."""
+def kernel_sums(actual: np.ndarray, expected: np.ndarray, tol: Tol) -> np.ndarray | None:
+    """ROW_SUMS (probe/rule.py) of each row of two float32 [rows, width] arrays of one shape; None when the
+    kernel is not in use."""
     kernel = _kernel()
     if kernel is None:
-        return row_sums_numpy(actual, expected, tol)
+        return None
     actual, expected = (np.ascontiguousarray(x, dtype=np.float32) for x in (actual, expected))
     rows, width = expected.shape
     out = np.empty(rows, dtype=ROW_SUMS)
     kernel(actual.ctypes.data, expected.ctypes.data, rows, width, tol.rtol, tol.atol, out.ctypes.data)
-    return out
-
-
-def row_sums_numpy(actual: np.ndarray, expected: np.ndarray, tol: Tol) -> np.ndarray:
-    """The specification of ROW_SUMS (and the fallback): plain numpy, one row per row of the inputs."""
-    a, e = actual.astype(np.float64), expected.astype(np.float64)
-    signed = a - e
-    d = np.abs(signed)
-    rank = np.where(np.isnan(d), np.inf, d)
-    rows = np.arange(len(d))
-    out = np.empty(len(d), dtype=ROW_SUMS)
-    out["index"] = rank.argmax(axis=1) if d.shape[1] else 0
-    out["max_abs"] = d[rows, out["index"]] if d.shape[1] else 0.0
-    out["e_max"] = np.abs(e).max(axis=1, initial=0.0)
-    for field, x, y in (("aa", a, a), ("ee", e, e), ("dd", signed, signed), ("ae", a, e)):
-        out[field] = np.einsum("ij,ij->i", x, y)
-    limit = np.maximum(tol.atol, tol.rtol * out["e_max"])
-    out["n_mismatch"] = np.count_nonzero(~(d < limit[:, None]) & (d != 0), axis=1)  # a NaN counts
-    out["n_poison"] = np.count_nonzero(is_poison(actual), axis=1)
     return out
 
 

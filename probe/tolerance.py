@@ -1,6 +1,6 @@
 """Tolerances: one default, optional command-line overrides, each carrying the reason it exists.
 
-A (stage, token) row passes iff `max_rel < rtol` or `max_abs < atol` (definitions in probe/compare.py). A zero
+A (stage, token) row passes iff `max_rel < rtol` or `max_abs < atol` (the rule: probe/rule.py `RULE`). A zero
 tolerance means exact equality.
 """
 

@@ -5,7 +5,7 @@ import numpy as np
 from oracle.stages import STAGE_NAMES
 from probe.compare import StageRows, compare_rows, rows_from_sums
 from probe.evidence import QK_DEPENDENT, QkSensitivity, cell_at, decide, evidential_rows
-from probe.rowdiff import row_sums
+from probe.rule import RULE
 from probe.localize import first_divergence, first_divergence_per_token
 from probe.tolerance import DEFAULT
 
@@ -22,7 +22,7 @@ def grid(tokens: int, stages=STAGE_NAMES, bad: dict | None = None, qk: QkSensiti
     for stage in stages:
         actual = np.array([ROWS[bad.get((stage, t), "ok")] for t in range(tokens)], np.float32)
         expected = np.ones((tokens, 2), np.float32)
-        out.append(rows_from_sums(stage, 0, 2, row_sums(actual, expected, DEFAULT), DEFAULT,
+        out.append(rows_from_sums(stage, 0, 2, RULE.sums(actual, expected, DEFAULT), DEFAULT,
                                   qk.blind(stage, 0, tokens)))
     return out
 

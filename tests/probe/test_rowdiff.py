@@ -1,4 +1,4 @@
-"""The compiled row kernel (probe/_rowdiff.c) against its specification, probe.rowdiff.row_sums_numpy."""
+"""The compiled row kernel (probe/_rowdiff.c) against its specification, probe.rule.RULE.specification."""
 
 import json
 
@@ -7,6 +7,7 @@ import pytest
 
 from probe import rowdiff
 from probe.poison import poison
+from probe.rule import RULE
 from probe.tolerance import DEFAULT, Tol
 
 EXACT_FIELDS = ("index", "n_mismatch", "n_poison", "max_abs", "e_max")  # the sums agree to rounding only
@@ -50,7 +51,7 @@ def test_the_kernel_is_built_and_used():
 @pytest.mark.parametrize("tol", [DEFAULT, Tol(0.0, 0.0, "exact"), Tol(5e-2, 1e-3, "bf16")], ids=str)
 def test_kernel_matches_the_numpy_specification(width, tol):
     actual, expected = rows_of_every_kind(width)
-    kernel, spec = rowdiff.row_sums(actual, expected, tol), rowdiff.row_sums_numpy(actual, expected, tol)
+    kernel, spec = RULE.sums(actual, expected, tol), RULE.specification(actual, expected, tol)
     assert disagreements(kernel, spec) == []
 
 
@@ -58,7 +59,7 @@ def test_the_agreement_check_catches_a_wrong_kernel():
     """Twin: the comparison above would notice an index off by one, a miscount, a maximum one ulp off or a sum
     off by 1e-9 relative."""
     actual, expected = rows_of_every_kind(300)
-    spec = rowdiff.row_sums_numpy(actual, expected, DEFAULT)
+    spec = RULE.specification(actual, expected, DEFAULT)
     changes = {"index": lambda x: x + 1, "n_mismatch": lambda x: x + 1, "n_poison": lambda x: x + 1,
                "max_abs": lambda x: np.nextafter(x, np.inf), "e_max": lambda x: np.nextafter(x, 0),
                "ae": lambda x: x * (1 + 1e-9)}
@@ -70,7 +71,7 @@ def test_the_agreement_check_catches_a_wrong_kernel():
 
 def test_kernel_counts_mismatches_and_poison():
     actual, expected = rows_of_every_kind(300)
-    sums = rowdiff.row_sums(actual, expected, DEFAULT)
+    sums = RULE.sums(actual, expected, DEFAULT)
     assert sums["n_poison"].tolist() == [0, 0, 0, 0, 300] + [0] * 7
     assert sums["n_mismatch"][[0, 1, 8, 9]].tolist() == [0, 0, 1, 300]
     assert sums["index"][[3, 8, 9, 10, 11]].tolist() == [150, 299, 0, 100, 100]
@@ -110,8 +111,8 @@ def test_a_stale_kernel_is_not_used(monkeypatch):
     try:
         assert "is stale" in rowdiff.kernel_note() and rowdiff.vector_bytes() == 0
         actual, expected = rows_of_every_kind(300)
-        assert disagreements(rowdiff.row_sums(actual, expected, DEFAULT),
-                             rowdiff.row_sums_numpy(actual, expected, DEFAULT)) == []
+        assert disagreements(RULE.sums(actual, expected, DEFAULT),
+                             RULE.specification(actual, expected, DEFAULT)) == []
     finally:
         monkeypatch.undo()
         rowdiff._library.cache_clear()
