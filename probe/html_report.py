@@ -20,6 +20,7 @@ from oracle.stages import STAGE_BY_NAME, STAGE_NAMES
 
 from probe.compare import DIVERGENT_STATUSES, INVALID_STATUSES, most_severe
 from probe.diff import DiffReport
+from probe.rule import RULE
 from probe.report import budget_text, cell_detail, coverage_text, render_text, summary_line
 
 # Okabe-Ito (Okabe & Ito 2008): blue / vermillion / reddish purple / orange, with the text colour that reads on it.
@@ -133,6 +134,7 @@ def _stage_table(report: DiffReport) -> str:
                      f'<td class="{bad}">{int(divergent.sum())}</td><td class="{broken}">{int(invalid.sum())}</td>'
                      f'<td class="num">{_e(worst_text)}</td><td class="num">{first}</td><td>{tol_text}</td></tr>')
     lines.append("</table>")
+    lines.append(f"<p>tolerance rule: {_e(RULE.text)}</p>")
     return "\n".join(lines)
 
 

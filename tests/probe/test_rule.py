@@ -79,7 +79,11 @@ def test_the_reports_quote_the_rules_own_text(tmp_path):
     from probe.cli import cli
     from tests.helpers import TINY_REF
 
-    result = CliRunner().invoke(cli, ["diff", str(TINY_REF), str(TINY_REF), "--json", str(tmp_path / "r.json")])
+    import html
+
+    result = CliRunner().invoke(cli, ["diff", str(TINY_REF), str(TINY_REF), "--json", str(tmp_path / "r.json"),
+                                      "--html", str(tmp_path / "r.html")])
     assert result.exit_code == 0, result.output
     assert f"tolerance  {RULE.text}" in result.stdout
     assert json.loads((tmp_path / "r.json").read_text())["rule"] == RULE.text
+    assert html.escape(RULE.text) in (tmp_path / "r.html").read_text()
