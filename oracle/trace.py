@@ -67,6 +67,9 @@ EVIDENCE_DOCS = {
     "topk_margin": "[T, 1] per token, the k-th selected expert's selection score minus the best unselected one's, "
                    "in router-logit units: where it is within the router_logits tolerance, a topk_ids flip is a "
                    "near-tie (rounding), not a wiring bug",
+    "topk_flip": "[T, E] per token and expert, the smallest router-logit error (topk_margin's units; their minimum "
+                 "is topk_margin) that could move that expert into or out of the chosen set: at a near-tie token a "
+                 "topk_ids difference is rounding only when every expert the sets disagree on is within tolerance",
     "router_group_limited": "[T, 1] per token, 1 where a group-limited router's group limit (n_group, topk_group) "
                             "changed the expert choice (the plain top-k over all experts differs): a group-limit "
                             "error can show only at these tokens",

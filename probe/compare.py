@@ -216,12 +216,14 @@ def rows_from_sums(stage: str, start: int, width: int, sums: np.ndarray, tol: To
 
 
 def compare_index_sets(stage: str, start: int, actual: np.ndarray, expected: np.ndarray, tol: Tol,
-                       near_tie: np.ndarray | None = None) -> StageRows:
+                       near_tie: np.ndarray | None = None, flippable: np.ndarray | None = None) -> StageRows:
     """Rows of an index-set stage (e.g. topk_ids, int64 [rows, k]): a row is ok when both rows hold the same set.
 
     n_mismatch counts the reference's ids the candidate lacks; max_abs is that count too (budget inf when > 0).
     A differing row where `near_tie` is set (the reference's own selection margin is within the tolerance of its
-    router logits) is `tie`, not `values`: a routing flip at a near-tie is rounding, not wiring. A negative id is
+    router logits) is `tie`, not `values`: a routing flip at a near-tie is rounding, not wiring. Where `flippable`
+    ([rows, E] bool: experts whose own flip distance is within the tolerance, /evidence/topk_flip) is given, only
+    a difference confined to those experts is a tie; any other expert in or out is `values`. A negative id is
     an unwritten row (the C and Python adapters fill index buffers with -1)."""
     rows = len(expected)
     exp_sorted, act_sorted = np.sort(expected, axis=1), np.sort(actual, axis=1)
@@ -229,6 +231,8 @@ def compare_index_sets(stage: str, start: int, actual: np.ndarray, expected: np.
     missing = np.array([len(set(e.tolist()) - set(a.tolist())) for e, a in zip(expected, actual)], dtype=np.int64)
     unwritten = (actual < 0).any(axis=1)
     tie = ~same & (near_tie if near_tie is not None else np.zeros(rows, dtype=bool))
+    if flippable is not None:
+        tie &= np.array([_only_flippable(a, e, f) for a, e, f in zip(actual, expected, flippable)], dtype=bool)
     status = np.where(unwritten, _CODE["unwritten"],
                       np.where(same, _CODE["ok"], np.where(tie, _CODE["tie"], _CODE["values"])))
     zero = np.zeros(rows)
@@ -237,6 +241,12 @@ def compare_index_sets(stage: str, start: int, actual: np.ndarray, expected: np.
                      np.zeros(rows, dtype=np.int64), missing.astype(float), np.full(rows, -1), np.where(same, 0.0, 1.0),
                      budget, zero, np.ones(rows), np.zeros(rows, dtype=bool), np.zeros(rows, dtype=bool), {},
                      zero_is_unwritten=False)
+
+
+def _only_flippable(actual: np.ndarray, expected: np.ndarray, flippable: np.ndarray) -> bool:
+    """Whether every expert in one set and not the other could flip by rounding (ids out of range cannot)."""
+    disputed = set(actual.tolist()) ^ set(expected.tolist())
+    return all(0 <= e < len(flippable) and bool(flippable[e]) for e in disputed)
 
 
 def mark_ties(rows: StageRows, tokens: np.ndarray) -> None:

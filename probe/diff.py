@@ -142,7 +142,8 @@ def _compare_stages(ref: TraceSource, cand: TraceSource, names: Sequence[str], t
                           count=lambda item: item[0][2] - item[0][1])  # (stage, token) rows compared
     for (name, start, end), actual, expected, sums in blocks_read:
         if sums is None:  # an index-set stage (topk_ids): compared as sets
-            block = compare_index_sets(name, start, actual, expected, tols[name], routing.near_tie(start, end))
+            block = compare_index_sets(name, start, actual, expected, tols[name], routing.near_tie(start, end),
+                                       routing.flippable(start, end))
             routing.saw_flips(block)
         else:
             block = _block_rows(ref.path, name, start, expected.shape[1], sums, tols[name],
@@ -352,8 +353,9 @@ class _Routing:
     selection (evidence_rules "routing_dependent") at that token: not a divergence, and not evidence. Where
     topk_ids is not captured, every near-tie token counts as possibly flipped."""
 
-    def __init__(self, ties: np.ndarray | None, dependent: tuple[str, ...], topk_captured: bool):
-        self.ties, self.dependent = ties, dependent
+    def __init__(self, ties: np.ndarray | None, dependent: tuple[str, ...], topk_captured: bool,
+                 flippable: np.ndarray | None = None):
+        self.ties, self.dependent, self._flippable = ties, dependent, flippable
         self.flipped = np.zeros(0 if ties is None else len(ties), dtype=bool)
         if ties is not None and not topk_captured:
             self.flipped = ties.copy()
@@ -367,10 +369,20 @@ class _Routing:
         margin = np.asarray(ref.evidence_rows("topk_margin", 0, total), dtype=np.float64).reshape(total, -1)[:, 0]
         logits = np.asarray(ref.stage_rows("router_logits", 0, total), dtype=np.float64)
         limit = 2 * np.maximum(tol.atol, tol.rtol * np.abs(logits).max(axis=1))
-        return _Routing(margin < limit, dependent, "topk_ids" in cand.stages)
+        flippable = None
+        if ref.has_evidence("topk_flip"):  # per expert: only the experts at the boundary may flip by rounding
+            flips = np.asarray(ref.evidence_rows("topk_flip", 0, total), dtype=np.float64)
+            if flips.shape != logits.shape:
+                raise ReferenceTraceError(f"reference {ref.path}: /evidence/topk_flip is {flips.shape}, expected "
+                                          f"{logits.shape} (router_logits). Regenerate it with mtp-oracle export.")
+            flippable = flips < limit[:, None]
+        return _Routing(margin < limit, dependent, "topk_ids" in cand.stages, flippable)
 
     def near_tie(self, start: int, stop: int) -> np.ndarray | None:
         return None if self.ties is None else self.ties[start:stop]
+
+    def flippable(self, start: int, stop: int) -> np.ndarray | None:
+        return None if self._flippable is None else self._flippable[start:stop]
 
     def saw_flips(self, block: StageRows) -> None:
         if self.ties is not None:

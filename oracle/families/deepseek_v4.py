@@ -41,6 +41,7 @@ from oracle.errors import CheckpointError, InputError
 from oracle.families.deepseek_v4_layout import EMBED, HEAD_PREFIX, HeadConfig, scale_name, v4_layout
 from oracle.families.moe_experts import RoutedExperts
 from oracle.families.qwen3_5 import UpcastLinear, selection_margin
+from oracle.families.routing_evidence import topk_flip_distances
 from oracle.fp8 import E4M3, dequantize
 from oracle.trace import TraceInputs
 
@@ -173,7 +174,8 @@ class moe_capture:
         choice = gate.score_fn(logits.float()) + gate.e_score_correction_bias
         self.stages.update({"router_logits": rows(logits), "topk_ids": rows(ids), "topk_weights": rows(weights),
                             "shared": rows(self.seen["shared_experts"]), "routed": rows(self.seen["experts"]),
-                            "topk_margin": rows(selection_margin(choice, ids.shape[-1]))})
+                            "topk_margin": rows(selection_margin(choice, ids.shape[-1])),
+                            "topk_flip": rows(topk_flip_distances(choice, ids))})
 
 
 # ---------------------------------------------------------------------------------------------------------------

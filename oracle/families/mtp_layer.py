@@ -27,6 +27,7 @@ from oracle.checkpoint import Checkpoint, HeadWeights
 from oracle.errors import CheckpointError, InputError
 from oracle.families.moe_experts import RoutedExperts, _populate, _release
 from oracle.families.mtp_layer_layout import MtpLayerConfig, MtpLayerTensors
+from oracle.families.routing_evidence import grouped_flip_distances
 from oracle.families.qwen3_5 import (UpcastLinear, _step_tensors, _to_numpy, _widen_non_linear_parameters,
                                      causal_mask)
 from oracle.fp8 import E4M3, dequantize
@@ -112,15 +113,16 @@ class MtpLayerHead(nn.Module):
             self._seen = None
         logits, weights, ids = seen.pop("router")
         rows = lambda t: t.reshape(1, -1, t.shape[-1])  # noqa: E731  (N, w) -> (1, N, w), N = T with B = 1
-        margin, limited = routing_evidence(self.layer.mtp_block.mlp.gate, logits, ids)
+        margin, limited, flips = routing_evidence(self.layer.mtp_block.mlp.gate, logits, ids)
         seen |= {"router_logits": rows(logits), "topk_weights": rows(weights), "topk_ids": rows(ids),
                  "routed": rows(seen["routed"]),
                  # evidence, not stages (oracle/trace.py EVIDENCE_DOCS; export moves them to /evidence)
-                 "topk_margin": rows(margin), "router_group_limited": rows(limited)}
+                 "topk_margin": rows(margin), "router_group_limited": rows(limited), "topk_flip": rows(flips)}
         return seen
 
 
-def routing_evidence(gate: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def routing_evidence(gate: nn.Module, logits: torch.Tensor,
+                     ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per token, from the official noaux_tc router's own attributes and outputs (not a re-implementation of the
     stage: evidence about it):
 
@@ -130,7 +132,9 @@ def routing_evidence(gate: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -
       the topk_group-th and the next group score) or the order inside the kept groups does (needs d >= 2x the gap
       between the k-th chosen and the best unchosen expert there).
     limited (N, 1): 1.0 where the group limit changed the choice, i.e. the plain top-k of s over ALL experts is not
-      the chosen set (a group-limit error can show only at these tokens)."""
+      the chosen set (a group-limit error can show only at these tokens).
+    flips (N, E): per expert, the same bound for that expert alone (oracle/families/routing_evidence.py); their
+      minimum is the margin."""
     n, e = logits.shape
     groups, keep, k = gate.num_group, gate.topk_group, gate.top_k
     choice = logits.float().sigmoid() + gate.e_score_correction_bias
@@ -144,7 +148,8 @@ def routing_evidence(gate: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -
     inside = choice.masked_fill(~kept.repeat_interleave(e // groups, dim=1), float("-inf"))
     top = torch.sort(inside, dim=-1, descending=True).values
     inner_gap = top[:, k - 1] - top[:, k] if k < e else inf  # -inf next (all kept experts chosen): inf
-    return torch.minimum(group_gap, 2 * inner_gap)[:, None], limited[:, None]
+    flips = grouped_flip_distances(choice, ids, groups, keep)
+    return torch.minimum(group_gap, 2 * inner_gap)[:, None], limited[:, None], flips
 
 
 def _upcast_bias_free_linears(module: nn.Module) -> None:

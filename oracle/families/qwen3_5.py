@@ -27,6 +27,7 @@ from oracle.attention_evidence import uniform_weights
 from oracle.checkpoint import Checkpoint, HeadWeights
 from oracle.errors import CheckpointError
 from oracle.families.qwen3_5_layout import HeadConfig
+from oracle.families.routing_evidence import topk_flip_distances
 from oracle.trace import TraceInputs
 
 Stages = dict[str, torch.Tensor]
@@ -137,7 +138,8 @@ class UpcastLinear(nn.Module):
             stop = min(start + self.ROWS, out_features)
             rows = self.block[: stop - start]
             rows.copy_(self.weight[start:stop])  # exact widening: bf16 is the top half of a float32
-            out[..., start:stop] = F.linear(x, rows)
+            # the weight follows activations of another dtype (oracle/noise.py runs the head in float64, bf16, fp16)
+            out[..., start:stop] = F.linear(x, rows if x.dtype == rows.dtype else rows.to(x.dtype))
         return out
 
 
@@ -328,6 +330,7 @@ class moe_capture:
             "shared": rows(F.sigmoid(seen["shared_expert_gate"]) * seen["shared_expert"]),
             "routed": rows(seen["experts"]),
             "topk_margin": rows(selection_margin(logits, ids.shape[-1])),  # evidence, not a stage
+            "topk_flip": rows(topk_flip_distances(logits, ids)),  # evidence, not a stage
         })
 
 

@@ -112,30 +112,63 @@ def test_topk_ids_are_compared_as_sets(exported, tmp_path):
     assert (wrong.first.stage, wrong.first.token) == ("topk_ids", 3) and wrong.verdict.name == "diverged"
 
 
-def _flip_at(token):
+def _boundary(trace, token):
+    """(the reference's weakest chosen expert, its best unchosen one) at `token`: the pair a rounding flip swaps."""
+    _, stages = load_trace(trace)
+    logits, ids = stages["router_logits"][token], stages["topk_ids"][token]
+    weakest = int(ids[np.argmin(logits[ids])])
+    best_out = int(max((e for e in range(len(logits)) if e not in ids), key=lambda e: logits[e]))
+    return weakest, best_out
+
+
+def _flip_at(token, leaving, entering):
     def change(stages):
         ids = stages["topk_ids"]
-        ids[token, -1] = next(e for e in range(stages["router_logits"].shape[1]) if e not in ids[token])
+        ids[token, list(ids[token]).index(leaving)] = entering
         for later in ("topk_weights", "routed", "mlp", "res2", "out"):  # a flip changes everything after it
             stages[later][token] += 0.05
     return change
 
 
-def test_a_routing_flip_at_a_reference_near_tie_is_a_tie_not_a_wiring_bug(exported, tmp_path):
-    _, trace = exported["qwen3_next", "fused"]
-    near = tmp_path / "near.h5"
-    shutil.copy(trace, near)
-    with h5py.File(near, "a") as f:
-        f["evidence/topk_margin"][4, 0] = 1e-7  # the reference's own selection is a near-tie at token 4
+def _near_tie_reference(trace, out, token, experts):
+    """The reference, edited (and re-signed) so that its own selection at `token` is a near-tie between `experts`."""
+    shutil.copy(trace, out)
+    with h5py.File(out, "a") as f:
+        f["evidence/topk_margin"][token, 0] = 1e-7
+        flips = f["evidence/topk_flip"][token]
+        flips[list(experts)] = 1e-7
+        f["evidence/topk_flip"][token] = flips
         rules = json.loads(f.attrs["evidence_rules"])
         f.attrs["evidence_digest"] = evidence_digest(rules, {n: f["evidence"][n][()] for n in f["evidence"]})
-    cand = _with_stages(trace, tmp_path / "flip.h5", _flip_at(4))
+    return out
+
+
+def test_a_routing_flip_at_a_reference_near_tie_is_a_tie_not_a_wiring_bug(exported, tmp_path):
+    _, trace = exported["qwen3_next", "fused"]
+    leaving, entering = _boundary(trace, 4)
+    near = _near_tie_reference(trace, tmp_path / "near.h5", 4, (leaving, entering))
+    cand = _with_stages(trace, tmp_path / "flip.h5", _flip_at(4, leaving, entering))
     report = diff_traces(near, cand)
     assert report.verdict.name == "pass" and report.routing_ties == (4,), report.verdict
     assert report.rows["topk_ids"].has_status({"tie"})[4] and report.rows["out"].has_status({"tie"})[4]
     # twin: the same flip where the reference's margin is wide is a divergence at topk_ids
     twin = diff_traces(trace, cand)
     assert twin.verdict.name == "diverged" and (twin.first.stage, twin.first.token) == ("topk_ids", 4)
+
+
+def test_a_near_tie_excuses_only_the_experts_at_the_boundary(exported, tmp_path):
+    """A near-tie token is no licence for any set: a candidate that brings in an expert far from the boundary
+    (a wrong router that happens to differ there) diverges at topk_ids, even though the reference is a near-tie."""
+    _, trace = exported["qwen3_next", "fused"]
+    leaving, entering = _boundary(trace, 4)
+    near = _near_tie_reference(trace, tmp_path / "near.h5", 4, (leaving, entering))
+    _, stages = load_trace(trace)
+    logits, ids = stages["router_logits"][4], stages["topk_ids"][4]
+    far = int(min((e for e in range(len(logits)) if e not in ids), key=lambda e: logits[e]))  # the least likely
+    assert far != entering
+    report = diff_traces(near, _with_stages(trace, tmp_path / "far.h5", _flip_at(4, leaving, far)))
+    assert report.verdict.name == "diverged" and (report.first.stage, report.first.token) == ("topk_ids", 4)
+    assert report.routing_ties == ()
 
 
 def test_the_top_k_renormalisation_convention_is_recorded_and_handed_to_the_candidate(exported, tmp_path,
