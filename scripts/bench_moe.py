@@ -18,6 +18,12 @@ rate, both measured in this run: GEMMs in float32 at the trace's own routing), t
 Goals: time <= 1.5x the floor, peak RSS <= 6 GB. `--threads N` sets OMP_NUM_THREADS for every child (floors
 included): on a shared, oversubscribed machine torch's 2-thread kernels wait on each other (index_add_ on a
 [32, 7168] tensor: 4 ms with 2 threads under load, 0.05 ms with 1).
+
+    python scripts/bench_moe.py --dequant [--repeats N]
+
+The FP8 block dequant alone (oracle/fp8.py), in ns per element: the numpy specification and the compiled kernel
+(oracle/_fp8dequant.c) on the same DeepSeek-V3 expert matrices (gate/up 2048 x 7168, down 7168 x 2048, 128 x 128
+blocks) into the same reused float32 buffer, alternated, best of N; their outputs are checked bit-equal.
 """
 
 import argparse
@@ -244,6 +250,9 @@ def bench_deepseek(ckpt: Path, work: Path, rows: list, experts: int = 256) -> No
         subprocess.run([PY, str(ROOT / "scripts" / "make_realscale_deepseek_checkpoint.py"), str(ckpt),
                         "--experts", str(experts)], check=True)
     total = json.loads((ckpt / "config.json").read_text())["n_routed_experts"]
+    from oracle.fp8 import kernel_note
+    rows.append(("DeepSeek-V3 FP8 dequant path", "compiled kernel" if kernel_note() is None else "numpy (kernel "
+                 "not built: the figures below are the fallback's)", "", "", ""))
     work.mkdir(parents=True, exist_ok=True)
     for t in (32, 169):
         trace = work / f"ds{t}.h5"
@@ -276,6 +285,31 @@ def bench_deepseek(ckpt: Path, work: Path, rows: list, experts: int = 256) -> No
                  f"<= {DS_TARGET_RSS_GB:.0f} GB"))
 
 
+def bench_dequant(rows: list, repeats: int) -> None:
+    from oracle import fp8
+
+    block = (128, 128)
+    rng = np.random.default_rng(0)
+    for shape in ((2048, 7168), (7168, 2048)):
+        bits = rng.integers(0, 256, size=shape, dtype=np.uint8)
+        scales = rng.uniform(1e-4, 1e-2, size=fp8.scale_shape(shape, block)).astype(np.float32)
+        outs = {"numpy": np.empty(shape, dtype=np.float32), "kernel": np.empty(shape, dtype=np.float32)}
+        paths = {"numpy": lambda out: fp8.dequantize_numpy(bits, scales, block, out),
+                 "kernel": lambda out: fp8.dequantize(bits, scales, block, out=out)}
+        best = dict.fromkeys(paths, float("inf"))
+        for _ in range(repeats):  # alternated: load on a shared machine hits both alike
+            for name, run in paths.items():
+                start = time.perf_counter()
+                run(outs[name])
+                best[name] = min(best[name], time.perf_counter() - start)
+        same = np.array_equal(outs["numpy"].view(np.uint32), outs["kernel"].view(np.uint32))
+        ns = {name: s / bits.size * 1e9 for name, s in best.items()}
+        kernel = "kernel" if fp8.kernel_note() is None else "kernel NOT BUILT (numpy ran)"
+        rows.append((f"FP8 dequant {shape[0]}x{shape[1]}, 128x128 blocks (best of {repeats})",
+                     f"numpy {ns['numpy']:.3f} ns/el", f"{kernel} {ns['kernel']:.3f} ns/el",
+                     f"{ns['numpy'] / ns['kernel']:.1f}x faster", "bit-equal" if same else "OUTPUTS DIFFER"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=("qwen3_next", "deepseek_v3"), default="qwen3_next")
@@ -283,11 +317,15 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/mtp-bench/work-moe"))
     parser.add_argument("--experts", type=int, default=256, help="deepseek_v3: routed experts when generating")
     parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS for every child (default: torch's own)")
+    parser.add_argument("--dequant", action="store_true", help="only the FP8 dequant: numpy vs compiled kernel")
+    parser.add_argument("--repeats", type=int, default=5, help="--dequant: best of this many (default 5)")
     args = parser.parse_args()
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
     rows: list = []
-    if args.family == "deepseek_v3":
+    if args.dequant:
+        bench_dequant(rows, args.repeats)
+    elif args.family == "deepseek_v3":
         bench_deepseek(args.checkpoint or Path("/tmp/mtp-bench/dsv3"), args.work, rows, args.experts)
     else:
         bench_moe(args.checkpoint or Path("/tmp/mtp-bench/q3next"), args.work, rows)
