@@ -17,7 +17,7 @@ exact logits found by a bf16 screen under a proven bound and an exact rescoring 
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 
@@ -28,12 +28,15 @@ from transformers import DynamicCache
 from oracle.checkpoint import Checkpoint, check_token_ids
 from oracle.errors import CheckpointError, InputError
 from oracle.export import HiddenSource, quiet_kernel_fallbacks
+from oracle.fp8 import dequantize
 from oracle.families.qwen3_5 import MtpHead, causal_mask
 from oracle.families.qwen3_5_layout import LM_HEAD
 from oracle.families.registry import head_module
 from oracle.inputs import hidden_from_file, hidden_from_seed, token_ids_from_array
 from oracle.lm_head import CHUNK_ROWS, LmHead, lm_head_of
 from oracle.progress import Progress
+from oracle.quantize_sim import QuantizedHead, QuantSpec, quantize_tensor
+from oracle.quantize_sim import plan as quantization_plan
 
 TARGETS = ("greedy", "text")
 CHAIN_BLOCK = 256  # chains per attention call: its scores take heads x block x (bridge + block * k) floats
@@ -184,22 +187,34 @@ def target_table(sequence: np.ndarray, main_argmax: np.ndarray | None, k: int, t
 
 
 @dataclass(frozen=True)
+class QuantizeComparison:
+    """With `quantize`: what was quantized, and the unquantized head's run on the same chains, H and targets."""
+
+    head: QuantizedHead
+    baseline: AcceptMetrics
+    baseline_drafts: np.ndarray  # [C, k]
+
+
+@dataclass(frozen=True)
 class AcceptResult:
-    metrics: AcceptMetrics
+    metrics: AcceptMetrics  # of the head measured: the quantized one when `quantize` is set
     target: str
     sequence: np.ndarray  # x_0..x_{N-1}
     drafts: np.ndarray  # [C, k]; row i is the chain drafted after bridge step i
     targets: np.ndarray  # [C, k]
     source: dict  # checkpoint, hidden source, lm_head tensor
+    quantize: QuantizeComparison | None = None
 
 
 def measure_acceptance(checkpoint_dir: Path, sequence: np.ndarray, hidden: HiddenSource, k: int = 4,
                        target: str | None = None, head_weights: dict[str, np.ndarray] | None = None,
-                       chunk_rows: int = CHUNK_ROWS, log: Callable[[str], None] = lambda msg: None) -> AcceptResult:
+                       chunk_rows: int = CHUNK_ROWS, log: Callable[[str], None] = lambda msg: None,
+                       quantize: tuple[QuantSpec, ...] = ()) -> AcceptResult:
     """Draft a k-chain after every bridge step of `sequence` and score the chains against `target`.
 
     `target` None means greedy, or text when H is synthetic (`hidden.seed`). `head_weights` replaces the
-    checkpoint's `mtp.*` tensors (e.g. a random head as a baseline)."""
+    checkpoint's `mtp.*` tensors (e.g. a random head as a baseline). `quantize` (oracle/quantize_sim.py) measures
+    the head with those tensors quantized, beside the unquantized head on the same chains (result.quantize)."""
     sequence = token_ids_from_array(sequence, "sequence")
     _check_k(k, len(sequence))
     ckpt = Checkpoint(checkpoint_dir)
@@ -210,6 +225,7 @@ def measure_acceptance(checkpoint_dir: Path, sequence: np.ndarray, hidden: Hidde
     check_token_ids(sequence, ckpt.config.vocab_size)
     lm_head = _lm_head(ckpt, chunk_rows)
     target = _resolved_target(target, hidden)
+    quantized = _quantized_head(ckpt, head_weights, quantize) if quantize else None  # bad globs before H's run
     h = _hidden_of(ckpt, hidden, sequence, log)
     impl = head_module(ckpt.family)
     head, rotary = impl.build_head(ckpt.config, _head_tensors(ckpt, head_weights))
@@ -217,13 +233,22 @@ def measure_acceptance(checkpoint_dir: Path, sequence: np.ndarray, hidden: Hidde
     log(f"drafting {chains} chains of k={k} (N={len(sequence)} tokens); lm_head {lm_head.name} in chunks of "
         f"{chunk_rows} rows")
     # For greedy, the main model's own argmax at positions 1..N-2 rides along the first drafts' lm_head sweep.
-    with Progress("accept", total=chains * k, unit="draft") as bar:
+    with Progress("accept", total=chains * k * (2 if quantized else 1), unit="draft") as bar:
         drafts, main_argmax = draft_chains(ckpt, head, rotary, sequence, h, k, chunk_rows,
                                            also_score=h[1:-1] if target == "greedy" else None, on_depth=bar.update)
+        if quantized:  # the same chains, H and targets through the quantized head
+            q_head, _ = impl.build_head(ckpt.config, quantized[0])
+            q_drafts = draft_chains(ckpt, q_head, rotary, sequence, h, k, chunk_rows, on_depth=bar.update)[0]
     targets = target_table(sequence, main_argmax, k, target)
     source = {"checkpoint": str(ckpt.path), "hidden": hidden.describe(), "lm_head": lm_head.name,
               "head": "checkpoint mtp.*" if head_weights is None else "weights given by the caller"}
-    return AcceptResult(acceptance_metrics(drafts, targets), target, sequence, drafts, targets, source)
+    result = AcceptResult(acceptance_metrics(drafts, targets), target, sequence, drafts, targets, source)
+    if not quantized:
+        return result
+    comparison = QuantizeComparison(quantized[1], result.metrics, drafts)
+    source = source | {"head": f"{source['head']}, quantized: {' '.join(map(str, quantize))}"}
+    return replace(result, metrics=acceptance_metrics(q_drafts, targets), drafts=q_drafts, source=source,
+                   quantize=comparison)
 
 
 def _lm_head(ckpt: Checkpoint, chunk_rows: int) -> LmHead:
@@ -253,6 +278,48 @@ def _head_tensors(ckpt: Checkpoint, given: dict[str, np.ndarray] | None) -> dict
     if given is None:
         return head_module(ckpt.family).torch_weights(ckpt.read_head(widen=False))  # bf16 widened exactly in use
     return {name: torch.from_numpy(np.asarray(arr, dtype=np.float32)) for name, arr in given.items()}
+
+
+def _quantized_head(ckpt: Checkpoint, given: dict[str, np.ndarray] | None,
+                    specs: tuple[QuantSpec, ...]) -> tuple[dict[str, torch.Tensor], QuantizedHead]:
+    """The head's tensors with those `specs` match quantized and dequantized to float32 (oracle/quantize_sim.py),
+    the rest as stored; and what was quantized at what error. One tensor at a time: only matched ones widen."""
+    tensors = _head_tensors(ckpt, given)
+    layout = ckpt.layout()
+    scales = {_fp8_scale_name(tensors, n): n for n, t in tensors.items() if t.dtype == torch.uint8}
+    not_simulated = {n: f"the block scale of {w}" for n, w in scales.items()}
+    not_simulated |= {n: "a vocabulary table accept reads from the checkpoint itself"
+                      for n in set(layout.shapes()) - set(layout.dense)
+                      - set(layout.experts.shapes() if layout.experts else ())}
+    chosen = quantization_plan(specs, {n: tuple(t.shape) for n, t in tensors.items()}, not_simulated)
+    block = tuple(getattr(ckpt.config, "weight_block_size", None) or (128, 128))
+    report = []
+    for name, spec in chosen.items():
+        value, cost = quantize_tensor(name, _float32_of(tensors, name, block), spec)
+        if tensors[name].dtype == torch.uint8:  # its value is float32 now: its block scale must go with it
+            del tensors[_fp8_scale_name(tensors, name)]
+        tensors[name] = torch.from_numpy(value)
+        report.append(cost)
+    kept = tuple(n for n in tensors if n not in chosen)
+    return tensors, QuantizedHead(tuple(specs), tuple(report), kept)
+
+
+def _fp8_scale_name(tensors: dict[str, torch.Tensor], name: str) -> str:
+    """The block scale beside an FP8 weight: `X.weight_scale_inv`, or `X.scale` where a release names it so."""
+    stem = name.removesuffix("weight")
+    return stem + "weight_scale_inv" if stem + "weight_scale_inv" in tensors else stem + "scale"
+
+
+def _float32_of(tensors: dict[str, torch.Tensor], name: str, block: tuple[int, int]) -> np.ndarray:
+    """A head tensor's value as float32: bf16/f16 widened (exact), FP8 dequantized with its block scale."""
+    t = tensors[name]
+    if t.dtype != torch.uint8:
+        return t.float().numpy()
+    scale = tensors.get(_fp8_scale_name(tensors, name))
+    if scale is None:
+        raise CheckpointError(f"{name} is F8_E4M3 without a block scale beside it ({_fp8_scale_name(tensors, name)}); "
+                              f"the checkpoint is inconsistent.")
+    return dequantize(t.numpy(), scale.float().numpy(), block, name)
 
 
 def _check_k(k: int, num_tokens: int) -> None:

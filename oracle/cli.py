@@ -81,6 +81,7 @@ Examples:
   mtp-oracle accept fixtures/qwen3_5_trained --tokens-file fixtures/qwen3_5_trained/heldout_tokens.txt --main-model
   mtp-oracle accept CHECKPOINT --tokens-file text.txt --hidden H.npy --json acc.json --plot acc.png
   mtp-oracle accept CHECKPOINT --tokens-file text.txt --hidden-seed 0 --target text -q
+  mtp-oracle accept CHECKPOINT --tokens-file text.txt --hidden H.npy --quantize '*=int8' --quantize '*.mlp.*=int4'
 """)
 @click.argument("checkpoint", type=CHECKPOINT)
 @click.option("--k", type=int, default=4, show_default=True, help="Drafts per chain (speculation depth).")
@@ -95,11 +96,16 @@ Examples:
 @click.option("--chunk-rows", type=int, default=8192, show_default=True,
               help="lm_head rows read (and held in float32) at a time.")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), help="Write the measurement as JSON.")
+@click.option("--quantize", multiple=True, metavar="GLOB=SCHEME",
+              help="Also measure the head with the tensors GLOB matches (fnmatch on checkpoint names) quantized "
+                   "and dequantized (simulated): int8 (per output row), int4 (groups of 32; int4g64, int4g128), "
+                   "fp8 (e4m3, 128x128 blocks), int2 (ternary). Repeatable; a later spec wins. Reports both "
+                   "heads on the same chains and the difference.")
 @click.option("--plot", type=click.Path(path_type=Path), help="Write a PNG of alpha_j and p_j by depth.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress messages.")
 @click.pass_obj
 def accept(obj, checkpoint, k, tokens, tokens_file, hidden_file, main_model, hidden_seed, target, chunk_rows,
-           json_out, plot, quiet) -> None:
+           quantize, json_out, plot, quiet) -> None:
     """Measure the head's acceptance: conditional alpha_j and chain-break E[len] over k-draft chains."""
     from oracle.export import HiddenSource
     from oracle.inputs import token_ids_from_file, token_ids_from_text
@@ -111,12 +117,16 @@ def accept(obj, checkpoint, k, tokens, tokens_file, hidden_file, main_model, hid
         if path is not None:
             check_writable(path, option)  # fail before the work, not after it
     ids = token_ids_from_file(tokens_file) if tokens_file else token_ids_from_text(tokens, "--tokens")
+    from oracle.quantize_sim import parse_spec  # no torch
+
+    specs = tuple(parse_spec(text) for text in quantize)
     from oracle.accept import measure_acceptance  # torch: only once the arguments are known to be usable
     from oracle.accept_report import render_report, summary_line, write_json, write_plot
     log = (lambda msg: None) if quiet else say
     with reporting(enabled=not quiet):
         result = measure_acceptance(checkpoint, ids, HiddenSource(file=hidden_file, seed=hidden_seed,
-                                    main_model=main_model), k=k, target=target, chunk_rows=chunk_rows, log=log)
+                                    main_model=main_model), k=k, target=target, chunk_rows=chunk_rows, log=log,
+                                    quantize=specs)
     click.echo(render_report(result))
     if json_out is not None:
         write_json(result, json_out, command=obj["command"])
