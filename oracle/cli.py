@@ -137,6 +137,51 @@ def accept(obj, checkpoint, k, tokens, tokens_file, hidden_file, main_model, hid
 
 @cli.command(epilog="""\b
 Examples:
+  mtp-oracle noise fixtures/qwen3_5_tiny --tokens 17,42,3,255,100,7,511,64 --hidden-seed 0 --out noise.json
+  mtp-oracle noise CHECKPOINT --tokens-file steps.txt --hidden H.npy --out noise.json --margin 8 --paths bfloat16
+  mtp-probe diff ref.h5 dump/ --profile noise.json:bfloat16
+""")
+@click.argument("checkpoint", type=CHECKPOINT)
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Profile to write (JSON).")
+@click.option("--tokens", help="Step token ids t_1..t_T, comma separated (the reference trace's, for its noise).")
+@click.option("--tokens-file", type=EXISTING_FILE, help="Step token ids from a text file or a .npy int array.")
+@click.option("--hidden", "hidden_file", metavar="FILE",
+              help="H [T, D] float32: FILE.npy, FILE.bin (raw little-endian) or FILE.h5:/dataset.")
+@click.option("--hidden-seed", type=int, help="Synthetic H: standard normal rows from this seed.")
+@click.option("--main-model", is_flag=True, help="H from the checkpoint's main model (post-final-norm).")
+@click.option("--first-token", type=click.IntRange(0, 2**63 - 1),
+              help="With --main-model: x_0, the token before the first step token.")
+@click.option("--start-pos", type=int, default=0, show_default=True, help="Position p_0 of step 0.")
+@click.option("--margin", type=float, default=4.0, show_default=True,
+              help="Tolerance = margin x the measured noise (>= 1).")
+@click.option("--paths", default="float32,bfloat16,float16", show_default=True,
+              help="Computation paths to measure against the float64 truth, comma separated.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress messages.")
+@click.pass_obj
+def noise(obj, checkpoint, out, tokens, tokens_file, hidden_file, hidden_seed, main_model, first_token, start_pos,
+          margin, paths, quiet) -> None:
+    """Measure each stage's rounding noise (float32, bf16, fp16 against float64) and write a tolerance profile."""
+    from oracle.export import HiddenSource
+    from oracle.inputs import token_ids_from_file, token_ids_from_text
+
+    _exactly_one({"--tokens": tokens, "--tokens-file": tokens_file})
+    _exactly_one({"--hidden": hidden_file, "--hidden-seed": hidden_seed, "--main-model": main_model or None})
+    _refuse_overwriting_inputs({"--out": out}, checkpoint, tokens_file, hidden_file)
+    check_writable(out, "--out")  # before the work, not after it
+    ids = token_ids_from_file(tokens_file) if tokens_file else token_ids_from_text(tokens, "--tokens")
+    source = HiddenSource(file=hidden_file, seed=hidden_seed, main_model=main_model, first_token=first_token)
+    from oracle.noise import measure_noise, write_profile  # torch: once the arguments are known to be usable
+
+    with reporting(enabled=not quiet):
+        profile = measure_noise(checkpoint, ids, source, start_pos=start_pos, margin=margin, command=obj["command"],
+                                paths=tuple(p.strip() for p in paths.split(",")), log=(lambda m: None) if quiet else say)
+    write_profile(profile, out)
+    click.echo(f"wrote {out}: {', '.join(profile['paths'])} against float64, margin {margin:g}, "
+               f"T={profile['inputs']['num_tokens']}")
+
+
+@cli.command(epilog="""\b
+Examples:
   mtp-oracle inspect ref.h5
   mtp-oracle inspect fixtures/qwen3_5_tiny_ref.h5 | grep -A 20 'stages (in order'
 """)

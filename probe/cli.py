@@ -15,7 +15,8 @@ from probe.diff import DiffReport, diff_traces
 from probe.report import render_text, summary_line, write_json
 from probe.rowdiff import kernel_note
 from probe.run import SPEC_HELP, adapter_from_spec, checkpoint_for, reference_conventions, run_and_diff
-from probe.tolerance import DEFAULT, PROFILES, Tol, tol_table
+from probe.tolerance import (DEFAULT, PROFILES, Tol, measured_tol_table, profile_file_spec, reference_facts,
+                             tol_table)
 
 EXISTING_FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
 EXISTING_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
@@ -30,8 +31,10 @@ def cli() -> None:
 def diff_options(command):
     """Tolerance and report options shared by `diff` and `run`."""
     options = [
-        click.option("--profile", type=click.Choice(sorted(PROFILES)), default="float32", show_default=True,
-                     help="Tolerance profile for the candidate's precision."),
+        click.option("--profile", default="float32", show_default=True, metavar="NAME|FILE[:PATH]",
+                     help=f"Tolerance profile for the candidate's precision: {' or '.join(sorted(PROFILES))} (fixed "
+                          f"numbers), or FILE[:PATH], a measured per-stage profile written by `mtp-oracle noise` "
+                          f"(PATH: its computation path, float32, bfloat16 or float16; default bfloat16)."),
         click.option("--rtol", type=float, help=f"Relative tolerance on max_rel = max|a-e| / max|e| per row "
                                                 f"[default: {DEFAULT.rtol:g}; give with --atol]."),
         click.option("--atol", type=float, help=f"Absolute tolerance on max|a-e| per row [default: {DEFAULT.atol:g}]."),
@@ -75,6 +78,7 @@ Examples:
   mtp-probe diff fixtures/qwen3_5_tiny_ref.h5 cand.h5
   mtp-probe diff ref.h5 dump/ --profile bfloat16 --json report.json --plot heat.png --html report.html
   mtp-probe diff ref.h5 dump/ --stage-tol attn=1e-3,1e-5 --fail-fast -v
+  mtp-probe diff ref.h5 dump/ --profile noise.json:bfloat16
 """)
 @click.argument("ref", type=EXISTING_FILE)
 @click.argument("candidate", type=click.Path(exists=True, path_type=Path))
@@ -90,7 +94,7 @@ def diff(ctx, ref, candidate, checkpoint, profile, rtol, atol, stage_tol, json_p
     A (stage, token) row passes iff max_rel < rtol or max_abs < atol. Exit 0 pass, 1 diverged, 2 invalid or bad
     input, 3 inconclusive; the last line is a greppable summary.
     """
-    tols = _tols(profile, rtol, atol, stage_tol, json_path, plot_path, html_path)
+    tols = _tols(ref, profile, rtol, atol, stage_tol, json_path, plot_path, html_path)
     refuse_overwriting_inputs({"--json": json_path, "--plot": plot_path, "--html": html_path},
                               {"REF": ref, "CANDIDATE": candidate})
     with reporting(enabled=not quiet):
@@ -138,7 +142,7 @@ def run(ctx, ref, spec, checkpoint, out, profile, rtol, atol, stage_tol, json_pa
     The checkpoint is the one REF records (or one found beside it by its head digest) unless --checkpoint
     is given; its weights are checked against REF's digest.
     """
-    tols = _tols(profile, rtol, atol, stage_tol, json_path, plot_path, html_path)
+    tols = _tols(ref, profile, rtol, atol, stage_tol, json_path, plot_path, html_path)
     checkpoint = checkpoint_for(ref, checkpoint, log=lambda msg: click.echo(msg, err=True))
     library = Path(spec.partition(":")[2]) if spec.startswith("c:") else None
     refuse_overwriting_inputs({"--out": out, "--json": json_path, "--plot": plot_path, "--html": html_path},
@@ -220,12 +224,19 @@ def selftest(ctx, reference, checkpoint, build_dir, quiet) -> None:
     ctx.exit(0 if all(r.ok is not False for r in rows) else 1)
 
 
-def _tols(profile: str, rtol, atol, stage_tol, json_path, plot_path, html_path=None) -> dict[str, Tol]:
+def _tols(ref: Path, profile: str, rtol, atol, stage_tol, json_path, plot_path, html_path=None) -> dict[str, Tol]:
     if (rtol is None) != (atol is None):
         raise click.UsageError("give both --rtol and --atol, or neither (API: Tol(rtol, atol, why)).")
+    measured = profile_file_spec(profile)  # None: a named profile
+    if measured is not None and rtol is not None:
+        raise click.UsageError(f"--profile {profile} gives every stage its measured tolerance; --rtol/--atol would "
+                               f"replace all of them. Drop --rtol/--atol (override single stages with --stage-tol "
+                               f"STAGE=RTOL,ATOL), or use a named --profile.")
     for option, path in (("--json", json_path), ("--plot", plot_path), ("--html", html_path)):
         if path:
             check_writable(path, option)  # before the diff, not after minutes of work
+    if measured is not None:
+        return tol_table(overrides=stage_tol, measured=measured_tol_table(*measured, reference_facts(ref)))
     return tol_table(PROFILES[profile] if rtol is None else Tol(rtol, atol, "--rtol/--atol"), stage_tol)
 
 

@@ -81,12 +81,36 @@ def _header(report: DiffReport) -> str:
     lines = [f"oracle     {report.reference}  (mtp-trace/1, T={report.num_tokens}, D={report.hidden_size})",
              f"candidate  {report.candidate}  ({report.candidate_kind}): {coverage_text(report.captured, _names(report))}",
              f"inputs     {_inputs_text(report)}", f"tolerance  {RULE.text}"]
+    if getattr(report.tols, "noise", None) is not None:  # --profile FILE[:PATH]: a measured profile
+        return "\n".join(lines + _noise_lines(report))
     tols = {tol for tol in report.tols.values()}
     for tol in sorted(tols, key=lambda t: t.why):
         stages = [n for n in _names(report) if report.tols[n] == tol]
         scope = "all stages" if len(stages) == len(_names(report)) else ", ".join(stages)
         lines.append(f"           {scope}: rtol {tol.rtol:g}, atol {tol.atol:g} ({tol.why})")
     return "\n".join(lines)
+
+
+def _noise_lines(report: DiffReport) -> list[str]:
+    """The measured noise floor the tolerances came from: the profile, and per stage its figures and the tolerance
+    used (a --stage-tol override says so)."""
+    noise = report.tols.noise
+    inputs = {True: "the reference's own inputs", False: "OTHER inputs than the reference's",
+              None: "inputs not checked"}[noise.same_inputs]
+    u = f"; floor: one {noise.path} rounding (u {noise.unit_roundoff:.2g})" if noise.unit_roundoff else ""
+    lines = [f"noise      {noise.file} path {noise.path}, tolerance = {noise.margin:g} x measured "
+             f"({noise.family}, T={noise.num_tokens}, {inputs}){u}",
+             f"           {'stage':<14}{'max_rel':>9}{'max_abs':>9}{'rtol':>10}{'atol':>10}   (measured against float64; used)"]
+    for name in _names(report):
+        figures, tol = noise.stages.get(name, {}), report.tols[name]
+        if figures.get("kind") == "index_set":
+            lines.append(f"           {name:<14}compared as a set ({tol.why})")
+            continue
+        override = "" if tol.why.startswith(f"{noise.path} noise") else f"   {tol.why}"
+        override = override or ("   floor: one rounding" if "(floor" in tol.why else "")
+        lines.append(f"           {name:<14}{figures['measured_max_rel']:>9.2g}{figures['measured_max_abs']:>9.2g}"
+                     f"{tol.rtol:>10.3g}{tol.atol:>10.3g}{override}")
+    return lines
 
 
 def _inputs_text(report: DiffReport) -> str:
@@ -346,6 +370,7 @@ def _report_head(report: DiffReport) -> dict:
                    "coverage": coverage_text(report.captured, _names(report))},
         "compared_tokens": report.compared_tokens, "rule": RULE.text,
         "tolerances": {n: {"rtol": t.rtol, "atol": t.atol, "why": t.why} for n, t in report.tols.items()},
+        "noise_profile": noise.to_json() if (noise := getattr(report.tols, "noise", None)) else None,
         "inputs": _inputs_text(report),
         "evidence_notes": [QK_NOTE, qk_text(report), *(report.evidence_notes or (POSITION_NOTE,))],
         "routing_ties": list(report.routing_ties),

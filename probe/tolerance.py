@@ -2,10 +2,16 @@
 
 A (stage, token) row passes iff `max_rel < rtol` or `max_abs < atol` (the rule: probe/rule.py `RULE`). A zero
 tolerance means exact equality.
+
+The base is a named profile (`--profile float32|bfloat16`, fixed numbers) or a measured one (`--profile
+FILE[:PATH]`): the per-stage tolerances `mtp-oracle noise` wrote for one computation path (oracle/noise.py), checked
+against the reference (family, head digest, stages) and stated in the report (`TolTable.noise`).
 """
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable
 
 from oracle.stages import KNOWN_STAGE_NAMES
@@ -53,8 +59,35 @@ def stage_tol_from_text(text: str) -> tuple[str, Tol]:
     return name, Tol(rtol, atol, f"--stage-tol {text.strip()}")
 
 
+@dataclass(frozen=True)
+class NoiseFloor:
+    """The measured noise profile a table's tolerances came from, as the report states it."""
+
+    file: str
+    path: str  # the computation path: float32, bfloat16 or float16
+    margin: float
+    family: str
+    num_tokens: int
+    same_inputs: bool | None  # measured on the reference's own inputs (None: the reference records no digest)
+    unit_roundoff: float | None
+    stages: dict  # stage -> the profile's figures for it (measured_max_rel, measured_max_abs, rtol, atol)
+
+    def to_json(self) -> dict:
+        return {"file": self.file, "path": self.path, "margin": self.margin, "family": self.family,
+                "num_tokens": self.num_tokens, "same_inputs": self.same_inputs, "unit_roundoff": self.unit_roundoff,
+                "stages": self.stages}
+
+
+class StageTols(dict):
+    """Stage name -> Tol for one reference's stages, with the noise profile they came from (None: none)."""
+
+    noise: NoiseFloor | None = None
+
+
 class TolTable(dict):
     """Stage name -> Tol: the overrides given, `base` for every other stage (whatever the family's stage list)."""
+
+    noise: NoiseFloor | None = None  # set when the tolerances are a measured profile's
 
     def __init__(self, base: Tol, overrides: dict[str, Tol]):
         super().__init__(overrides)
@@ -68,12 +101,15 @@ class TolTable(dict):
 
     def for_stages(self, names) -> dict[str, Tol]:
         """The table restricted to `names`, in their order."""
-        return {name: self[name] for name in names}
+        tols = StageTols({name: self[name] for name in names})
+        tols.noise = self.noise
+        return tols
 
 
-def tol_table(base: Tol = DEFAULT, overrides: Iterable[str] = ()) -> TolTable:
-    """The tolerance of every stage: `base`, replaced per stage by `--stage-tol` overrides (each stage once)."""
-    table = TolTable(base, {})
+def tol_table(base: Tol = DEFAULT, overrides: Iterable[str] = (), measured: TolTable | None = None) -> TolTable:
+    """The tolerance of every stage: `base` (or the `measured` profile's table), replaced per stage by
+    `--stage-tol` overrides (each stage once)."""
+    table = measured if measured is not None else TolTable(base, {})
     seen: set[str] = set()
     for text in overrides:
         name, tol = stage_tol_from_text(text)
@@ -82,3 +118,117 @@ def tol_table(base: Tol = DEFAULT, overrides: Iterable[str] = ()) -> TolTable:
         seen.add(name)
         table[name] = tol
     return table
+
+
+# --- Measured profiles (`mtp-oracle noise`, oracle/noise.py): the file's schema, read without the oracle. ---
+NOISE_SCHEMA = "mtp-noise-profile/1"
+_REGENERATE = ("measure one on the reference's checkpoint and inputs with: mtp-oracle noise CHECKPOINT --tokens ... "
+               "(--hidden FILE | --hidden-seed N) --out noise.json")
+
+
+def profile_file_spec(text: str) -> tuple[Path, str | None] | None:
+    """`--profile` as (FILE, PATH or None) for FILE[:PATH]; None for a named profile. A file that exists under the
+    whole text keeps any colon in its name."""
+    if text in PROFILES:
+        return None
+    file, sep, path = text.rpartition(":")
+    if sep and file and not Path(text).exists():
+        return Path(file), path
+    if not Path(text).is_file():
+        raise ToleranceError(f"--profile {text}: neither a named profile ({', '.join(sorted(PROFILES))}) nor an "
+                             f"existing noise-profile file (FILE[:PATH]); {_REGENERATE}.")
+    return Path(text), None
+
+
+def reference_facts(ref: Path) -> dict:
+    """What a measured profile is checked against: the reference trace's family, stages and digests."""
+    from oracle.trace import read_trace
+
+    with read_trace(ref) as trace:
+        stage_list = trace.stage_list
+        return {"name": str(ref), "family": trace.attrs.get("family", "qwen3_5"), "stages": list(stage_list.names),
+                "kinds": {s.name: s.kind for s in stage_list},
+                "checkpoint_digest": trace.attrs.get("checkpoint_digest"),
+                "inputs_digest": trace.attrs.get("inputs_digest")}
+
+
+def measured_tol_table(file: Path, path: str | None, reference: dict) -> TolTable:
+    """The tolerances a noise profile measured for computation `path` (default bfloat16, or its only path), one
+    per stage of `reference` (reference_facts). Refused with a ToleranceError: an unreadable file, another schema,
+    family or head, a path it did not measure, a reference stage it does not cover."""
+    profile = _read_profile(file)
+    where = f"--profile {file}"
+    if profile.get("family") != reference["family"]:
+        raise ToleranceError(f"{where} was measured on a {profile.get('family')} head; the reference "
+                             f"{reference['name']} is a {reference['family']} head: {_REGENERATE}.")
+    ours, theirs = profile.get("checkpoint_digest"), reference.get("checkpoint_digest")
+    if ours and theirs and ours != theirs:
+        raise ToleranceError(f"{where} was measured on the head in {profile.get('checkpoint')} (digest {ours}); the "
+                             f"reference {reference['name']} was exported from another head (digest {theirs}). "
+                             f"The noise depends on the weights: {_REGENERATE}.")
+    path, figures = _chosen_path(profile, path, where)
+    return _measured_table(file, path, profile, _covered(figures, reference, f"{where}:{path}"), reference)
+
+
+def _read_profile(file: Path) -> dict:
+    try:
+        profile = json.loads(Path(file).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ToleranceError(f"--profile {file}: cannot read it as a noise profile ({err}); {_REGENERATE}.") from None
+    schema = profile.get("schema") if isinstance(profile, dict) else None
+    if schema != NOISE_SCHEMA:
+        raise ToleranceError(f"--profile {file}: schema {schema!r}, this probe reads {NOISE_SCHEMA}; {_REGENERATE}.")
+    return profile
+
+
+def _chosen_path(profile: dict, path: str | None, where: str) -> tuple[str, dict]:
+    paths = profile.get("paths") if isinstance(profile.get("paths"), dict) else {}
+    if path is None:
+        path = "bfloat16" if "bfloat16" in paths or len(paths) != 1 else next(iter(paths))
+    if path not in paths:
+        raise ToleranceError(f"{where}:{path}: the profile measured {', '.join(paths) or 'no path'}; name one as "
+                             f"--profile FILE:PATH.")
+    figures = paths[path]
+    if not isinstance(figures, dict) or not isinstance(figures.get("stages"), dict):
+        raise ToleranceError(f"{where}: path {path} has no per-stage figures (a damaged file); {_REGENERATE}.")
+    return path, figures
+
+
+def _covered(figures: dict, reference: dict, where: str) -> dict:
+    """The path's per-stage figures, every reference stage present and measured finite."""
+    stages = figures["stages"]
+    missing = [n for n in reference["stages"] if n not in stages]
+    if missing:
+        raise ToleranceError(f"{where}: the reference's stages {', '.join(missing)} are not in the profile (it has "
+                             f"{', '.join(stages)}); {_REGENERATE}.")
+    overflowed = [n for n in reference["stages"] if isinstance(stages[n], dict) and stages[n].get("nonfinite_rows")]
+    if overflowed:
+        raise ToleranceError(f"{where}: this path computed NaN/Inf at {', '.join(overflowed)} (overflow), so it "
+                             f"measured no noise floor there; pick another path (--profile FILE:PATH).")
+    return stages
+
+
+def _measured_table(file: Path, path: str, profile: dict, stages: dict, reference: dict) -> TolTable:
+    u = profile["paths"][path].get("unit_roundoff")
+    try:
+        margin = float(profile["margin"])
+        table = TolTable(DEFAULT, {name: _measured_tol(path, margin, u, stages[name], reference["kinds"].get(name))
+                                   for name in reference["stages"]})
+    except (KeyError, TypeError, ValueError) as err:
+        raise ToleranceError(f"--profile {file}:{path}: a stage lacks measured_max_rel, measured_max_abs, rtol or "
+                             f"atol, or the margin is missing ({err!r}: a damaged file); {_REGENERATE}.") from None
+    digest = reference.get("inputs_digest")
+    inputs = profile.get("inputs") if isinstance(profile.get("inputs"), dict) else {}
+    table.noise = NoiseFloor(str(file), path, margin, profile["family"], int(inputs.get("num_tokens", 0)),
+                             None if not digest else inputs.get("inputs_digest") == digest, u,
+                             {name: stages[name] for name in reference["stages"]})
+    return table
+
+
+def _measured_tol(path: str, margin: float, u: float | None, entry: dict, kind: str | None) -> Tol:
+    if kind == "index_set":
+        return Tol(0.0, 0.0, "index set: compared as a set, no float tolerance")
+    rel, absolute = float(entry["measured_max_rel"]), float(entry["measured_max_abs"])
+    floor = " (floor: one rounding)" if u is not None and rel < u else ""
+    return Tol(float(entry["rtol"]), float(entry["atol"]),
+               f"{path} noise x{margin:g}: measured max_rel {rel:.2g}, max_abs {absolute:.2g}{floor}")

@@ -32,6 +32,7 @@ class RoutedExperts:
         self._weights = {n: weights[n] for n in self._names}
         self.touched: set[int] = set()  # every expert widened so far (the trace's routed set)
         self.on_route = None  # called with the sorted experts a forward routes to, before it reads them
+        self.activation_dtype = torch.float32  # of the forward in progress: a widened expert follows it (noise.py)
         i, d = layout.intermediate, layout.hidden
         self._gate_up = torch.empty(2 * i, d)  # allocated once: fresh buffers would fault in pages every time
         self._down = torch.empty(d, i)
@@ -63,6 +64,7 @@ class RoutedExperts:
         module.register_forward_pre_hook(self._routed)
 
     def _routed(self, module: nn.Module, args) -> None:
+        self.activation_dtype = args[0].dtype
         if self.on_route is not None:  # e.g. export starts hashing these experts on a thread beside the forward
             self.on_route(sorted(int(e) for e in torch.unique(args[1]).tolist()))
 
@@ -91,7 +93,8 @@ class _Widened:
         self.experts, self.which = experts, which
 
     def __getitem__(self, index) -> torch.Tensor:
-        return self.experts.widen(self.which, int(index))
+        widened, dtype = self.experts.widen(self.which, int(index)), self.experts.activation_dtype
+        return widened if widened.dtype == dtype else widened.to(dtype)
 
 
 def _file_mappings() -> list[tuple[int, int]]:

@@ -1,0 +1,190 @@
+"""Measured tolerance profiles: `mtp-oracle noise` measures each stage's rounding noise against a float64 run of the
+head, and `mtp-probe diff/run --profile FILE[:PATH]` uses those per-stage figures instead of the fixed bf16 profile."""
+
+import dataclasses
+import json
+
+import pytest
+
+from oracle.cli import cli as oracle_cli
+from oracle.trace import read_trace
+from probe.cli import cli as probe_cli
+from tests.helpers import FIXTURES, TINY, TINY_REF, load_script, run_cli
+
+MOE = FIXTURES / "qwen3_5_moe_tiny"
+FIX = load_script("make_fixtures")
+TOKENS = ",".join(map(str, FIX.REF_TOKENS))  # the stored reference's inputs (T=8, H from seed 0)
+MOE_TOKENS = "17,42,3,255,100,7"
+
+
+def last_line(result) -> str:
+    return result.output.strip().splitlines()[-1]
+
+
+def noise(tmp_path, checkpoint, tokens, *extra):
+    out = tmp_path / f"{checkpoint.name}_noise.json"
+    result = run_cli(oracle_cli, ["noise", checkpoint, "--tokens", tokens, "--hidden-seed", FIX.REF_HIDDEN_SEED,
+                                  "--out", out, "-q", *extra])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    return noise(tmp_path_factory.mktemp("noise"), TINY, TOKENS)
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """The MoE fixture's profile and a reference exported from the same inputs."""
+    tmp = tmp_path_factory.mktemp("noise_moe")
+    ref = tmp / "moe_ref.h5"
+    exported = run_cli(oracle_cli, ["export", MOE, "--out", ref, "--tokens", MOE_TOKENS, "--hidden-seed",
+                                    FIX.REF_HIDDEN_SEED, "-q"])
+    assert exported.exit_code == 0, exported.output
+    return noise(tmp, MOE, MOE_TOKENS), ref
+
+
+def figures(profile_path, path: str) -> dict:
+    return json.loads(profile_path.read_text())["paths"][path]["stages"]
+
+
+def test_bf16_noise_exceeds_float32_noise_which_is_tiny(dense, moe):
+    for profile in (dense, moe[0]):
+        f32, bf16, fp16 = (figures(profile, p) for p in ("float32", "bfloat16", "float16"))
+        rows = [name for name, f in f32.items() if f["kind"] == "rows"]
+        for name in rows:
+            assert f32[name]["measured_max_rel"] < 1e-5 < fp16[name]["measured_max_rel"] \
+                   < bf16[name]["measured_max_rel"] < 5e-2, name
+        # e, h and fc_in are norms that transformers computes in float32 in the truth too: 0 there, hence the floor
+        assert all(f32[name]["measured_max_rel"] > 0 for name in rows[rows.index("fc"):])
+        assert {f["kind"] for f in bf16.values()} == ({"rows", "index_set"} if profile != dense else {"rows"})
+
+
+def test_profile_records_rule_margin_and_the_references_identity(dense, tmp_path):
+    profile = json.loads(dense.read_text())
+    with read_trace(TINY_REF) as ref:
+        assert profile["checkpoint_digest"] == ref.attrs["checkpoint_digest"]
+        assert profile["inputs"]["inputs_digest"] == ref.attrs["inputs_digest"]
+        assert profile["stages"] == list(ref.stages)
+    assert (profile["schema"], profile["family"], profile["margin"]) == ("mtp-noise-profile/1", "qwen3_5", 4.0)
+    for path in ("float32", "bfloat16", "float16"):
+        u = profile["paths"][path]["unit_roundoff"]
+        for f in profile["paths"][path]["stages"].values():
+            assert f["rtol"] == pytest.approx(4 * max(f["measured_max_rel"], u))
+            assert f["atol"] == pytest.approx(f["rtol"] * f["min_row_scale"])
+    doubled = noise(tmp_path, TINY, TOKENS, "--margin", "8", "--paths", "bfloat16")
+    again = json.loads(doubled.read_text())
+    assert list(again["paths"]) == ["bfloat16"] and again["margin"] == 8
+    assert again["paths"]["bfloat16"]["stages"]["mlp"]["rtol"] == pytest.approx(
+        2 * profile["paths"]["bfloat16"]["stages"]["mlp"]["rtol"])
+
+
+def test_profile_passes_an_honest_bf16_candidate_and_states_its_noise_floor(dense, tmp_path):
+    report = tmp_path / "r.json"
+    result = run_cli(probe_cli, ["run", TINY_REF, "--impl", "torch:cpu:bfloat16", "--profile", dense, "--json",
+                                 report, "--out", tmp_path / "bf16.h5", "-q"])
+    assert result.exit_code == 0 and last_line(result).startswith("PASSED"), result.output
+    assert f"noise      {dense} path bfloat16, tolerance = 4 x measured (qwen3_5, T=8, the reference's own " \
+           f"inputs)" in result.output
+    noise_json = json.loads(report.read_text())["noise_profile"]
+    assert (noise_json["path"], noise_json["margin"], noise_json["same_inputs"]) == ("bfloat16", 4.0, True)
+    assert noise_json["stages"]["mlp"] == figures(dense, "bfloat16")["mlp"]
+    trace = run_cli(probe_cli, ["diff", TINY_REF, tmp_path / "bf16.h5", "--profile", f"{dense}:bfloat16", "-q"])
+    assert trace.exit_code == 0 and last_line(trace).startswith("PASSED"), trace.output
+    # the twin: the float32 path's floor is far below bf16 rounding
+    strict = run_cli(probe_cli, ["diff", TINY_REF, tmp_path / "bf16.h5", "--profile", f"{dense}:float32", "-q"])
+    assert strict.exit_code == 1 and last_line(strict).startswith("DIVERGED | first divergent stage: e at token 0")
+
+
+def test_profile_catches_a_rope_error_the_fixed_bf16_profile_passes(dense, tmp_path):
+    """A bf16 candidate with the RoPE base off (3e4 for the config's 1e7): every stage within 5% (the fixed bfloat16
+    profile's rtol), but attn ~4% off, above its measured bf16 noise x 4."""
+    from probe.adapters.torch_ref import TorchAdapter
+    from probe.run import run_and_diff
+    from probe.tolerance import tol_table
+
+    adapter = TorchAdapter(TINY, "cpu", "bfloat16")
+    adapter.cfg = dataclasses.replace(adapter.cfg, rope_theta=3e4)
+    run_and_diff(TINY_REF, adapter, tol_table(), out=tmp_path / "rope.h5")
+    fixed = run_cli(probe_cli, ["diff", TINY_REF, tmp_path / "rope.h5", "--profile", "bfloat16", "-q"])
+    assert fixed.exit_code == 0 and last_line(fixed).startswith("PASSED"), fixed.output
+    measured = run_cli(probe_cli, ["diff", TINY_REF, tmp_path / "rope.h5", "--profile", dense, "-q",
+                                   "--json", tmp_path / "r.json"])
+    assert measured.exit_code == 1, measured.output
+    assert last_line(measured).startswith("DIVERGED | first divergent stage: attn")
+    attn = [r for r in json.loads((tmp_path / "r.json").read_text())["rows"] if r["stage"] == "attn"]
+    worst = max(r["max_rel"] for r in attn)
+    assert figures(dense, "bfloat16")["attn"]["rtol"] < worst < 5e-2
+    # --stage-tol still overrides one stage of the measured profile
+    loosened = run_cli(probe_cli, ["diff", TINY_REF, tmp_path / "rope.h5", "--profile", dense, "-q",
+                                   "--stage-tol", "attn=5e-2,1e-3"])
+    assert "--stage-tol attn=5e-2,1e-3" in loosened.output and "first divergent stage: attn" not in loosened.output
+
+
+def test_moe_profile_covers_routing_stages(moe):
+    profile, ref = moe
+    result = run_cli(probe_cli, ["diff", ref, ref, "--profile", profile, "-q"])
+    assert result.exit_code == 0 and last_line(result).startswith("PASSED"), result.output
+    assert "topk_ids      compared as a set" in result.output
+    assert json.loads(profile.read_text())["paths"]["bfloat16"]["routing_flips"] == []
+
+
+def _edited(tmp_path, source, edit) -> str:
+    profile = json.loads(source.read_text())
+    edit(profile)
+    out = tmp_path / "edited.json"
+    out.write_text(json.dumps(profile))
+    return str(out)
+
+
+def _drop_mlp(p):
+    del p["paths"]["bfloat16"]["stages"]["mlp"]
+
+
+def _overflow(p):
+    p["paths"]["bfloat16"]["stages"]["res2"].update(nonfinite_rows=3, rtol=None)
+
+
+def _other_head(p):
+    p["checkpoint_digest"] = "sha256:" + "0" * 64
+
+
+@pytest.mark.parametrize("spec, message", [
+    (lambda tmp, dense, moe: str(tmp / "missing.json"), "neither a named profile (bfloat16, float32) nor an existing"),
+    (lambda tmp, dense, moe: _write(tmp / "junk.json", "{not json"), "cannot read it as a noise profile"),
+    (lambda tmp, dense, moe: _write(tmp / "old.json", '{"schema": "mtp-noise-profile/0"}'),
+     "schema 'mtp-noise-profile/0', this probe reads mtp-noise-profile/1"),
+    (lambda tmp, dense, moe: str(moe[0]), "was measured on a qwen3_5_moe head; the reference"),
+    (lambda tmp, dense, moe: _edited(tmp, dense, _other_head), "was exported from another head"),
+    (lambda tmp, dense, moe: _edited(tmp, dense, _drop_mlp), "the reference's stages mlp are not in the profile"),
+    (lambda tmp, dense, moe: _edited(tmp, dense, _overflow), "computed NaN/Inf at res2"),
+    (lambda tmp, dense, moe: f"{dense}:int8", "the profile measured float32, bfloat16, float16"),
+], ids=["missing", "unreadable", "schema", "family", "checkpoint", "stages", "overflow", "path"])
+def test_bad_profiles_are_refused(tmp_path, dense, moe, spec, message):
+    result = run_cli(probe_cli, ["diff", TINY_REF, TINY_REF, "--profile", spec(tmp_path, dense, moe), "-q"])
+    assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
+    assert "Traceback" not in result.output
+
+
+def _write(path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def test_profile_with_rtol_atol_is_refused(dense):
+    result = run_cli(probe_cli, ["diff", TINY_REF, TINY_REF, "--profile", dense, "--rtol", "1e-2", "--atol", "1e-3"])
+    assert result.exit_code == 2 and "would replace all of them" in " ".join(result.output.split())
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--margin", "0.5"], "--margin 0.5: the margin multiplies the measured noise"),
+    (["--paths", "bfloat16,int8"], "--paths bfloat16,int8: give one or more of float32, bfloat16, float16"),
+    (["--tokens", "17,9999"], "9999"),
+])
+def test_noise_refuses_bad_options_and_writes_nothing(tmp_path, args, message):
+    out = tmp_path / "p.json"
+    base = ["noise", TINY, "--hidden-seed", "0", "--out", out, "-q"]
+    result = run_cli(oracle_cli, base + (args if "--tokens" in args else ["--tokens", TOKENS, *args]))
+    assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
+    assert not out.exists() and not list(tmp_path.iterdir())
