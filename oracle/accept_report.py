@@ -1,13 +1,14 @@
 """Rendering an acceptance measurement: the text table, the summary line, the JSON file and the PNG plot."""
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 
 from oracle.accept import AcceptMetrics, AcceptResult, QuantizeComparison
 from oracle.output import agg_figure, atomic_output
-from oracle.quantize_sim import SCHEMES
+from oracle.quantize_sim import SCHEMES, QuantizedTensor
 
 SCHEMA = "mtp-accept/1"  # extended compatibly: `quantize` is present only with --quantize (see result_json)
 TARGET_NOTES = {
@@ -50,9 +51,10 @@ def quantization_lines(result: AcceptResult) -> list[str]:
              "head's; the unquantized head drafted the same chains from the same H against the same targets):"]
     for spec in q.head.specs:
         lines.append(f"  {spec}: {SCHEMES[spec.scheme]}")
-    width = max(len(t.name) for t in q.head.tensors)
+    rows = _tensor_rows(q.head.tensors)
+    width = max(len(name) for name, _, _ in rows)
     lines.append(f"  {'tensor':<{width}}  {'scheme':<8}  rel. error |Wq-W|/|W|")
-    lines += [f"  {t.name:<{width}}  {t.spec.scheme:<8}  {t.rel_error:.2e}" for t in q.head.tensors]
+    lines += [f"  {name:<{width}}  {scheme:<8}  {error}" for name, scheme, error in rows]
     lines += [f"  kept as stored: {len(q.head.kept)} head tensors (1-D norms/biases, FP8 scales, those no GLOB matched)", "",
               f"{'depth':>5}  {'alpha_j unquantized':<22}{'alpha_j quantized':<22}{'change':<9}drafts identical"]
     same = result.drafts == q.baseline_drafts  # (C, k)
@@ -69,6 +71,22 @@ def quantization_lines(result: AcceptResult) -> list[str]:
               "the s.e. is theirs over chains, an underestimate as neighbouring chains share tokens: read a change "
               "within ~2 s.e. as no measured cost)"]
     return lines
+
+
+def _tensor_rows(tensors: tuple[QuantizedTensor, ...]) -> list[tuple[str, str, str]]:
+    """(name, scheme, error) per tensor; tensors whose names differ only in numbered parts (experts, layers) under
+    one scheme share a row, `experts.*.up_proj.weight x256` with the range of their errors (the JSON has each)."""
+    groups: dict[tuple[str, str], list[QuantizedTensor]] = {}
+    for t in tensors:
+        groups.setdefault((re.sub(r"(?<=\.)\d+(?=\.)", "*", t.name), t.spec.scheme), []).append(t)
+    rows = []
+    for (pattern, scheme), members in groups.items():
+        errors = [t.rel_error for t in members]
+        if len(members) == 1:
+            rows.append((members[0].name, scheme, f"{errors[0]:.2e}"))
+        else:
+            rows.append((f"{pattern} x{len(members)}", scheme, f"{min(errors):.2e} .. {max(errors):.2e}"))
+    return rows
 
 
 def _accepted(drafts: np.ndarray, targets: np.ndarray) -> np.ndarray:

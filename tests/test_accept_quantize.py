@@ -147,6 +147,14 @@ def test_fp8_ties_round_to_even():
     assert fp8_blocks(w, (128, 128)).tolist() == [[448.0, 1.0, 1.25, -1.0, 2**-8]]
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4", "fp8", "int2"])
+def test_stacked_experts_are_quantized_as_independent_matrices(scheme):
+    """Fused experts [E, out, in]: each expert's scales are its own, as if it were stored alone."""
+    w = weights((3, 136, 72), seed=3) * np.array([1e-3, 1.0, 30.0], dtype=np.float32)[:, None, None]
+    alone = np.stack([quantize_dequantize(m, scheme) for m in w])
+    np.testing.assert_array_equal(quantize_dequantize(w, scheme), alone)
+
+
 def test_relative_error_is_the_frobenius_ratio():
     w = np.array([[3.0, 4.0]], dtype=np.float32)
     assert relative_error(w, np.array([[3.0, 3.0]])) == pytest.approx(1 / 5)
@@ -267,8 +275,10 @@ def accept_cli(*args):
 
 def test_accept_quantize_end_to_end(tmp_path):
     out = tmp_path / "acc.json"
-    result = accept_cli("--quantize", "*=int8", "--quantize", "mtp.fc.weight=int4", "--json", out)
+    png = tmp_path / "acc.png"
+    result = accept_cli("--quantize", "*=int8", "--quantize", "mtp.fc.weight=int4", "--json", out, "--plot", png)
     assert result.exit_code == 0, result.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     last = result.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"ACCEPT \| k=4 chains=195 \| E\[len\]=\d\.\d{3} .* \| target=greedy \| quantized: "
                         r"\*=int8 mtp\.fc\.weight=int4 \| unquantized E\[len\]=2\.267 \| drafts changed \d+/780", last)
@@ -286,6 +296,24 @@ def test_accept_quantize_end_to_end(tmp_path):
                   for a, b in zip(c["drafts"], base))
     assert changed == q["drafts_changed"] and last.endswith(f"drafts changed {changed}/780")
     assert "quantized: *=int8 mtp.fc.weight=int4" in data["source"]["head"]
+
+
+@pytest.mark.parametrize("fixture, spec, rows", [
+    ("qwen3_5_moe_tiny", "*experts.*=fp8", ["mtp.layers.*.mlp.experts.*.down_proj.weight x8  fp8"]),
+    ("qwen3_next_tiny_fused", "*experts*=int4", ["mtp.layers.0.mlp.experts.down_proj     int4",
+                                                 "mtp.layers.0.mlp.experts.gate_up_proj  int4"]),
+])
+def test_moe_experts_per_expert_and_fused(tmp_path, fixture, spec, rows):
+    """Per-expert tensors share one report row (the JSON lists each); fused [E, out, in] ones are quantized too."""
+    out = tmp_path / "acc.json"
+    result = run_cli(cli, ["accept", FIXTURES / fixture, "--tokens", "1,5,9,3,22,7,8,40,2,11,13,17,19,23,29",
+                           "--hidden-seed", "0", "--quantize", spec, "--json", out, "-q"])
+    assert result.exit_code == 0, result.output
+    assert all(row in result.stdout for row in rows), result.stdout
+    tensors = json.loads(out.read_text())["quantize"]["tensors"]
+    assert len(tensors) == (24 if fixture == "qwen3_5_moe_tiny" else 2)
+    assert all("experts" in t["name"] and 0.01 < t["rel_error"] < 0.15 for t in tensors)
+    assert fixture == "qwen3_5_moe_tiny" or all(len(t["shape"]) == 3 for t in tensors)
 
 
 def test_without_quantize_the_output_has_no_quantization_section():
