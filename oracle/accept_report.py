@@ -55,7 +55,8 @@ def quantization_lines(result: AcceptResult) -> list[str]:
     width = max(len(name) for name, _, _ in rows)
     lines.append(f"  {'tensor':<{width}}  {'scheme':<8}  rel. error |Wq-W|/|W|")
     lines += [f"  {name:<{width}}  {scheme:<8}  {error}" for name, scheme, error in rows]
-    lines += [f"  kept as stored: {len(q.head.kept)} head tensors (1-D norms/biases, FP8 scales, those no GLOB matched)", "",
+    lines += [f"  kept as stored: {len(q.head.kept)} head tensors (1-D norms/biases, FP8 scales, those no GLOB "
+              f"matched)", "",
               f"{'depth':>5}  {'alpha_j unquantized':<22}{'alpha_j quantized':<22}{'change':<9}drafts identical"]
     same = result.drafts == q.baseline_drafts  # (C, k)
     for j in range(m.k):
