@@ -131,19 +131,20 @@ class V4MtpHead(nn.Module):
               cache: DynamicCache | None) -> Stages:
         """DeepseekV4DecoderLayer.forward, one line per stage (its official submodules); the mix line is the layer's
         own expression: post * f(collapsed) + comb^T @ streams (comb consumed transposed, as in transformers)."""
-        layer, s = self.layer, {}
+        layer, s, dtype = self.layer, {}, x_in.dtype  # post/comb come out in float32; the layer casts them back
         post, comb, collapsed = layer.attn_hc(x_in)  # Sinkhorn-projected comb, pre-weighted collapse (B,T,D)
         s["ah"] = layer.input_layernorm(collapsed)
         s["attn"] = layer.self_attn(s["ah"], position_embeddings=rope, position_ids=positions, attention_mask=mask,
                                     cache=cache)[0]
-        s["after_attn"] = post.unsqueeze(-1) * s["attn"].unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), x_in)
+        s["after_attn"] = (post.to(dtype).unsqueeze(-1) * s["attn"].unsqueeze(-2)
+                           + torch.matmul(comb.to(dtype).transpose(-1, -2), x_in))
         post, comb, collapsed = layer.ffn_hc(s["after_attn"])
         s["mh"] = layer.post_attention_layernorm(collapsed)
         with moe_capture(layer.mlp) as moe:
             s["mlp"] = layer.mlp(s["mh"], input_ids=None)  # top-k router: input_ids unused (no hash routing)
         s |= moe
-        s["block_out"] = (post.unsqueeze(-1) * s["mlp"].unsqueeze(-2)
-                          + torch.matmul(comb.transpose(-1, -2), s["after_attn"]))
+        s["block_out"] = (post.to(dtype).unsqueeze(-1) * s["mlp"].unsqueeze(-2)
+                          + torch.matmul(comb.to(dtype).transpose(-1, -2), s["after_attn"]))
         return s
 
 
