@@ -172,9 +172,10 @@ def noise(obj, checkpoint, out, tokens, tokens_file, hidden_file, hidden_seed, m
     source = HiddenSource(file=hidden_file, seed=hidden_seed, main_model=main_model, first_token=first_token)
     from oracle.noise import measure_noise, write_profile  # torch: once the arguments are known to be usable
 
+    chosen = tuple(p.strip() for p in paths.split(","))
     with reporting(enabled=not quiet):
-        profile = measure_noise(checkpoint, ids, source, start_pos=start_pos, margin=margin, command=obj["command"],
-                                paths=tuple(p.strip() for p in paths.split(",")), log=(lambda m: None) if quiet else say)
+        profile = measure_noise(checkpoint, ids, source, start_pos=start_pos, paths=chosen, margin=margin,
+                                command=obj["command"], log=(lambda msg: None) if quiet else say)
     write_profile(profile, out)
     click.echo(f"wrote {out}: {', '.join(profile['paths'])} against float64, margin {margin:g}, "
                f"T={profile['inputs']['num_tokens']}")

@@ -100,7 +100,8 @@ def _noise_lines(report: DiffReport) -> list[str]:
     u = f"; floor: one {noise.path} rounding (u {noise.unit_roundoff:.2g})" if noise.unit_roundoff else ""
     lines = [f"noise      {noise.file} path {noise.path}, tolerance = {noise.margin:g} x measured "
              f"({noise.family}, T={noise.num_tokens}, {inputs}){u}",
-             f"           {'stage':<14}{'max_rel':>9}{'max_abs':>9}{'rtol':>10}{'atol':>10}   (measured against float64; used)"]
+             f"           {'stage':<14}{'max_rel':>9}{'max_abs':>9}{'rtol':>10}{'atol':>10}   "
+             f"(measured against float64; used)"]
     for name in _names(report):
         figures, tol = noise.stages.get(name, {}), report.tols[name]
         if figures.get("kind") == "index_set":
