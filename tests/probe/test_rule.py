@@ -41,8 +41,6 @@ def test_every_path_decides_as_the_rule(tol):
     paths = every_path(actual, expected, tol)
     assert paths["RULE"] == [True, True, False, False, True, False]
     assert all(verdicts == paths["RULE"] for verdicts in paths.values()), paths
-    if tol == DEFAULT:  # the export's q/k warning reads the same rule with the default tolerance
-        assert qk_blind_tokens(expected, actual).tolist() == paths["RULE"]
 
 
 def test_every_path_agrees_on_every_kind_of_row():
@@ -68,7 +66,16 @@ def test_the_paths_go_through_the_one_object(monkeypatch):
     monkeypatch.setattr(RowRule, "judge", stricter)
     changed = every_path(actual, expected, DEFAULT)
     assert all(changed[path] != honest[path] for path in honest), (honest, changed)
-    assert qk_blind_tokens(expected, actual).tolist() == changed["RULE"]
+
+
+def test_the_exports_restatement_equals_the_rule():
+    """The oracle never imports the probe, so its q/k warning restates the rule with the default tolerance: held
+    equal here, on rows at the limits and rows of every kind (NaN, Inf, zeros)."""
+    from oracle import attention_evidence
+
+    assert (attention_evidence.WARN_RTOL, attention_evidence.WARN_ATOL) == (DEFAULT.rtol, DEFAULT.atol)
+    for actual, expected in (rows_at_the_limits(DEFAULT), rows_of_every_kind(300), rows_of_every_kind(7, seed=3)):
+        assert qk_blind_tokens(expected, actual).tolist() == RULE.passes(actual, expected, DEFAULT).tolist()
 
 
 def test_the_reports_quote_the_rules_own_text(tmp_path):
