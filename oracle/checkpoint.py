@@ -154,6 +154,10 @@ class Checkpoint:
                 block = tuple(getattr(self.config, "weight_block_size", None) or (128, 128))
                 scales = _widen(self._stored(entries[scale]), entries[scale].dtype)
                 tensors[name] = dequantize(stored, scales, block, name)
+            elif widen and entry.dtype == E4M3:  # decoded unscaled it would be off by its block scale: never guess
+                raise CheckpointError(f"{self.path}: {name} is {E4M3} but the checkpoint has no block scale beside it "
+                                      f"({name.removesuffix('weight')}weight_scale_inv); re-copy the complete "
+                                      f"checkpoint (every shard the index names).")
         return HeadWeights(tensors=tensors, dtypes=dtypes, digest=self.head_digest() if digest else None,
                            layout=self.layout())
 

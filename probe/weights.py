@@ -84,10 +84,11 @@ def audit_weights(checkpoint: Path, dump: Path) -> WeightsReport:
             ref = _assemble(fusion, reference)
             rows.append(_audit(fused, held[fused], ref, ckpt, f"fused {' + '.join(_short(p) for p in parts)}: "))
             covered |= set(_expand(fusion))
+    scales = _block_scales(layout.shapes())
     for name in sorted(layout.shapes()):
         if name in held:
             rows.append(_audit(name, held[name], reference[name], ckpt, ""))
-        elif name not in covered:
+        elif name not in covered and name not in scales:
             rows.append(TensorAudit(name, "missing", None, "not in the dump" + _fused_hint(name, fusions),
                                     tuple(reference[name].shape)))
     known = set(layout.shapes()) | set(fusions)
@@ -97,6 +98,15 @@ def audit_weights(checkpoint: Path, dump: Path) -> WeightsReport:
                          f"{_examples(layout.shapes())}). Dump with the checkpoint's names or the family's fused "
                          f"names ({', '.join(_short(f) for f in fusions) or 'none declared'}).")
     return WeightsReport(str(checkpoint), str(dump), ckpt.family.name, rows, sorted(set(held) - known))
+
+
+def _block_scales(names) -> set[str]:
+    """FP8 block scales (`X.weight_scale_inv`, DeepSeek-V4's `X.scale`) beside a head weight: a dequantized dump has
+    no reason to hold them, and its weight is audited against the checkpoint's dequantized value, scale applied.
+    Audited only where the dump holds them."""
+    names = set(names)
+    return {n for n in names if (n.endswith(".weight_scale_inv") and n.removesuffix("_scale_inv") in names)
+            or (n.endswith(".scale") and n.removesuffix("scale") + "weight" in names)}
 
 
 def _audit(name: str, held, ref: np.ndarray, ckpt: Checkpoint, prefix: str) -> TensorAudit:

@@ -5,6 +5,13 @@ known wiring variants and a tiny config. The head itself, from the official tran
 The Qwen stem (two (1+w) norms, concat [e, h], fc, a gated full-attention layer, the final norm) is shared by
 Qwen3.5-MoE and Qwen3-Next, whose layout files reuse `parse_qwen_config` and `stem_and_attention_shapes` here and
 add the MoE block.
+
+FP8 (Qwen's `-FP8` releases, `quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size":
+[128, 128], "activation_scheme": "dynamic"}`, at the top level or inside `text_config`): a linear stored as F8_E4M3
+has its block scale `X.weight_scale_inv` [ceil(out/bo), ceil(in/bi)] (F32, BF16 or F16) beside `X.weight`; norms,
+embeddings, lm_head and usually the router and shared-expert gate stay bf16. The layout accepts a scale exactly where
+the checkpoint has one (oracle/fp8.py; the same block FP8 as DeepSeek's, oracle/families/mtp_layer_layout.py); the
+head dequantizes (oracle/families/qwen3_5.py).
 """
 
 import math
@@ -12,6 +19,7 @@ from dataclasses import asdict, dataclass
 
 from oracle.errors import CheckpointError
 from oracle.families.spec import FamilySpec, Fusion, TensorLayout, Variant
+from oracle.fp8 import scale_shape
 from oracle.stages import SPINE, Dims
 
 FAMILY = "qwen3_5"
@@ -20,6 +28,7 @@ MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 # `model.language_model.*`) and a text-only conversion (Qwen3_5ForCausalLM, `model.*`). Tried in this order.
 MAIN_MODEL_PREFIXES = ("model.language_model.", "model.")
 LM_HEAD = "lm_head.weight"
+SCALE = "weight_scale_inv"  # X.weight_scale_inv beside an FP8 X.weight
 # transformers' Qwen3_5TextConfig defaults for fields a config.json may omit; they equal the released models'.
 _TEXT_DEFAULTS = {"head_dim": 256, "rms_norm_eps": 1e-6, "hidden_act": "silu", "attention_bias": False,
                   "partial_rotary_factor": 0.25, "max_position_embeddings": 32768}
@@ -47,6 +56,7 @@ class HeadConfig:
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the top-k weights to sum 1 (an engine convention: recorded)
     mrope: bool = True  # Qwen3.5 builds mrope rotary (3 equal sections for text); Qwen3-Next plain rotary
+    weight_block_size: tuple[int, int] | None = None  # FP8 block scales (quantization_config); None: not quantised
 
     @property
     def rotary_dim(self) -> int:
@@ -59,6 +69,9 @@ class HeadConfig:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        block = d.pop("weight_block_size")
+        if block is not None:  # left out unquantised, so bf16 traces keep their config
+            d["weight_block_size"] = list(block)
         if not d.pop("mrope"):
             d.pop("mrope_section"), d.pop("mrope_interleaved")
         if self.is_moe:
@@ -102,6 +115,7 @@ def parse_qwen_config(raw: dict, source: str, family: str, model_types: tuple[st
             raise CheckpointError(f"{source}: {key} = {value!r}; this oracle supports only {key} = {expected!r}.")
     rope = _rope_fields(text, source)
     moe_fields = _moe_fields(text, source, norm_topk_default) if moe else {}
+    block = fp8_block_size(raw, text, source)
     cfg = HeadConfig(
         hidden_size=_required_int(text, "hidden_size", source),
         num_attention_heads=_required_int(text, "num_attention_heads", source),
@@ -111,7 +125,7 @@ def parse_qwen_config(raw: dict, source: str, family: str, model_types: tuple[st
         vocab_size=_required_int(text, "vocab_size", source),
         rms_norm_eps=_number(text.get("rms_norm_eps", _TEXT_DEFAULTS["rms_norm_eps"]), "rms_norm_eps", source),
         max_position_embeddings=_optional_int(text, "max_position_embeddings", source),
-        family=family, mrope=mrope, **rope, **moe_fields,
+        family=family, mrope=mrope, weight_block_size=block, **rope, **moe_fields,
     )
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         raise CheckpointError(f"{source}: num_attention_heads {cfg.num_attention_heads} is not a multiple of "
@@ -121,6 +135,37 @@ def parse_qwen_config(raw: dict, source: str, family: str, model_types: tuple[st
                               f"{cfg.partial_rotary_factor} gives rotary dim {cfg.rotary_dim}; it must be even "
                               f"and in 2..head_dim.")
     return cfg
+
+
+def fp8_block_size(raw: dict, text: dict, source: str) -> tuple[int, int] | None:
+    """The FP8 block size from `quantization_config` (top level, or inside `text_config` of a nested release; both
+    must then agree), None when the checkpoint is not quantised. Any other quantisation is refused, never read as if
+    it were plain weights."""
+    found = {"quantization_config": raw.get("quantization_config")}
+    if text is not raw:
+        found["text_config.quantization_config"] = text.get("quantization_config")
+    blocks = {key: _fp8_block(quant, key, source) for key, quant in found.items() if quant is not None}
+    if len(set(blocks.values())) > 1:
+        raise CheckpointError(f"{source}: {' and '.join(blocks)} disagree ({' vs '.join(map(str, blocks.values()))}); "
+                              f"keep one quantization_config.")
+    return next(iter(blocks.values()), None)
+
+
+def _fp8_block(quant, key: str, source: str) -> tuple[int, int]:
+    """(rows, cols) of one quantization_config: block FP8 e4m3 with dynamic activation scales, as Qwen releases."""
+    supported = ('this oracle reads bf16/f16/f32 weights and block FP8 as Qwen\'s -FP8 releases store it '
+                 '(quant_method "fp8", fmt "e4m3", weight_block_size [rows, cols], activation_scheme "dynamic")')
+    if not isinstance(quant, dict):
+        raise CheckpointError(f"{source}: {key} is {_json_type(quant)}; it must be an object ({supported}).")
+    for field_name, expected in (("quant_method", "fp8"), ("fmt", "e4m3"), ("activation_scheme", "dynamic")):
+        value = quant.get(field_name, None if field_name == "quant_method" else expected)
+        if value != expected:
+            raise CheckpointError(f"{source}: {key}.{field_name} = {value!r} is not supported; {supported}.")
+    block = quant.get("weight_block_size")
+    if not isinstance(block, list) or len(block) != 2 or not all(_is_int(b) and b > 0 for b in block):
+        raise CheckpointError(f"{source}: {key}.weight_block_size must be [rows, cols] (positive integers; Qwen "
+                              f"releases use [128, 128]), found {block!r}. Per-tensor FP8 is not supported.")
+    return tuple(block)
 
 
 def _moe_fields(text: dict, source: str, norm_topk_default: bool) -> dict:
@@ -259,7 +304,21 @@ def tiny_config(**overrides) -> dict:
 
 
 def dense_layout(cfg: HeadConfig, names: set[str]) -> TensorLayout:
-    return TensorLayout(head_tensor_shapes(cfg))
+    shapes = head_tensor_shapes(cfg)
+    return TensorLayout(shapes | fp8_scale_shapes(cfg, shapes, names))
+
+
+def fp8_scale_shapes(cfg: HeadConfig, linears: dict[str, tuple[int, ...]], names: set[str]) -> dict[str, tuple]:
+    """`X.weight_scale_inv` [ceil(out/bo), ceil(in/bi)] beside each 2-D `X.weight` of `linears` that has one in
+    this checkpoint (the head refuses an FP8 weight without its scale). Scales in a checkpoint whose config is
+    not quantised are refused: their block size is unknown, and ignoring them would misread the weights."""
+    found = {n.removesuffix("weight") + SCALE: s for n, s in linears.items()
+             if len(s) == 2 and n.endswith(".weight") and n.removesuffix("weight") + SCALE in names}
+    if found and cfg.weight_block_size is None:
+        raise CheckpointError(f"the checkpoint has FP8 block scales ({', '.join(sorted(found)[:3])}) but config.json "
+                              f"has no quantization_config; add the release's quantization_config (quant_method "
+                              f"fp8, weight_block_size [128, 128]).")
+    return {n: scale_shape(s, cfg.weight_block_size) for n, s in found.items()}
 
 
 def attention_fusions(cfg: HeadConfig, layout: TensorLayout) -> dict[str, Fusion]:

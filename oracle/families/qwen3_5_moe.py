@@ -4,7 +4,8 @@ What it is: the Qwen stem and tail of oracle/families/qwen3_5.py (`MtpHead`, one
 `Qwen3_5MoeDecoderLayer` whose MLP is the official `Qwen3_5MoeSparseMoeBlock` (router, top-k, eager experts, shared
 expert behind its sigmoid gate), with `Qwen3_5MoeRMSNorm` (1+w) norms and `Qwen3_5MoeTextRotaryEmbedding`. The MoE
 stages (router_logits, topk_ids, topk_weights, shared, routed) are recorded by hooks on the official submodules.
-Routed experts are widened only where tokens route (oracle/families/moe_experts.py).
+Routed experts are widened only where tokens route (oracle/families/moe_experts.py); FP8 linears are dequantized with
+their block scales, FP8 routed experts one expert at a time where tokens route (qwen3_5.routed_experts).
 
 Top-k renormalisation: the official `Qwen3_5MoeTopKRouter` always renormalises. With `norm_topk_prob` false (the
 config says so, or `export --no-norm-topk-prob`), the router is the official `Qwen3NextTopKRouter` instead: the same
@@ -16,11 +17,10 @@ from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5Moe
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (Qwen3_5MoeDecoderLayer, Qwen3_5MoeRMSNorm,
                                                                   Qwen3_5MoeTextModel, Qwen3_5MoeTextRotaryEmbedding)
 
-from oracle.families.moe_experts import RoutedExperts
 from oracle.families.qwen3_5 import (MtpHead, QwenClasses, attention_with_uniform_weights, build_qwen_head,
                                      causal_mask, load_main_model as _load_main_model, main_model_hidden,
                                      official_layer_stepwise,
-                                     run_batched, run_stepwise, torch_weights)
+                                     routed_experts, run_batched, run_stepwise, torch_weights)
 from oracle.families.qwen3_5_layout import HeadConfig
 from oracle.families.qwen3_5_moe_layout import moe_layout
 
@@ -52,7 +52,7 @@ def head_text_config(cfg: HeadConfig) -> Qwen3_5MoeTextConfig:
 
 def build_head(cfg: HeadConfig, weights: dict[str, torch.Tensor]):
     text = head_text_config(cfg)
-    experts = RoutedExperts(moe_layout(cfg, set(weights)).experts, weights)
+    experts, weights = routed_experts(cfg, moe_layout(cfg, set(weights)).experts, weights)
     classes = CLASSES if cfg.norm_topk_prob else _with_flagged_router(CLASSES)
     return build_qwen_head(text, classes, weights, experts)
 

@@ -6,6 +6,12 @@ Experts come in two layouts, both found in released checkpoints (shared/referenc
 per-expert `mtp.layers.0.mlp.experts.{e}.{gate,up,down}_proj.weight`, or fused `mtp.layers.0.mlp.experts.gate_up_proj`
 [E, 2I, D] (gate rows first) and `experts.down_proj` [E, D, I].
 
+FP8 (oracle/families/qwen3_5_layout.py): per-expert routed experts carry
+`experts.{e}.{gate,up,down}_proj.weight_scale_inv` like any other linear, as the -FP8 releases name them. Fused
+experts with block scales have no released layout to check against (where would [E, 2I, D]'s scale grid and its
+gate/up split lie?), so a fused FP8 checkpoint is refused rather than guessed; fused bf16 experts beside FP8 linears
+are read as usual.
+
 Top-k renormalisation: transformers' Qwen3_5MoeTopKRouter always renormalises the top-k weights to sum 1, and the
 release config has no `norm_topk_prob` key; engines read `norm_topk_prob`. The oracle follows the config when it
 has the key and transformers (true) otherwise, records the value in the trace's config, and
@@ -13,8 +19,8 @@ has the key and transformers (true) otherwise, records the value in the trace's 
 """
 
 from oracle.errors import CheckpointError
-from oracle.families.qwen3_5_layout import (LM_HEAD, MAIN_MODEL_PREFIXES, QWEN_VARIANTS, HeadConfig,
-                                            attention_fusions, parse_qwen_config, spine_dims,
+from oracle.families.qwen3_5_layout import (LM_HEAD, MAIN_MODEL_PREFIXES, QWEN_VARIANTS, SCALE, HeadConfig,
+                                            attention_fusions, fp8_scale_shapes, parse_qwen_config, spine_dims,
                                             stem_and_attention_shapes)
 from oracle.families.spec import ExpertLayout, FamilySpec, Fusion, TensorLayout, Variant
 from oracle.stages import SPINE, with_moe
@@ -46,13 +52,28 @@ def moe_block_shapes(cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
 def moe_layout(cfg: HeadConfig, names: set[str]) -> TensorLayout:
     """The stem, attention and MoE block, with the experts in whichever layout the checkpoint uses."""
     fused = any(n in names for n in FUSED.values())
+    if fused:
+        _refuse_fused_fp8_scales(names)
     per_expert = any(n.startswith(MLP + "experts.") and n not in FUSED.values() for n in names)
     if fused and per_expert:
         raise CheckpointError("the checkpoint holds both fused (experts.gate_up_proj) and per-expert "
                               "(experts.{e}.*_proj.weight) expert tensors; keep one layout.")
     experts = ExpertLayout("fused" if fused else "per_expert", cfg.num_experts, cfg.moe_intermediate_size,
                            cfg.hidden_size, FUSED if fused else PER_EXPERT)
-    return TensorLayout(stem_and_attention_shapes(cfg) | moe_block_shapes(cfg), experts)
+    dense = stem_and_attention_shapes(cfg) | moe_block_shapes(cfg)
+    # expert scales (small) are digested with the dense tensors, as DeepSeek's are
+    return TensorLayout(dense | fp8_scale_shapes(cfg, dense | experts.shapes(), names), experts)
+
+
+def _refuse_fused_fp8_scales(names: set[str]) -> None:
+    """A scale beside fused experts (`experts.gate_up_proj_scale_inv`, `experts.gate_up_proj.weight_scale_inv`, ...)
+    has no confirmed layout; refuse it by name instead of calling it a second expert layout."""
+    scales = sorted(n for n in names if n.startswith(MLP + "experts.") and "scale" in n)
+    if scales:
+        raise CheckpointError(f"fused routed experts ({FUSED['gate_up']}) with FP8 block scales "
+                              f"({', '.join(scales[:3])}): no released checkpoint stores fused FP8 experts, so their "
+                              f"scale layout cannot be checked; this oracle refuses to guess it. Store the experts per "
+                              f"expert (experts.{{e}}.gate_proj.weight with its {SCALE}), as the -FP8 releases do.")
 
 
 def moe_fusions(cfg: HeadConfig, layout: TensorLayout) -> dict[str, Fusion]:

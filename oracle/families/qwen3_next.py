@@ -4,7 +4,8 @@ What it is: the Qwen stem and tail of oracle/families/qwen3_5.py (`MtpHead`, one
 `Qwen3NextDecoderLayer` (gated full attention, `Qwen3NextSparseMoeBlock` with `Qwen3NextTopKRouter`, which reads
 `norm_topk_prob`, eager experts, the shared expert behind its sigmoid gate), `Qwen3NextRMSNorm` (1+w) norms and
 `Qwen3NextRotaryEmbedding` (plain partial RoPE). MoE stages are recorded by hooks on the official submodules; routed
-experts are widened only where tokens route (oracle/families/moe_experts.py).
+experts are widened only where tokens route (oracle/families/moe_experts.py); FP8 checkpoints are dequantized as
+Qwen3.5-MoE's are (qwen3_5.routed_experts).
 """
 
 import torch
@@ -12,11 +13,10 @@ from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextCon
 from transformers.models.qwen3_next.modeling_qwen3_next import (Qwen3NextDecoderLayer, Qwen3NextModel,
                                                                 Qwen3NextRMSNorm, Qwen3NextRotaryEmbedding)
 
-from oracle.families.moe_experts import RoutedExperts
 from oracle.families.qwen3_5 import (MtpHead, QwenClasses, attention_with_uniform_weights, build_qwen_head,
                                      causal_mask, load_main_model as _load_main_model, main_model_hidden,
                                      official_layer_stepwise,
-                                     run_batched, run_stepwise, torch_weights)
+                                     routed_experts, run_batched, run_stepwise, torch_weights)
 from oracle.families.qwen3_5_layout import HeadConfig
 from oracle.families.qwen3_5_moe_layout import moe_layout
 
@@ -46,7 +46,7 @@ def head_text_config(cfg: HeadConfig) -> Qwen3NextConfig:
 
 
 def build_head(cfg: HeadConfig, weights: dict[str, torch.Tensor]):
-    experts = RoutedExperts(moe_layout(cfg, set(weights)).experts, weights)
+    experts, weights = routed_experts(cfg, moe_layout(cfg, set(weights)).experts, weights)
     return build_qwen_head(head_text_config(cfg), CLASSES, weights, experts)
 
 
