@@ -1,11 +1,14 @@
 """Acceptance of an MTP head for speculative decoding: conditional α_j and the chain-break E[accepted length].
 
 A head that matches the reference stage by stage is correctly transcribed; whether it is useful is measured here.
-Inputs: a sequence x_0..x_{N-1} and the main model's post-final-norm hidden H_0..H_{N-1}. Bridge step i is
-(x_{i+1}, H_i, position i), the step a trace records. After every bridge step i with i+1+k <= N-1 the head drafts
-a chain: draft 1 = argmax lm_head(out of bridge step i); draft j >= 2 from (embedding of draft j-1, the head's own
-previous out, position i+j-1). Draft j of chain i stands for x_{i+1+j}. The head's KV cache holds bridge steps
-0..i; a chain's own entries are dropped after it, as an engine rolls back rejected drafts.
+Inputs: a sequence x_0..x_{N-1} and the main model's hidden H_0..H_{N-1} the head reads (post-final-norm; the
+last block's hc streams for DeepSeek-V4). Bridge step i is (x_{i+1}, H_i, position i), the step a trace records.
+After every bridge step i with i+1+k <= N-1 the head drafts a chain: draft 1 = argmax lm_head(out of bridge step
+i); draft j >= 2 from (embedding of draft j-1, the head's own previous recycled hidden, position i+j-1): `out`, or
+the stage its family names (FamilySpec.recycled; DeepSeek-V4: the block's output streams). Draft j of chain i
+stands for x_{i+1+j}. The head's KV cache holds bridge steps 0..i; a chain's own entries are dropped after it, as
+an engine rolls back rejected drafts. A family with a sliding window (FamilySpec.attention_window) has every query
+see only the keys within W positions, itself included, as its stepwise window cache would hold them.
 
 In deployment draft j is only checked when drafts 1..j-1 were accepted, so α_j is conditional and
 E[len] = 1 + Σ_j Π_{m<=j} α_m; the naive 1 + Σ_j p_j of unconditional hit rates is an upper bound.
@@ -20,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -29,18 +33,27 @@ from oracle.checkpoint import Checkpoint, check_token_ids
 from oracle.errors import CheckpointError, InputError
 from oracle.export import HiddenSource, quiet_kernel_fallbacks
 from oracle.fp8 import dequantize
-from oracle.families.qwen3_5 import MtpHead, causal_mask
-from oracle.families.qwen3_5_layout import LM_HEAD
 from oracle.families.registry import head_module
 from oracle.inputs import hidden_from_file, hidden_from_seed, token_ids_from_array
-from oracle.lm_head import CHUNK_ROWS, LmHead, lm_head_of
+from oracle.lm_head import CHUNK_ROWS, LM_HEAD, LmHead, lm_head_of
 from oracle.progress import Progress
 from oracle.quantize_sim import QuantizedHead, QuantSpec, quantize_tensor
 from oracle.quantize_sim import plan as quantization_plan
 
 TARGETS = ("greedy", "text")
 CHAIN_BLOCK = 256  # chains per attention call: its scores take heads x block x (bridge + block * k) floats
-Head, Rotary = MtpHead, torch.nn.Module  # every family's head is an MtpHead-like module: stages in, out
+Rotary = torch.nn.Module
+Stages = dict[str, torch.Tensor]
+
+
+class Head(Protocol):
+    """What accept needs of any family's head (oracle/families/*.py)."""
+
+    text_config: object
+
+    def steps(self, rotary: Rotary, embed: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+              mask: torch.Tensor | None, cache: DynamicCache | None) -> Stages:
+        """Steps (1, n, ·) at `positions` (1, n) under an additive `mask` through `cache` -> {stage: (1, n, w)}."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +114,7 @@ class Bridge:
     """Bridge steps 0..C-1 through the head: their outputs and the K/V they leave in its cache."""
 
     out: torch.Tensor  # (C, D)
+    recycled: torch.Tensor  # (C, w): the hidden draft 2 reads (FamilySpec.recycled; w = hidden_width)
     keys: torch.Tensor  # (1, kv_heads, C, head_dim), after k_norm and RoPE, as the cache holds them
     values: torch.Tensor  # (1, kv_heads, C, head_dim)
 
@@ -108,14 +122,17 @@ class Bridge:
 @torch.inference_mode()
 def bridge_pass(ckpt: Checkpoint, head: Head, rotary: Rotary, sequence: np.ndarray, hidden: np.ndarray,
                 chains: int) -> Bridge:
-    """Bridge steps i = 0..chains-1, (x_{i+1}, H_i, position i), as one causal pass."""
+    """Bridge steps i = 0..chains-1, (x_{i+1}, H_i, position i), as one causal (windowed) pass."""
     embed = torch.from_numpy(_embedding_rows(ckpt, sequence[1:chains + 1]))[None]  # (C, D) -> (1, C, D)
-    h = torch.from_numpy(np.ascontiguousarray(hidden[:chains]))[None]  # (C, D) -> (1, C, D)
-    rope = rotary(embed, torch.arange(chains)[None])
-    cache = DynamicCache(config=head.text_config)  # the head's own cache
-    out = head(embed, h, rope, causal_mask(chains), cache)["out"][0]  # (1, C, D) -> (C, D)
+    h = torch.from_numpy(np.ascontiguousarray(hidden[:chains]))[None]  # (C, w) -> (1, C, w)
+    positions = torch.arange(chains)[None]
+    mask = within_window(chain_mask(0, chains, 1), positions[0], positions[0], _window(ckpt))
+    # The head's own cache, holding every key: a window is the mask's job, so the chains can see the bridge keys
+    # their own windows reach (a sliding-window cache would keep only the last W-1).
+    cache = DynamicCache()
+    stages = head.steps(rotary, embed, h, positions, mask, cache)
     keys, values, _ = next(iter(cache))
-    return Bridge(out, keys, values)
+    return Bridge(stages["out"][0], stages[ckpt.family.recycled][0], keys, values)  # (1, C, w) -> (C, w)
 
 
 def chain_mask(first: int, n: int, depth: int) -> torch.Tensor:
@@ -130,13 +147,34 @@ def chain_mask(first: int, n: int, depth: int) -> torch.Tensor:
     return torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
 
 
-def _draft_step(head: Head, rotary: Rotary, cache: DynamicCache, embed: torch.Tensor, prev_out: torch.Tensor,
-                first: int, depth: int) -> torch.Tensor:
-    """One draft step of chains first..first+n-1: chain i's query sits at position i + depth - 1."""
-    positions = torch.arange(first, first + len(embed))[None] + (depth - 1)  # (1, n)
-    rope = rotary(embed[None], positions)
-    mask = chain_mask(first, len(embed), depth)
-    return head(embed[None], prev_out[None], rope, mask, cache)["out"][0]  # (1, n, D) -> (n, D)
+def key_positions(first: int, n: int, depth: int) -> torch.Tensor:
+    """Positions of chain_mask's keys: bridge step i at i; chain c's draft entry of depth d at c + d - 1."""
+    drafts = [torch.arange(first, first + n) + (d - 1) for d in range(2, depth + 1)]
+    return torch.cat([torch.arange(first + n), *drafts])
+
+
+def within_window(mask: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:
+    """`mask` with every key at or beyond `window` positions behind its query blocked as well: a query at p sees
+    keys at p-W+1..p, as a stepwise run through the window cache (W-1 kept, plus itself) does. None: unchanged."""
+    if window is None:
+        return mask
+    outside = keys[None, :] <= queries[:, None] - window  # (n, keys)
+    return mask.masked_fill(outside[None, None], torch.finfo(torch.float32).min)
+
+
+def _window(ckpt: Checkpoint) -> int | None:
+    return ckpt.family.attention_window(ckpt.config)
+
+
+def _draft_step(ckpt: Checkpoint, head: Head, rotary: Rotary, cache: DynamicCache, embed: torch.Tensor,
+                recycled: torch.Tensor, first: int, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One draft step of chains first..first+n-1 (chain i's query at position i + depth - 1): their `out` (n, D)
+    and the hidden the next depth recycles (n, w)."""
+    n = len(embed)
+    positions = torch.arange(first, first + n) + (depth - 1)  # (n,)
+    mask = within_window(chain_mask(first, n, depth), positions, key_positions(first, n, depth), _window(ckpt))
+    stages = head.steps(rotary, embed[None], recycled[None], positions[None], mask, cache)
+    return stages["out"][0], stages[ckpt.family.recycled][0]  # (1, n, w) -> (n, w)
 
 
 @torch.inference_mode()
@@ -149,13 +187,13 @@ def extend_chains(ckpt: Checkpoint, head: Head, rotary: Rotary, lm_head: LmHead,
     drafts[:, 0] = first_drafts
     blocks = [(a, min(a + chain_block, chains)) for a in range(0, chains, chain_block)]
     # A block's cache starts as the bridge steps its chains may see; draft entries are appended, then dropped.
-    caches = [DynamicCache([(bridge.keys[:, :, :b], bridge.values[:, :, :b])], config=head.text_config)
-              for _, b in blocks]
-    out = bridge.out
+    caches = [DynamicCache([(bridge.keys[:, :, :b], bridge.values[:, :, :b])]) for _, b in blocks]
+    recycled = bridge.recycled
     for depth in range(2, k + 1):
         embed = torch.from_numpy(_embedding_rows(ckpt, drafts[:, depth - 2]))  # (C, D)
-        out = torch.cat([_draft_step(head, rotary, cache, embed[a:b], out[a:b], a, depth)
-                         for (a, b), cache in zip(blocks, caches)])
+        steps = [_draft_step(ckpt, head, rotary, cache, embed[a:b], recycled[a:b], a, depth)
+                 for (a, b), cache in zip(blocks, caches)]
+        out, recycled = torch.cat([s[0] for s in steps]), torch.cat([s[1] for s in steps])
         drafts[:, depth - 1] = lm_head.argmax(out.numpy())
         on_depth(chains)
     return drafts
@@ -218,10 +256,6 @@ def measure_acceptance(checkpoint_dir: Path, sequence: np.ndarray, hidden: Hidde
     sequence = token_ids_from_array(sequence, "sequence")
     _check_k(k, len(sequence))
     ckpt = Checkpoint(checkpoint_dir)
-    if ckpt.family.hidden_width(ckpt.config) != ckpt.config.hidden_size:  # DeepSeek-V4: hc streams recycled
-        raise InputError(f"mtp-oracle accept does not support the {ckpt.family.name} family yet (its drafts recycle "
-                         f"the block's hc residual streams and attend through a sliding window); export traces "
-                         f"with mtp-oracle export instead.")
     check_token_ids(sequence, ckpt.config.vocab_size)
     lm_head = _lm_head(ckpt, chunk_rows)
     target = _resolved_target(target, hidden)
@@ -235,7 +269,8 @@ def measure_acceptance(checkpoint_dir: Path, sequence: np.ndarray, hidden: Hidde
     # For greedy, the main model's own argmax at positions 1..N-2 rides along the first drafts' lm_head sweep.
     with Progress("accept", total=chains * k * (2 if quantized else 1), unit="draft") as bar:
         drafts, main_argmax = draft_chains(ckpt, head, rotary, sequence, h, k, chunk_rows,
-                                           also_score=h[1:-1] if target == "greedy" else None, on_depth=bar.update)
+                                           also_score=_lm_head_input(ckpt, h[1:-1]) if target == "greedy" else None,
+                                           on_depth=bar.update)
         if quantized:  # the same chains, H and targets through the quantized head
             q_head, _ = impl.build_head(ckpt.config, quantized[0])
             q_drafts = draft_chains(ckpt, q_head, rotary, sequence, h, k, chunk_rows, on_depth=bar.update)[0]
@@ -272,6 +307,13 @@ def _embedding_rows(ckpt: Checkpoint, token_ids: np.ndarray) -> np.ndarray:
     if hasattr(impl, "embedding_rows"):
         return impl.embedding_rows(ckpt, token_ids)[0]
     return ckpt.embedding_rows(token_ids)
+
+
+def _lm_head_input(ckpt: Checkpoint, hidden: np.ndarray) -> np.ndarray:
+    """The main model's lm_head input for H rows (its greedy argmax): H itself, or what the family derives from it
+    (DeepSeek-V4: the main model's hc_head collapse and final norm of the streams)."""
+    impl = head_module(ckpt.family)
+    return impl.main_lm_head_input(ckpt, hidden) if hasattr(impl, "main_lm_head_input") else hidden
 
 
 def _head_tensors(ckpt: Checkpoint, given: dict[str, np.ndarray] | None) -> dict[str, torch.Tensor]:
@@ -346,18 +388,19 @@ def _resolved_target(target: str | None, hidden: HiddenSource) -> str:
 
 def _hidden_of(ckpt: Checkpoint, source: HiddenSource, sequence: np.ndarray,
                log: Callable[[str], None]) -> np.ndarray:
-    """H [N, D] for x_0..x_{N-1}: from a file, a seed, or the checkpoint's main model run over the sequence."""
+    """H [N, w] for x_0..x_{N-1} (w = D, or hc·D streams for DeepSeek-V4): from a file, a seed, or the
+    checkpoint's main model run over the sequence."""
     given = [source.file is not None, source.seed is not None, source.main_model]
     if sum(given) != 1 or source.first_token is not None:
         raise InputError("give exactly one of --hidden FILE, --hidden-seed N or --main-model (hidden=HiddenSource"
                          "(file=... | seed=... | main_model=True)); accept reads H for the whole sequence x_0.., so "
                          "first_token does not apply.")
-    n, d = len(sequence), ckpt.config.hidden_size
+    n, d = len(sequence), ckpt.family.hidden_width(ckpt.config)
     if source.file is not None:
-        return hidden_from_file(source.file, n, d)
+        return hidden_from_file(source.file, n, d, d // ckpt.config.hidden_size)
     if source.seed is not None:
         return hidden_from_seed(source.seed, n, d)
-    log("running the main model over x_0..x_(N-1) for H (post-final-norm)")
+    log("running the main model over x_0..x_(N-1) for H")
     impl = head_module(ckpt.family)
     with quiet_kernel_fallbacks():
         return impl.main_model_hidden(impl.load_main_model(ckpt), sequence)

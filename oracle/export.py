@@ -219,7 +219,7 @@ def _resolve_hidden(ckpt: Checkpoint, source: HiddenSource, token_ids: np.ndarra
                          f"--start-pos {start_pos}. Dump the hidden from your engine and pass --hidden instead.")
     sequence = np.concatenate([[source.first_token], token_ids[:-1]]).astype(np.int64)
     check_token_ids(sequence[:1], ckpt.config.vocab_size)
-    log("running the main model for H (post-final-norm)")
+    log("running the main model for H")
     impl = head_module(ckpt.family)
     with quiet_kernel_fallbacks():
         return impl.main_model_hidden(impl.load_main_model(ckpt), sequence)

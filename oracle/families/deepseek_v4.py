@@ -14,7 +14,8 @@ router is top-k with the selection bias. Layer 0 of the main config would silent
 hash-routed layer.
 
 What it is not: a main model. `hidden` is the main model's last block output streams [T, hc·D] (before its hc_head
-and final norm), given by the user; `--main-model` is refused. The head keeps its own sliding-window KV cache.
+and final norm): given by the user, or (`--main-model`) hooked from the official `DeepseekV4Model` built over the
+checkpoint's main layers (oracle/families/mtp_layer_main_model.py). The head keeps its own sliding-window KV cache.
 
 Weights: the release's `mtp.0.*` names are mapped onto the official modules as transformers' conversion mapping
 renames the main layers' (`NATIVE_TO_MODULE`). bf16 linears stay bf16 (widened block-wise in use,
@@ -27,19 +28,19 @@ from collections.abc import Callable
 import numpy as np
 import torch
 from torch import nn
-from torch.nn import functional as F
 from transformers import DynamicCache
-from transformers.activations import ACT2FN
 from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (DeepseekV4DecoderLayer, DeepseekV4GroupedLinear,
-                                                                  DeepseekV4HyperHead, DeepseekV4RMSNorm,
-                                                                  DeepseekV4RotaryEmbedding)
+                                                                  DeepseekV4HyperHead, DeepseekV4Model,
+                                                                  DeepseekV4RMSNorm, DeepseekV4RotaryEmbedding)
 
 from oracle.attention_evidence import uniform_weights
 from oracle.checkpoint import E8M0, Checkpoint, HeadWeights, _widen
 from oracle.errors import CheckpointError, InputError
-from oracle.families.deepseek_v4_layout import EMBED, HEAD_PREFIX, HeadConfig, scale_name, v4_layout
+from oracle.families.deepseek_v4_layout import ALIASES, EMBED, HEAD_PREFIX, LM_HEAD, HeadConfig, scale_name, v4_layout
 from oracle.families.moe_experts import RoutedExperts
+from oracle.families.mtp_layer_main_model import MainLayout, run_main_model
+from oracle.families.mtp_layer_main_model import load_main_model as load_main
 from oracle.families.qwen3_5 import UpcastLinear, selection_margin
 from oracle.families.routing_evidence import topk_flip_distances
 from oracle.fp8 import E4M3, dequantize
@@ -117,6 +118,12 @@ class V4MtpHead(nn.Module):
         s["head_collapsed"] = self.hc_head(s["block_out"])  # sigmoid-weighted sum of the streams: (B,T,hc,D) -> (B,T,D)
         s["out"] = self.norm(s["head_collapsed"])  # -> shared lm_head
         return {k: v.flatten(2) if k in STREAM_STAGES else v for k, v in s.items()}
+
+    def steps(self, rotary: DeepseekV4RotaryEmbedding, embed: torch.Tensor, hidden: torch.Tensor,
+              positions: torch.Tensor, mask: torch.Tensor | None, cache: DynamicCache | None) -> Stages:
+        """Steps (1, n, ·) at `positions` under an additive `mask` through `cache`: the call every family's head
+        answers (oracle/accept.py drafts through it)."""
+        return self(embed, hidden, _rope(rotary, embed, positions), positions, mask, cache)
 
     def stem(self, embed: torch.Tensor, streams: torch.Tensor) -> Stages:
         s = {}
@@ -395,16 +402,61 @@ def embedding_rows(ckpt: Checkpoint, token_ids: np.ndarray) -> tuple[np.ndarray,
     return rows, info
 
 
+def main_layout() -> MainLayout:
+    """The release's main model: `embed.weight`, `layers.0..N-1.*`, `norm.weight`, `hc_head_*` (the MTP layer is
+    `mtp.*`, the lm_head `head.weight`), per-expert `ffn.experts.{e}.w{1,2,3}`, FP8 `.scale`."""
+    experts = {"gate": "w1", "up": "w3", "down": "w2"}
+    return MainLayout(
+        model_type="deepseek_v4", is_main=lambda n: not n.startswith("mtp.") and n not in (LM_HEAD, "lm_head.weight"),
+        strip="", scale_of=scale_name,
+        expert_name=lambda stem, e, part: f"{stem.replace('.mlp.', '.ffn.')}.{e}.{experts[part]}.weight")
+
+
+def main_text_config(checkpoint: Checkpoint) -> DeepseekV4Config:
+    """config.json as transformers' DeepseekV4Config reads it (the release's key names taken as transformers'; its
+    legacy `compress_ratios` / `num_hash_layers` give the main layers' attention and MLP types); FP8 is dequantized
+    here, so the quantization config is left out."""
+    aliases = {old: new for new, olds in ALIASES.items() for old in olds}
+    raw = {aliases.get(k, k): v for k, v in checkpoint.raw_config.items()
+           if not k.startswith("_") and k != "quantization_config"}
+    return DeepseekV4Config(**raw)
+
+
 def load_main_model(checkpoint: Checkpoint):
-    raise InputError(f"--main-model is not supported for the {checkpoint.family.name} family: dump the main model's "
-                     f"last block output streams (before its hc_head and final norm), float32 [T, hc_mult·D], and "
-                     f"pass --hidden FILE.")
+    """The official DeepseekV4Model over the checkpoint's main layers (float32), for --main-model."""
+    return load_main(checkpoint, DeepseekV4Model, main_text_config(checkpoint), main_layout(),
+                     DeepseekV4RotaryEmbedding)
 
 
-def main_model_hidden(model, sequence):  # pragma: no cover - load_main_model refuses first
-    raise InputError("--main-model is not supported for this family.")
+def main_model_hidden(model, sequence: np.ndarray) -> np.ndarray:
+    """H [T, hc·D]: the main model's LAST BLOCK OUTPUT STREAMS, taken by a forward hook on its last decoder layer,
+    before DeepseekV4Model's hc_head and final norm. Neither what the model returns (collapsed and normed) nor the
+    last `output_hidden_states` entry (transformers ties it to that) is what the MTP reads."""
+    _, streams = run_main_model(model, sequence, capture=model.layers[-1])  # (T, hc, D)
+    return streams.flatten(1).float().numpy()
+
+
+@torch.inference_mode()
+def main_lm_head_input(checkpoint: Checkpoint, hidden: np.ndarray) -> np.ndarray:
+    """The main model's lm_head input [N, D] for stream rows H [N, hc·D]: its own hc_head collapse, then its final
+    norm (DeepseekV4Model's last line), from the checkpoint's main `hc_head_*` and `norm.weight` (accept's greedy
+    targets)."""
+    cfg, text = checkpoint.config, head_text_config(checkpoint.config)
+    names = {"hc_fn": "hc_head_fn", "hc_base": "hc_head_base", "hc_scale": "hc_head_scale", "norm": "norm.weight"}
+    missing = [n for n in names.values() if n not in checkpoint.names()]
+    if missing:
+        raise CheckpointError(f"{checkpoint.path} has no {', '.join(missing)}: the greedy target is the main model's "
+                              f"argmax, lm_head(norm(hc_head(H))), and H here is the main model's streams, so "
+                              f"accept needs the main model's hc_head and final norm. Use --target text, or copy "
+                              f"the complete checkpoint.")
+    value = {key: torch.from_numpy(checkpoint.read(name)) for key, name in names.items()}
+    hc_head, norm = DeepseekV4HyperHead(text), DeepseekV4RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+    hc_head.load_state_dict({k: value[k] for k in ("hc_fn", "hc_base", "hc_scale")})
+    norm.load_state_dict({"weight": value["norm"]})
+    streams = torch.from_numpy(np.ascontiguousarray(hidden)).view(len(hidden), cfg.hc_mult, cfg.hidden_size)
+    return norm(hc_head(streams[None]))[0].numpy()  # (1, N, hc, D) -> (N, D)
 
 
 __all__ = ["V4MtpHead", "attention_with_uniform_weights", "build_head", "embedding_rows", "head_text_config",
-           "load_main_model", "main_model_hidden", "official_layer_stepwise", "run_batched", "run_stepwise",
-           "sliding_mask", "torch_weights"]
+           "load_main_model", "main_lm_head_input", "main_model_hidden", "main_text_config",
+           "official_layer_stepwise", "run_batched", "run_stepwise", "sliding_mask", "torch_weights"]

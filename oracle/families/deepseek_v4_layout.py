@@ -360,6 +360,9 @@ POS0_OBSERVABLE = ("position 0 observable: the embedding at absolute position 0 
 class V4Spec(FamilySpec):
     """A FamilySpec whose evidence rules add the window, the t=0 meaning and the routing-dependent stages."""
 
+    def attention_window(self, cfg: HeadConfig) -> int | None:
+        return cfg.sliding_window
+
     def evidence_rules(self, cfg: HeadConfig) -> dict:
         rules = super().evidence_rules(cfg)
         rules["absolute_positions"] = POS0_OBSERVABLE if cfg.mask_pos0_embedding else POSITIONS_NOTE
@@ -410,7 +413,7 @@ SPEC = V4Spec(
     name=FAMILY, model_types=MODEL_TYPES, architectures=ARCHITECTURES, parse_config=head_config_from_json,
     layout=v4_layout, head_prefix="mtp.", stages=v4_stages, dims=dims, main_model_prefixes=("model.",),
     lm_head=LM_HEAD, head_module="oracle.families.deepseek_v4", variants=VARIANTS, tiny_config=tiny_config,
-    layer_input="x_in", layer_output="block_out",
+    layer_input="x_in", layer_output="block_out", recycled="block_out",
     notes=("norm_topk_prob: transformers' DeepseekV4TopKRouter always renormalises the top-k weights; false is "
            "refused",
            "the MTP layer is built with layer_types ['sliding_attention'] and mlp_layer_types ['moe'], never as "

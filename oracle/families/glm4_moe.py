@@ -7,12 +7,12 @@ oracle/families/glm4_moe_layout.py.
 
 import torch
 from transformers.models.glm4_moe.configuration_glm4_moe import Glm4MoeConfig
-from transformers.models.glm4_moe.modeling_glm4_moe import (Glm4MoeDecoderLayer, Glm4MoeRMSNorm,
+from transformers.models.glm4_moe.modeling_glm4_moe import (Glm4MoeDecoderLayer, Glm4MoeModel, Glm4MoeRMSNorm,
                                                             Glm4MoeRotaryEmbedding)
 
 from oracle.families.glm4_moe_layout import HeadConfig, layout
 from oracle.families.mtp_layer import (MtpLayerHead, attention_with_uniform_weights, build_mtp_layer_head,
-                                       causal_mask, embedding_rows, load_main_model,
+                                       causal_mask, embedding_rows, load_official_main_model,
                                        main_model_hidden, official_layer_stepwise, run_batched, run_stepwise,
                                        torch_weights)
 from oracle.families.mtp_layer_explain import GLM4_MOE as EXPLAIN_VARIANTS
@@ -20,22 +20,38 @@ from oracle.families.mtp_layer_explain import explain_ops
 
 __all__ = ["EXPLAIN_VARIANTS", "MtpLayerHead", "attention_with_uniform_weights", "build_head", "causal_mask",
            "embedding_rows", "explain_ops", "head_text_config", "load_main_model", "main_model_hidden",
-           "official_layer_stepwise", "run_batched", "run_stepwise", "torch_weights"]
+           "main_text_config", "official_layer_stepwise", "run_batched", "run_stepwise", "torch_weights"]
 
 
 def head_text_config(cfg: HeadConfig) -> Glm4MoeConfig:
     """A one-layer config as transformers' get_mtp_config makes it: first_k_dense_replace 0 (the MTP layer is MoE)."""
+    return text_config(cfg, num_hidden_layers=1, first_k_dense_replace=0, intermediate_size=cfg.moe_intermediate_size)
+
+
+def main_text_config(cfg: HeadConfig, raw: dict) -> Glm4MoeConfig:
+    """The main model's config: the head's fields with the main stack's depth, dense-layer count and dense MLP width
+    (config.json's, else transformers' defaults)."""
+    main = {k: raw[k] for k in ("first_k_dense_replace", "intermediate_size") if k in raw}
+    return text_config(cfg, num_hidden_layers=cfg.num_hidden_layers, **main)
+
+
+def load_main_model(checkpoint) -> Glm4MoeModel:
+    """The official Glm4MoeModel over the checkpoint's layers 0..N-1 (float32), for --main-model."""
+    text = main_text_config(checkpoint.config, checkpoint.raw_config)
+    return load_official_main_model(checkpoint, Glm4MoeModel, text, Glm4MoeRotaryEmbedding)
+
+
+def text_config(cfg: HeadConfig, **layers) -> Glm4MoeConfig:
     return Glm4MoeConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.moe_intermediate_size,
-        num_hidden_layers=1, num_attention_heads=cfg.num_attention_heads,
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, hidden_act="silu",
         max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
         rope_parameters=dict(cfg.rope_parameters), attention_bias=cfg.attention_bias,
         moe_intermediate_size=cfg.moe_intermediate_size, num_experts_per_tok=cfg.num_experts_per_tok,
         n_shared_experts=cfg.n_shared_experts, n_routed_experts=cfg.num_experts,
         routed_scaling_factor=cfg.routed_scaling_factor, n_group=cfg.n_group, topk_group=cfg.topk_group,
-        first_k_dense_replace=0, norm_topk_prob=cfg.norm_topk_prob, use_qk_norm=cfg.use_qk_norm,
-        num_nextn_predict_layers=1, tie_word_embeddings=False)
+        norm_topk_prob=cfg.norm_topk_prob, use_qk_norm=cfg.use_qk_norm, num_nextn_predict_layers=1,
+        tie_word_embeddings=False, **layers)
 
 
 def build_head(cfg: HeadConfig, weights: dict[str, torch.Tensor]):

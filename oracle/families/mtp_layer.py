@@ -24,8 +24,10 @@ from transformers import DynamicCache
 
 from oracle.attention_evidence import uniform_weights
 from oracle.checkpoint import Checkpoint, HeadWeights
-from oracle.errors import CheckpointError, InputError
+from oracle.errors import CheckpointError
 from oracle.families.moe_experts import RoutedExperts, _populate, _release
+from oracle.families.mtp_layer_main_model import MainLayout, run_main_model
+from oracle.families.mtp_layer_main_model import load_main_model as load_main
 from oracle.families.mtp_layer_layout import MtpLayerConfig, MtpLayerTensors
 from oracle.families.routing_evidence import grouped_flip_distances
 from oracle.families.qwen3_5 import (UpcastLinear, _step_tensors, _to_numpy, _widen_non_linear_parameters,
@@ -91,6 +93,12 @@ class MtpLayerHead(nn.Module):
         mlp.register_forward_hook(out("mlp"))
         block.register_forward_hook(out("res2"))
         layer.post_norm.register_forward_hook(out("out"))
+
+    def steps(self, rotary, embed: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+              mask: torch.Tensor | None, cache: DynamicCache | None) -> Stages:
+        """Steps (1, n, ·) at `positions` under an additive `mask` through `cache`: the call every family's head
+        answers (oracle/accept.py drafts through it)."""
+        return self(embed, hidden, rotary(embed, positions), mask, cache, positions)
 
     def _keep(self, name: str, value) -> None:
         if self._seen is not None:
@@ -355,15 +363,30 @@ def embedding_rows(ckpt: Checkpoint, token_ids: np.ndarray) -> tuple[np.ndarray,
     return rows, info
 
 
-def load_main_model(checkpoint: Checkpoint):
-    raise InputError(f"--main-model is not supported for the {checkpoint.family.name} family yet: dump the main "
-                     f"model's post-final-norm hidden from your engine and pass --hidden FILE.")
+def main_layout(cfg: MtpLayerConfig) -> MainLayout:
+    """The HF layout both families release: `model.layers.0..N-1.*`, `model.embed_tokens`, `model.norm` (layer N
+    is the MTP layer), per-expert tensors, FP8 `weight_scale_inv`."""
+    head = cfg.head_prefix
+    return MainLayout(
+        model_type=cfg.family, is_main=lambda n: n.startswith("model.") and not n.startswith(head), strip="model.",
+        scale_of=lambda n: n.removesuffix("weight") + _SCALE,
+        expert_name=lambda stem, e, part: f"model.{stem}.{e}.{part}_proj.weight")
 
 
-def main_model_hidden(model, sequence):  # pragma: no cover - load_main_model refuses first
-    raise InputError("--main-model is not supported for this family yet.")
+def load_official_main_model(checkpoint: Checkpoint, model_class: type, config, rotary_class: type):
+    """The main model (DeepseekV3Model / Glm4MoeModel, float32) from layers 0..N-1 (oracle/families/
+    mtp_layer_main_model.py)."""
+    return load_main(checkpoint, model_class, config, main_layout(checkpoint.config), rotary_class)
+
+
+def main_model_hidden(model, sequence: np.ndarray) -> np.ndarray:
+    """H [T, D]: the main model's final hidden state AFTER its final norm (`last_hidden_state`), the tensor the MTP
+    layer reads: vLLM's DeepseekV2Model.forward (deepseek_mtp's target) and Glm4MoeModel.forward end with
+    `self.norm(hidden_states, residual)`, and transformers' MTP candidate generator feeds
+    `outputs.hidden_states[-1]`, which it ties to `last_hidden_state` (shared/reference/mtp_wiring.md §2.1)."""
+    return run_main_model(model, sequence)[0].float().numpy()
 
 
 __all__ = ["MtpLayerHead", "attention_with_uniform_weights", "build_mtp_layer_head", "causal_mask", "embedding_rows",
-           "load_main_model", "main_model_hidden", "official_layer_stepwise", "run_batched", "run_stepwise",
-           "torch_weights"]
+           "load_official_main_model", "main_layout", "main_model_hidden", "official_layer_stepwise", "run_batched",
+           "run_stepwise", "torch_weights"]

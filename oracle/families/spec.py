@@ -112,11 +112,19 @@ class FamilySpec:
     # the decoder layer's input and output stages (the family contract test runs the official layer between them)
     layer_input: str = "fc"
     layer_output: str = "res2"
+    # the stage whose rows draft j+1 of an `accept` chain reads as its hidden (DeepSeek-V4: the block's streams,
+    # before the head collapses them); `out` (the lm_head input) for every family that recycles it
+    recycled: str = "out"
 
     def hidden_width(self, cfg: HeadConfig) -> int:
         """Width of the hidden H one step consumes: hc·D (DeepSeek-V4: the main model's hc_mult residual streams),
         D for every family without hyper-connection streams."""
         return self.dims(cfg).hc_mult * cfg.hidden_size
+
+    def attention_window(self, cfg: HeadConfig) -> int | None:
+        """How many keys a step's query sees, itself included (a sliding window: DeepSeek-V4), or None: every
+        earlier step of the head's own cache. `accept` masks its bridge pass and chains with it."""
+        return None
 
     def evidence_rules(self, cfg: HeadConfig) -> dict:
         """What the probe needs to know about this head's evidence, stored with the trace."""
