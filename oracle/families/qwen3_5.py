@@ -26,6 +26,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (Qwen3_5DecoderLayer, Q
 from oracle.attention_evidence import uniform_weights
 from oracle.checkpoint import Checkpoint, HeadWeights
 from oracle.errors import CheckpointError
+from oracle.families.moe_experts import RoutedExperts
 from oracle.families.qwen3_5_layout import HeadConfig
 from oracle.families.routing_evidence import topk_flip_distances
 from oracle.trace import TraceInputs
@@ -169,16 +170,56 @@ def _upcast_linears(module: nn.Module) -> None:
             _upcast_linears(child)
 
 
+FP8_SCALE = "weight_scale_inv"  # X.weight_scale_inv: the block scale beside an FP8 X.weight
+
+
 def torch_weights(weights: HeadWeights) -> dict[str, torch.Tensor]:
-    """Stored head tensors as torch tensors, sharing memory: bf16 bit patterns become torch.bfloat16."""
+    """Stored head tensors as torch tensors, sharing memory: bf16 bit patterns become torch.bfloat16, FP8 (F8_E4M3)
+    stays its bit patterns in torch.uint8 (dequantized in build_head); FP8 block scales (small; BF16 in Qwen's
+    releases) are widened to float32, exactly."""
     as_torch = {"F32": lambda a: torch.from_numpy(a), "F16": lambda a: torch.from_numpy(a),
-                "BF16": lambda a: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)}
-    return {name: as_torch[weights.dtypes[name]](arr) for name, arr in weights.tensors.items()}
+                "BF16": lambda a: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16),
+                "F8_E4M3": lambda a: torch.from_numpy(a)}
+    out = {}
+    for name, arr in weights.tensors.items():
+        if weights.dtypes[name] not in as_torch:
+            raise CheckpointError(f"{name} is {weights.dtypes[name]}; this head reads F32, F16, BF16 and F8_E4M3 "
+                                  f"(with {name.removesuffix('weight')}{FP8_SCALE}).")
+        out[name] = as_torch[weights.dtypes[name]](arr)
+        if name.endswith(FP8_SCALE):
+            out[name] = out[name].float()
+    return out
+
+
+def dequantize_fp8(cfg: HeadConfig, weights: dict[str, torch.Tensor], lazy: frozenset[str] = frozenset()):
+    """(the head's tensors with every FP8 linear dequantized to float32 with its block scale and the scales dropped,
+    the Fp8Weights that did it or None when nothing is FP8). Tensors in `lazy` (routed experts) stay as stored:
+    RoutedFp8Experts dequantizes them one expert at a time, where tokens route. An FP8 weight without its scale, or
+    a scale beside a weight that is not FP8, is refused by name (oracle/families/mtp_layer.py Fp8Weights)."""
+    if cfg.weight_block_size is None and not any(t.dtype == torch.uint8 for t in weights.values()):
+        return weights, None  # bf16: nothing to dequantize, nothing more imported
+    from oracle.families.mtp_layer import Fp8Weights  # here, not at the top: mtp_layer imports this module
+
+    fp8 = Fp8Weights(weights, cfg.weight_block_size)
+    return {n: t if n in lazy else fp8.value(n) for n, t in weights.items() if not n.endswith(FP8_SCALE)}, fp8
+
+
+def routed_experts(cfg: HeadConfig, layout, weights: dict[str, torch.Tensor]) -> tuple[RoutedExperts, dict]:
+    """A MoE head's routed experts in `layout` (read only where tokens route: bf16 widened, FP8 dequantized with
+    their scales, one expert at a time, as DeepSeek's are) and its other tensors, FP8 linears dequantized. Fused
+    FP8 experts never get here: the layout refuses their scales, dequantize_fp8 an FP8 weight without one."""
+    dense, fp8 = dequantize_fp8(cfg, weights, frozenset(layout.tensor_names()))
+    if fp8 is None or layout.kind == "fused":
+        return RoutedExperts(layout, weights), dense
+    from oracle.families.mtp_layer import RoutedFp8Experts  # here: mtp_layer imports this module
+
+    return RoutedFp8Experts(layout, weights, fp8), dense
 
 
 def build_head(cfg: HeadConfig, weights: dict[str, torch.Tensor]) -> tuple[MtpHead, Qwen3_5TextRotaryEmbedding]:
-    """The dense head with every `mtp.*` tensor loaded (strict: none missing, none unused, none left at init)."""
-    return build_qwen_head(head_text_config(cfg), CLASSES, weights)
+    """The dense head with every `mtp.*` tensor loaded (strict: none missing, none unused, none left at init); FP8
+    linears dequantized with their block scales first."""
+    return build_qwen_head(head_text_config(cfg), CLASSES, dequantize_fp8(cfg, weights)[0])
 
 
 def build_qwen_head(text, classes: QwenClasses, weights: dict[str, torch.Tensor], experts=None):
