@@ -29,6 +29,7 @@ from oracle.errors import CheckpointError
 from oracle.families.moe_experts import RoutedExperts
 from oracle.families.qwen3_5_layout import HeadConfig
 from oracle.families.routing_evidence import topk_flip_distances
+from oracle.fp8 import E4M3, dequantize
 from oracle.trace import TraceInputs
 
 Stages = dict[str, torch.Tensor]
@@ -306,7 +307,8 @@ def run_stepwise(head: MtpHead, rotary: Qwen3_5TextRotaryEmbedding, inputs: Trac
 def load_main_model(checkpoint: Checkpoint, classes: QwenClasses = CLASSES) -> Qwen3_5TextModel:
     """The checkpoint's main text model (the family's official text model class, float32), loaded strictly."""
     raw = checkpoint.raw_config
-    text = classes.text_config(**{k: v for k, v in raw.get("text_config", raw).items() if k != "model_type"})
+    text = classes.text_config(**{k: v for k, v in raw.get("text_config", raw).items()
+                                  if k not in ("model_type", "quantization_config")})  # FP8 is dequantized here
     text._attn_implementation = "sdpa"
     prefix = checkpoint.main_model_prefix()
     names = [n for n in checkpoint.names() if n.startswith(prefix) and not n.startswith("model.visual.")]
@@ -314,7 +316,7 @@ def load_main_model(checkpoint: Checkpoint, classes: QwenClasses = CLASSES) -> Q
         names = [n for n in names if not n.startswith("model.language_model.")]
     with torch.device("meta"):
         model = classes.text_model(text)
-    state = {n.removeprefix(prefix): torch.from_numpy(checkpoint.read(n)) for n in names}
+    state = _main_model_state(checkpoint, names, prefix)
     try:
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as err:
@@ -323,6 +325,30 @@ def load_main_model(checkpoint: Checkpoint, classes: QwenClasses = CLASSES) -> Q
                               f"{str(err)[:600]}") from None
     model.rotary_emb = classes.rotary(text)
     return model.eval()
+
+
+def _main_model_state(checkpoint: Checkpoint, names: list[str], prefix: str) -> dict[str, torch.Tensor]:
+    """The main model's tensors in float32 by module name: FP8 weights dequantized with their block scales (the
+    scales consumed), an FP8 weight without one refused (never decoded unscaled); a scale beside a weight that is
+    not FP8 stays in, and the strict load refuses it."""
+    present = set(names)
+    block = tuple(getattr(checkpoint.config, "weight_block_size", None) or (128, 128))
+    state = {}
+    is_fp8 = lambda n: n in present and checkpoint.entry(n).dtype == E4M3  # noqa: E731
+    for name in names:
+        if name.endswith(FP8_SCALE) and is_fp8(name.removesuffix(FP8_SCALE) + "weight"):
+            continue  # applied to its weight below
+        entry, scale = checkpoint.entry(name), name.removesuffix("weight") + FP8_SCALE
+        if entry.dtype != E4M3:
+            state[name.removeprefix(prefix)] = torch.from_numpy(checkpoint.read(name))
+            continue
+        if scale not in present or len(entry.shape) != 2:
+            why = f"its block scale {scale} is missing" if scale not in present else "only 2-D FP8 linears are read"
+            raise CheckpointError(f"{checkpoint.path}: main-model tensor {name} is {E4M3} {list(entry.shape)}: {why}; "
+                                  f"--main-model never decodes FP8 without its block scale.")
+        stored = checkpoint.stored_rows(name, 0, entry.shape[0])[0]
+        state[name.removeprefix(prefix)] = torch.from_numpy(dequantize(stored, checkpoint.read(scale), block, name))
+    return state
 
 
 @torch.inference_mode()

@@ -68,13 +68,16 @@ def write_tensors(tensors: dict, dst: Path, shards: int) -> None:
 
 
 def fp8_copy(src: Path, dst: Path, block, scale_dtype=torch.float32, shards: int = 1, keep=ROUTER_GATES,
-             quant_in_text: bool = False, edit=None) -> tuple[Path, Path]:
-    """`dst` (FP8: every 2-D `mtp.*` linear but `keep`) and `dst`_deq (those linears as float32, exactly
-    dequantized; no quantization_config). `edit(tensors)` may alter the FP8 tensors before they are written."""
+             quant_in_text: bool = False, edit=None, main: bool = False) -> tuple[Path, Path]:
+    """`dst` (FP8: every 2-D `mtp.*` linear but `keep`; with `main`, the main model's 2-D linears too) and
+    `dst`_deq (those linears as float32, exactly dequantized; no quantization_config). `edit(tensors)` may alter
+    the FP8 tensors before they are written."""
     deq_dst = dst.with_name(dst.name + "_deq")
     fp8, deq = {}, {}
     for name, w in read_all(src).items():
-        if name.startswith("mtp.") and w.ndim == 2 and name.endswith(".weight") and not name.endswith(keep):
+        head = name.startswith("mtp.") or (main and name.startswith("model.") and "embed_tokens" not in name
+                                          and "visual" not in name)
+        if head and w.ndim == 2 and name.endswith(".weight") and not name.endswith(keep):
             q, scale, value = quantize(w, block, scale_dtype)
             fp8[name], fp8[name.removesuffix("weight") + "weight_scale_inv"], deq[name] = q, scale, value
         else:
@@ -92,8 +95,8 @@ def fp8_copy(src: Path, dst: Path, block, scale_dtype=torch.float32, shards: int
     return dst, deq_dst
 
 
-def export(ckpt: Path, out: Path):
-    return run_cli(oracle_cli, ["export", ckpt, "--out", out, "--tokens", TOKENS, "--hidden-seed", "0", "-q"])
+def export(ckpt: Path, out: Path, hidden=("--hidden-seed", "0")):
+    return run_cli(oracle_cli, ["export", ckpt, "--out", out, "--tokens", TOKENS, *hidden, "-q"])
 
 
 def datasets(trace: Path) -> dict[str, np.ndarray]:
@@ -104,10 +107,10 @@ def datasets(trace: Path) -> dict[str, np.ndarray]:
     return found | {"config": config}
 
 
-def exported_pair(fp8: Path, deq: Path) -> tuple[dict, dict]:
+def exported_pair(fp8: Path, deq: Path, hidden=("--hidden-seed", "0")) -> tuple[dict, dict]:
     traces = []
     for ckpt in (fp8, deq):
-        result = export(ckpt, ckpt.with_suffix(".h5"))
+        result = export(ckpt, ckpt.with_suffix(".h5"), hidden)
         assert result.exit_code == 0, result.output
         traces.append(datasets(ckpt.with_suffix(".h5")))
     return traces[0], traces[1]
@@ -167,6 +170,26 @@ def test_the_fp8_copies_really_are_fp8_and_ragged(tmp_path):
     assert index["mtp.fc.weight"] != index["mtp.fc.weight_scale_inv"]
     # and it exports (ragged blocks of a MoE head, scales in other shards than their weights)
     assert export(fp8, tmp_path / "m.h5").exit_code == 0
+
+
+MAIN_MODEL = ("--main-model", "--first-token", "1")
+
+
+def test_main_model_fp8_linears_are_dequantized_for_the_hidden(tmp_path):
+    """--main-model on a checkpoint whose main model is FP8 too: H from the dequantized main model, bit for bit."""
+    fp8, deq = fp8_copy(FIXTURES / "qwen3_5_moe_tiny", tmp_path / "m", (24, 40), torch.bfloat16, main=True,
+                        quant_in_text=True)
+    assert read_all(fp8)["model.language_model.layers.3.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
+    a, b = exported_pair(fp8, deq, MAIN_MODEL)
+    for name in a:
+        if name != "config":
+            np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    # twin: a main-model FP8 weight without its scale is refused by name, never decoded unscaled
+    o_proj = "model.language_model.layers.3.self_attn.o_proj.weight"
+    bad, _ = fp8_copy(FIXTURES / "qwen3_5_moe_tiny", tmp_path / "b", (24, 40), main=True,
+                      edit=lambda t: t.pop(o_proj.removesuffix("weight") + "weight_scale_inv"))
+    result = export(bad, tmp_path / "b.h5", MAIN_MODEL)
+    assert result.exit_code == 2 and o_proj in result.output and "Traceback" not in result.output, result.output
 
 
 # ---- twins: the equality can fail; inconsistent checkpoints are refused --------------------------------------------
