@@ -1,8 +1,9 @@
 """The oracle's inputs: step token ids, main-model hidden states and positions, from the user's options.
 
 Step i consumes token t_{i+1} (the `--tokens` list is already shifted), hidden H_i and position p_i = start + i.
-Hidden comes from a file (.npy float32 [T, D], raw little-endian float32 .bin [T, D], or FILE.h5:/dataset), from
-a seed (synthetic), or from the checkpoint's main model run over (x_0, t_1, ..., t_{T-1}).
+Hidden comes from a file (.npy float32 [T, D], raw little-endian float32 .bin [T, D], or FILE.h5:/dataset; the row
+width is the family's hidden width, hc·D for DeepSeek-V4's streams), from a seed (synthetic), or from the
+checkpoint's main model run over (x_0, t_1, ..., t_{T-1}) (the family's `main_model_hidden`).
 """
 
 import re

@@ -21,8 +21,10 @@ from oracle.checkpoint import Checkpoint
 from oracle.cli import cli as oracle_cli
 from oracle.export import HiddenSource
 from oracle.families import deepseek_v4
+from oracle.families.registry import FAMILIES, head_module
 from oracle.inputs import hidden_from_seed
 from tests.families.main_layers import with_hf_main_layers, with_v4_main_layers
+from tests.families.test_family_contract import WRITERS
 from tests.helpers import run_cli
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
@@ -166,3 +168,46 @@ def test_hf_accept_main_model_targets_are_the_argmax_of_the_post_norm_hidden(fam
     cli = run_cli(oracle_cli, ["accept", ckpt_dir, "--tokens", ",".join(map(str, x)), "--main-model", "--k", "2",
                                "-q"])
     assert cli.exit_code == 0 and cli.output.strip().endswith("target=greedy"), cli.output
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# every family: accept's batched chains = a stepwise loop through the head's own (official) cache
+
+
+@torch.inference_mode()
+def stepwise_through_steps(ckpt, head, rotary, lm, x, h, i: int, k: int, shift: int = 0) -> list[int]:
+    """Chain i one step at a time through `head.steps` and the official cache of the head's config (a window cache
+    for V4), recycling the family's recycled stage; drafts positioned `shift` late (the twin)."""
+    from oracle.accept import _embedding_rows
+
+    cache = DynamicCache(config=head.text_config)
+
+    def step(token: int, hidden: torch.Tensor, pos: int) -> dict:
+        e = torch.from_numpy(_embedding_rows(ckpt, np.array([token])))[None]  # (1, 1, D)
+        return head.steps(rotary, e, hidden, torch.tensor([[pos]]), None, cache)
+
+    for t in range(i + 1):
+        s = step(int(x[t + 1]), torch.from_numpy(h[t:t + 1])[None], t)
+    drafts = [int(np.argmax(lm @ s["out"][0, 0].double().numpy()))]
+    for j in range(2, k + 1):
+        s = step(drafts[-1], s[ckpt.family.recycled], i + j - 1 + shift)
+        drafts.append(int(np.argmax(lm @ s["out"][0, 0].double().numpy())))
+    return drafts
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_every_family_drafts_as_its_head_steps_one_at_a_time(name, tmp_path):
+    from oracle.accept import _lm_head
+
+    ckpt = Checkpoint(WRITERS[name](tmp_path / "ckpt"))
+    impl = head_module(ckpt.family)
+    head, rotary = impl.build_head(ckpt.config, impl.torch_weights(ckpt.read_head(widen=False)))
+    n, k = 12, 4
+    x = np.random.default_rng(5).integers(0, ckpt.config.vocab_size, n)
+    h = hidden_from_seed(6, n, ckpt.family.hidden_width(ckpt.config))
+    lm = ckpt.read(_lm_head(ckpt, 64).name).astype(np.float64)
+    drafts = draft_chains(ckpt, head, rotary, x, h, k, chain_block=3)[0]
+    for i in range(len(drafts)):
+        assert drafts[i].tolist() == stepwise_through_steps(ckpt, head, rotary, lm, x, h, i, k), (name, i)
+    late = [stepwise_through_steps(ckpt, head, rotary, lm, x, h, i, k, shift=1) for i in range(len(drafts))]
+    assert any(d.tolist() != w for d, w in zip(drafts, late))  # twin: drafts one position late draft differently
