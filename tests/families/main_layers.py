@@ -69,8 +69,17 @@ def _real_rotaries(model, config):
 
 
 def _write(ckpt: Path, tensors: dict) -> None:
-    file = ckpt / "model.safetensors"
-    save_file(load_file(file) | tensors, file, metadata={"format": "pt"})
+    """Into the single file, or (a sharded checkpoint) into one more shard listed in the index."""
+    index = ckpt / "model.safetensors.index.json"
+    if not index.exists():
+        file = ckpt / "model.safetensors"
+        save_file(load_file(file) | tensors, file, metadata={"format": "pt"})
+        return
+    shard = "model-main.safetensors"
+    save_file(tensors, ckpt / shard, metadata={"format": "pt"})
+    data = json.loads(index.read_text())
+    data["weight_map"] |= {name: shard for name in tensors}
+    index.write_text(json.dumps(data, indent=2, sort_keys=True))
 
 
 # ---------------------------------------------------------------------------------------------------------------

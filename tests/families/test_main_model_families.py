@@ -27,7 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from make_fixtures import write_deepseek_v4_checkpoint, write_mtp_layer_checkpoint  # noqa: E402
 
 SEQUENCE = np.array([1, 5, 17, 3, 99, 4, 250, 7, 8, 9, 11, 12], dtype=np.int64)  # T = 12 > V4's W = 4 (and 3)
-HF = {"ds_bf16": ("deepseek_v3", None), "ds_fp8": ("deepseek_v3", [16, 32]), "glm": ("glm4_moe", None)}
+HF = {"ds_bf16": ("deepseek_v3", None, {}), "ds_fp8": ("deepseek_v3", [16, 32], {}),
+      "ds_noq_sharded": ("deepseek_v3", None, {"dims": {"q_lora_rank": None}, "sharded": True}),
+      "glm": ("glm4_moe", None, {})}
 MODULES = {"deepseek_v3": deepseek_v3, "glm4_moe": glm4_moe}
 V4 = {"bf16": {}, "fp8_odd": {"fp8_block": [16, 48], "dims": {
     "hidden_size": 48, "hc_mult": 4, "num_attention_heads": 6, "head_dim": 16, "qk_rope_head_dim": 4, "o_groups": 3,
@@ -41,8 +43,8 @@ def rel(a, e) -> float:
 
 @pytest.fixture(scope="module", params=sorted(HF))
 def hf(request, tmp_path_factory):
-    family, block = HF[request.param]
-    ckpt = write_mtp_layer_checkpoint(tmp_path_factory.mktemp(request.param) / "ckpt", family)
+    family, block, kw = HF[request.param]
+    ckpt = write_mtp_layer_checkpoint(tmp_path_factory.mktemp(request.param) / "ckpt", family, **kw)
     return family, ckpt, with_hf_main_layers(ckpt, family, fp8_block=block)
 
 
