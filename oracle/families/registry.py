@@ -41,8 +41,10 @@ def family(name: str) -> FamilySpec:
 
 def head_module(spec: FamilySpec):
     """The family's torch half (build_head, run_batched, run_stepwise, attention_with_uniform_weights,
-    load_main_model, main_model_hidden, torch_weights, MtpHead, causal_mask), imported on first use: only the
-    detected family's transformers modules are loaded."""
+    load_main_model, main_model_hidden, torch_weights; optionally embedding_rows, where the head has its own table,
+    and main_lm_head_input, where H is not itself the main lm_head's input), imported on first use: only the
+    detected family's transformers modules are loaded. Every head it builds answers `steps(rotary, embed, hidden,
+    positions, mask, cache)`, the call `accept` drafts through."""
     import importlib
 
     return importlib.import_module(spec.head_module)
