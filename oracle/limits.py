@@ -15,9 +15,19 @@ would need about 0.4 TB). The stepwise mode keeps one query at a time: memory li
 
 import math
 from pathlib import Path
+from typing import Protocol
 
 from oracle.errors import InputError
-from oracle.families.qwen3_5_layout import HeadConfig
+from oracle.families.spec import HeadConfig as FamilyConfig
+
+
+class HeadConfig(FamilyConfig, Protocol):
+    """What the limits read from any family's head config."""
+
+    head_dim: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
 
 FLOAT32_EXACT_POSITIONS = 2**24  # every integer below it is a float32; RoPE angles are float32 pos * inv_freq
 INT64_MAX = 2**63 - 1

@@ -50,7 +50,7 @@ import torch
 
 from oracle.checkpoint import Checkpoint
 from oracle.errors import CheckpointError, InputError
-from oracle.families.qwen3_5_layout import LM_HEAD
+from oracle.families.spec import MAIN_LM_HEAD as LM_HEAD
 
 CHUNK_ROWS = 8192  # lm_head rows per screen GEMM (80 MiB of the mapped bf16 shard at real scale, not copied);
 # measured idle at real scale, 32768-row chunks run the bf16 GEMM only ~3% faster

@@ -17,6 +17,7 @@ heavy: the probe reads it.
 from dataclasses import dataclass, replace
 
 ROWS, INDEX_SET = "rows", "index_set"
+LEGACY_FAMILY = "qwen3_5"  # a trace without a `family` attribute was written before the seam: Qwen3.5 dense
 KINDS = (ROWS, INDEX_SET)
 _DTYPE = {ROWS: "float32", INDEX_SET: "int64"}
 

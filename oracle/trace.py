@@ -9,7 +9,7 @@ Root attributes
     hidden_size        D, integer                                             (required)
     stages             names of the /stages datasets present, in the family's stage order (oracle/stages.py);
                        absent: the default order (e, h, fc_in, fc, ah, attn, res1, mh, mlp, res2, out)
-    family             e.g. "qwen3_5", "qwen3_5_moe" (oracle/families/registry.py); absent: "qwen3_5"
+    family             e.g. "qwen3_5", "qwen3_5_moe" (oracle/families/registry.py); absent: LEGACY_FAMILY (oracle/stages.py)
     dims               JSON {"D", "E", "k", "hc"}: the sizes stage shapes are written in (absent: D = hidden_size)
     evidence_rules     JSON {"qk_dependent": [stages that see q/k only through attention], "absolute_positions"}
     producer           package and version, e.g. "mtp-oracle 0.1.0"

@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from oracle.progress import tracked
-from oracle.stages import INDEX_SET
+from oracle.stages import INDEX_SET, LEGACY_FAMILY
 from oracle.trace import rows_per_chunk
 
 from probe.adapters.trace_file import TraceSource, open_candidate, open_reference
@@ -54,7 +54,7 @@ class DiffReport:
     zero_is_unwritten: bool  # the candidate was not poison-filled: all-zero rows count as unwritten
     findings: tuple[str, ...] = ()  # measured observations about the candidate (e.g. rows shifted by one token)
     stage_names: tuple[str, ...] = ()  # the reference's stages, in its order (columns of every rendering)
-    family: str = "qwen3_5"
+    family: str = LEGACY_FAMILY
     stage_docs: dict = None  # stage name -> one-line doc (from the reference)
     routing_ties: tuple[int, ...] = ()  # tokens whose routing flipped at a reference near-tie
     evidence_notes: tuple[str, ...] = ()  # what the family's (verified) evidence rules say this trace can show
@@ -94,7 +94,7 @@ def diff_sources(ref: TraceSource, cand: TraceSource, tols: dict[str, Tol], fail
     unknown = [n for n in cand.stages if n not in ref.stages]
     if unknown:
         raise ProbeError(f"candidate {cand.path} holds stages the reference does not: {', '.join(unknown)}; the "
-                         f"reference ({ref.attrs.get('family', 'qwen3_5')}) has {', '.join(ref.stages)}. Name each "
+                         f"reference ({ref.attrs.get('family', LEGACY_FAMILY)}) has {', '.join(ref.stages)}. Name each "
                          f"stage as the reference does (mtp-oracle inspect {ref.path}).")
     issues = coverage_issues(cand) + integrity_issues(cand) + input_issues(ref, cand)
     qk = qk_sensitivity(ref, tols[ATTENTION])
@@ -123,7 +123,7 @@ def diff_sources(ref: TraceSource, cand: TraceSource, tols: dict[str, Tol], fail
                       cand.recorded_inputs, tols.for_stages(ref.stages) if hasattr(tols, "for_stages") else tols,
                       rows, tuple(issues), decide(rows.values(), [i.message for i in issues], captured, qk),
                       first, first_divergence_per_token(rows.values(), ref.stages), compared_tokens, qk,
-                      zero_is_unwritten, findings, tuple(ref.stages), ref.attrs.get("family", "qwen3_5"),
+                      zero_is_unwritten, findings, tuple(ref.stages), ref.attrs.get("family", LEGACY_FAMILY),
                       {s.name: s.doc for s in ref.stage_list}, routing.tie_tokens(), evidence_notes(ref))
 
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from oracle.families.registry import FAMILIES
 from oracle.families.spec import CONVENTIONS
-from oracle.stages import INDEX_SET
+from oracle.stages import INDEX_SET, LEGACY_FAMILY
 from oracle.trace import read_trace
 from probe.adapters.trace_file import open_candidate, open_reference
 from probe.diff import DiffReport
@@ -167,7 +167,7 @@ def explain_stages(report: DiffReport, ref_path: Path, cand: dict[str, np.ndarra
         inputs, attrs = reader.inputs(), reader.attrs
         ref = {n: reader.stage_rows(n) for n in reader.stages}
         kinds = {s.name: s.kind for s in reader.stage_list}
-    family = FAMILIES.get(attrs.get("family", "qwen3_5"))
+    family = FAMILIES.get(attrs.get("family", LEGACY_FAMILY))
     conventions = {k: v for k, v in (attrs.get("config") or {}).items() if k in CONVENTIONS}
     explainer = Explainer(checkpoint, inputs, conventions, attrs.get("checkpoint_digest"), reference=ref)
     order = tuple(report.stage_names)

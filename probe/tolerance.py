@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from oracle.stages import KNOWN_STAGE_NAMES
+from oracle.stages import KNOWN_STAGE_NAMES, LEGACY_FAMILY
 
 from probe.errors import ToleranceError
 
@@ -146,7 +146,7 @@ def reference_facts(ref: Path) -> dict:
 
     with read_trace(ref) as trace:
         stage_list = trace.stage_list
-        return {"name": str(ref), "family": trace.attrs.get("family", "qwen3_5"), "stages": list(stage_list.names),
+        return {"name": str(ref), "family": trace.attrs.get("family", LEGACY_FAMILY), "stages": list(stage_list.names),
                 "kinds": {s.name: s.kind for s in stage_list},
                 "checkpoint_digest": trace.attrs.get("checkpoint_digest"),
                 "inputs_digest": trace.attrs.get("inputs_digest")}

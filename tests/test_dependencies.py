@@ -85,3 +85,30 @@ def test_oracle_never_imports_probe():
 
 def test_package_init_files_are_empty():
     assert (ROOT / "oracle" / "__init__.py").read_text() == "" and (ROOT / "probe" / "__init__.py").read_text() == ""
+
+
+# The seam (oracle/families/spec.py): outside oracle/families/ only these import a family's own module, each for a
+# stated reason. A new entry needs one; the twin below shows the scan finds such an import.
+FAMILY_IMPORT_EXCEPTIONS = {
+    "oracle/variants.py": "the Qwen heads' --explain operators (the DeepSeek/GLM ones are in oracle/families/)",
+    "probe/adapters/cabi_worker.py": "ABI v1's fixed structs describe the Qwen3.5 dense head only (v2 is generic)",
+}
+GENERIC_FAMILY_MODULES = ("registry", "spec", "routing_evidence", "moe_experts")  # family-agnostic helpers
+_FAMILY_IMPORT = re.compile(r"^\s*(from|import)\s+oracle\.families\.(?!(?:" + "|".join(GENERIC_FAMILY_MODULES)
+                            + r")\b)\w+", re.M)
+
+
+def family_imports(paths, root=ROOT) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in paths if _FAMILY_IMPORT.search(p.read_text()))
+
+
+def test_no_family_module_is_imported_outside_the_families():
+    outside = [*(ROOT / "oracle").glob("*.py"), *(ROOT / "probe").rglob("*.py")]
+    assert family_imports(outside) == sorted(FAMILY_IMPORT_EXCEPTIONS)
+
+
+def test_the_family_import_scan_finds_one(tmp_path):
+    """Twin: the scan above would notice a family import in a new file, and not the seam's own modules."""
+    (tmp_path / "planted.py").write_text("import os\nfrom oracle.families.qwen3_5_layout import LM_HEAD\n")
+    (tmp_path / "seam.py").write_text("from oracle.families.registry import detect\nfrom oracle.families.spec import X\n")
+    assert family_imports(sorted(tmp_path.glob("*.py")), tmp_path) == ["planted.py"]

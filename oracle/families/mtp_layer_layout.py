@@ -27,14 +27,13 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from oracle.errors import CheckpointError
-from oracle.families.spec import ExpertLayout, FamilySpec, TensorLayout, Variant
+from oracle.families.spec import MAIN_LM_HEAD, ExpertLayout, FamilySpec, TensorLayout, Variant
 from oracle.fp8 import scale_shape
 from oracle.stages import SPINE, Dims, StageList, with_moe
 
 HEAD_PREFIX = "model.layers.{num_hidden_layers}."  # formatted with the config's num_hidden_layers
 MAIN_MODEL_PREFIXES = ("model.",)
 SHARED_HEAD = HEAD_PREFIX + "shared_head.head.weight"  # the lm_head copy acceptance uses where present
-MAIN_LM_HEAD = "lm_head.weight"
 _SCALE = "weight_scale_inv"
 
 

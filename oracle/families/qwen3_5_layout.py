@@ -18,7 +18,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from oracle.errors import CheckpointError
-from oracle.families.spec import FamilySpec, Fusion, TensorLayout, Variant
+from oracle.families.spec import MAIN_LM_HEAD, FamilySpec, Fusion, TensorLayout, Variant
 from oracle.fp8 import scale_shape
 from oracle.stages import SPINE, Dims
 
@@ -27,7 +27,7 @@ MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 # The two layouts a Qwen3.5 text stack is released in: the VLM release (Qwen3_5ForConditionalGeneration,
 # `model.language_model.*`) and a text-only conversion (Qwen3_5ForCausalLM, `model.*`). Tried in this order.
 MAIN_MODEL_PREFIXES = ("model.language_model.", "model.")
-LM_HEAD = "lm_head.weight"
+LM_HEAD = MAIN_LM_HEAD
 SCALE = "weight_scale_inv"  # X.weight_scale_inv beside an FP8 X.weight
 # transformers' Qwen3_5TextConfig defaults for fields a config.json may omit; they equal the released models'.
 _TEXT_DEFAULTS = {"head_dim": 256, "rms_norm_eps": 1e-6, "hidden_act": "silu", "attention_bias": False,

@@ -30,6 +30,9 @@ class HeadConfig(Protocol):
     def to_dict(self) -> dict: ...
 
 
+MAIN_LM_HEAD = "lm_head.weight"  # the main model's output projection as HF checkpoints name it (any family)
+
+
 @dataclass(frozen=True)
 class ExpertLayout:
     """Where a MoE head's routed experts lie in the checkpoint, in one of two layouts.
