@@ -10,9 +10,18 @@ always so at t = 0 (one key, softmax ≡ 1), and at every t when the value rows 
 pass, and only the softmax(q·k) weights are replaced by uniform ones over the keys the mask lets through. The
 oracle records the resulting rows as `/evidence/attn_uniform`; the probe counts an `attn` row as q/k evidence only
 where that row would FAIL the tolerance rule against the real one (probe/evidence.py).
+
+Uniform weights need no scores: the row is the mean of the visible value rows (with a sink: their sum over n + 1).
+`uniform_mean_attention`, the function the export runs, takes those means from prefix sums (float64) of each KV
+head's value rows, one vectorised pass; `uniform_attention` (softmax over zeros plus the mask, then p·V) is its
+specification and the fallback for masks that are not a band of keys. `reused_projections` spares the second run
+of the attention module's projections: every linear inside it hands back the output it computed in the real pass
+when the uniform pass gives it the very same input (compared, not assumed); only the output projection, whose
+input differs, computes again. So the official module still runs the whole uniform pass, for every family alike.
 """
 
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -38,19 +47,131 @@ def uniform_attention(module, query, key, value, attention_mask, scaling=None, d
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
-AttentionInterface.register(UNIFORM, uniform_attention)
+def uniform_mean_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, s_aux=None,
+                           **kwargs):
+    """`uniform_attention`'s rows without scores: per query, the visible value rows' sum (a difference of float64
+    prefix sums over each KV head) over the count of visible keys, plus one with a sink. The visible keys come from
+    the additive mask (0 visible, finfo.min blocked); a mask that is not one band of keys per query, or holds other
+    values, goes to `uniform_attention`."""
+    band = _visible_band(attention_mask, query.shape[2], key.shape[2])
+    if band is None:
+        return uniform_attention(module, query, key, value, attention_mask, scaling, dropout, s_aux, **kwargs)
+    first, count = band  # (Tq,) each: the first visible key and how many follow it
+    prefix = torch.nn.functional.pad(torch.cumsum(value.to(torch.float64), dim=2), (0, 0, 1, 0))  # (B, Hkv, Tk+1, d)
+    sums = prefix[:, :, first + count] - prefix[:, :, first]  # (B, Hkv, Tq, d)
+    means = (sums / (count + (s_aux is not None)).to(torch.float64)[:, None]).to(query.dtype)
+    means = means.repeat_interleave(query.shape[1] // value.shape[1], dim=1)  # GQA as repeat_kv: kv head i -> i*n..
+    return means.transpose(1, 2).contiguous(), None
+
+
+def _visible_band(attention_mask, q_len: int, k_len: int):
+    """(first, count) of each query's visible keys when they form one non-empty band [first, first + count) and the
+    mask is the same for every batch row and head; None otherwise (or for a mask of other values)."""
+    if attention_mask is None:
+        return torch.zeros(q_len, dtype=torch.long), torch.full((q_len,), k_len, dtype=torch.long)
+    mask = attention_mask[..., :k_len]
+    if mask.dtype == torch.bool or mask.dim() != 4 or mask.shape[0] * mask.shape[1] != 1 or mask.shape[2] != q_len:
+        return None
+    visible = mask[0, 0] == 0
+    if not (visible | (mask[0, 0] == torch.finfo(mask.dtype).min)).all():
+        return None  # a bias, not a visibility mask
+    count = visible.sum(dim=1)
+    first = visible.to(torch.int8).argmax(dim=1)  # the first True
+    last = k_len - 1 - visible.flip(1).to(torch.int8).argmax(dim=1)
+    if (count == 0).any() or not torch.equal(count, last - first + 1):
+        return None
+    return first, count
+
+
+@dataclass
+class _Uniform:
+    """What `uniform_weights` installs: the attention function (the specification's, in tests) and the memo of the
+    projections (`reused_projections`) when one is recording."""
+
+    function: object = uniform_mean_attention
+    memo: list = field(default_factory=list)
+    reuse: bool = True  # False: every projection computes again (the specification's pass)
+
+
+_UNIFORM = _Uniform()
+AttentionInterface.register(UNIFORM, lambda *args, **kwargs: _UNIFORM.function(*args, **kwargs))
 
 
 @contextmanager
 def uniform_weights(config):
     """Within the block, attention modules built from `config` use uniform weights (they read
-    config._attn_implementation at every forward)."""
+    config._attn_implementation at every forward), and a `reused_projections` memo replays what it recorded."""
     saved = config._attn_implementation
     config._attn_implementation = UNIFORM
+    for memo in _UNIFORM.memo:
+        memo.replaying = _UNIFORM.reuse
     try:
         yield
     finally:
         config._attn_implementation = saved
+        for memo in _UNIFORM.memo:
+            memo.replaying = False
+
+
+@contextmanager
+def specified_uniform_weights():
+    """Within the block, `uniform_weights` runs the specification: `uniform_attention` (scores and softmax) after
+    every projection computed again, as the export did before the means and the memo."""
+    saved = _UNIFORM.function, _UNIFORM.reuse
+    _UNIFORM.function, _UNIFORM.reuse = uniform_attention, False
+    try:
+        yield
+    finally:
+        _UNIFORM.function, _UNIFORM.reuse = saved
+
+
+class _ProjectionMemo:
+    """The last (input, output) of each linear inside the attention modules, recorded outside `uniform_weights` and
+    handed back inside it when the input is equal (copies: nothing the forward does later can change them)."""
+
+    def __init__(self, model) -> None:
+        self.replaying, self.saved, self.hits = False, {}, 0
+        self.linears = [m for a in model.modules() if type(a).__name__.endswith("Attention")
+                        for m in a.modules() if _is_linear(m) and "forward" not in vars(m)]
+        for linear in self.linears:
+            linear.forward = self._wrapped(linear, linear.forward)  # an instance attribute over the class's
+
+    def _wrapped(self, linear, forward):
+        def memoized(x):
+            saved = self.saved.get(linear)
+            if self.replaying and saved is not None and saved[0].shape == x.shape and torch.equal(saved[0], x):
+                self.hits += 1
+                return saved[1]
+            out = forward(x)
+            if not self.replaying:
+                self.saved[linear] = (x.clone(), out.clone())
+            return out
+        return memoized
+
+    def close(self) -> None:
+        for linear in self.linears:
+            del linear.forward  # the instance attribute: the class's forward again
+        self.saved.clear()
+
+
+def _is_linear(module) -> bool:
+    """A leaf with a matrix weight: nn.Linear and the oracle's linears over stored weights (UpcastLinear, FP8)."""
+    weight = getattr(module, "weight", None)
+    return next(module.children(), None) is None and isinstance(weight, torch.Tensor) and weight.dim() == 2
+
+
+@contextmanager
+def reused_projections(model):
+    """Within the block, the linears of `model`'s attention modules (class names ending in Attention) remember
+    their last output, and a uniform pass (`uniform_weights`) that feeds one the same input gets it back instead of
+    a second matmul. Yields the memo (its `hits` count the reuses)."""
+    memo = _ProjectionMemo(model)
+    _UNIFORM.memo.append(memo)
+    try:
+        yield memo
+    finally:
+        _UNIFORM.memo.remove(memo)
+        memo.close()
 
 
 # The probe's default float32 tolerance (probe/tolerance.py DEFAULT). The oracle never imports the probe, so the

@@ -88,7 +88,7 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
         impl = head_module(family)  # torch and the family's transformers modules, while the thread reads
     finally:
         reads.join()  # from here on only this thread touches the checkpoint
-    from oracle.attention_evidence import qk_blind_tokens, qk_warning  # torch: loaded with the head module
+    from oracle.attention_evidence import qk_blind_tokens, qk_warning, reused_projections  # torch: loaded already
 
     # a family whose head has its own embedding copy (DeepSeek/GLM) reads it, and says which table it used
     embed, embedding = (impl.embedding_rows(ckpt, token_ids) if hasattr(impl, "embedding_rows")
@@ -101,17 +101,19 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     head, rotary = impl.build_head(cfg, impl.torch_weights(weights))
     experts_hash = _ExpertsDigest(ckpt, head) if weights.layout is not None and weights.layout.experts else None
     log(f"running the head ({mode})")
-    with Progress(f"export ({mode})", total=len(token_ids)) as bar:  # one pass: no ETA before it ends
-        if mode == "batched":
-            stages = impl.run_batched(head, rotary, inputs)
-            bar.update(len(token_ids))
-        else:
-            stages = impl.run_stepwise(head, rotary, inputs, on_step=lambda t: bar.update())
+    with reused_projections(head):  # the uniform-weights pass gets the real pass's q/k/v projections back
+        with Progress(f"export ({mode})", total=len(token_ids)) as bar:  # one pass: no ETA before it ends
+            if mode == "batched":
+                stages = impl.run_batched(head, rotary, inputs)
+                bar.update(len(token_ids))
+            else:
+                stages = impl.run_stepwise(head, rotary, inputs, on_step=lambda t: bar.update())
+        uniform = impl.attention_with_uniform_weights(head, rotary, inputs, stages["ah"])
     stage_list = family.stages(cfg)
     recorded = {k: stages.pop(k) for k in list(stages) if k in EVIDENCE_DOCS}  # e.g. topk_margin: evidence
     if set(stages) != set(stage_list.names):  # a bug in the family's head, never the user's input
         raise RuntimeError(f"the {family.name} head recorded {sorted(stages)}, its stage list is {stage_list.names}")
-    evidence = recorded | {"attn_uniform": impl.attention_with_uniform_weights(head, rotary, inputs, stages["ah"])}
+    evidence = recorded | {"attn_uniform": uniform}
     blind = qk_blind_tokens(stages["attn"], evidence["attn_uniform"])
     if blind.all():
         warn(qk_warning(inputs.num_tokens))
