@@ -290,8 +290,14 @@ def _lm_head(ckpt: Checkpoint, chunk_rows: int) -> LmHead:
     """The head's own output projection where its family names one and the checkpoint has it (DeepSeek/GLM:
     `model.layers.{N}.shared_head.head.weight`), else the main lm_head (lm_head_of)."""
     own = ckpt.family.lm_head.format(num_hidden_layers=getattr(ckpt.config, "num_hidden_layers", None))
-    if own == LM_HEAD or own not in ckpt.names():
+    if own == LM_HEAD:
         return lm_head_of(ckpt, chunk_rows)
+    if own not in ckpt.names():
+        try:
+            return lm_head_of(ckpt, chunk_rows)
+        except CheckpointError as missing:  # name what this family reads first, not only the fallback
+            raise CheckpointError(f"{ckpt.path} has no {own} (the {ckpt.family.name} head's output projection), "
+                                  f"and no fallback: {missing}") from None
     entry, cfg = ckpt.entry(own), ckpt.config
     if chunk_rows < 1:
         raise InputError(f"--chunk-rows {chunk_rows}: read at least 1 lm_head row at a time (default {CHUNK_ROWS}).")

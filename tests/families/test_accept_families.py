@@ -211,3 +211,19 @@ def test_every_family_drafts_as_its_head_steps_one_at_a_time(name, tmp_path):
         assert drafts[i].tolist() == stepwise_through_steps(ckpt, head, rotary, lm, x, h, i, k), (name, i)
     late = [stepwise_through_steps(ckpt, head, rotary, lm, x, h, i, k, shift=1) for i in range(len(drafts))]
     assert any(d.tolist() != w for d, w in zip(drafts, late))  # twin: drafts one position late draft differently
+
+
+def test_accept_without_the_heads_output_projection_names_it(tmp_path):
+    """A V4 checkpoint without `head.weight` (its shared lm_head) exits 2 naming that tensor, not only the
+    `lm_head.weight` fallback; the twin with it present runs."""
+    from safetensors.torch import save_file
+
+    ckpt_dir = write_deepseek_v4_checkpoint(tmp_path / "ckpt")
+    tensors = load_file(ckpt_dir / "model.safetensors")
+    args = ["accept", ckpt_dir, "--k", "2", "--tokens", ",".join(map(str, range(1, 9))), "--hidden-seed", "0",
+            "--target", "text", "-q"]
+    assert run_cli(oracle_cli, args).exit_code == 0
+    del tensors["head.weight"]
+    save_file(tensors, ckpt_dir / "model.safetensors")
+    result = run_cli(oracle_cli, args)
+    assert result.exit_code == 2 and "has no head.weight" in result.output and "Traceback" not in result.output
