@@ -31,6 +31,7 @@ SOURCE_RECORD = "gguf_source.json"
 # llama.cpp architecture -> the HF text model_type the family registry knows
 ARCH_MODEL_TYPE = {"qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next"}
 ONE_PLUS_W_ARCHS = set(ARCH_MODEL_TYPE)  # every RMSNorm of these heads is (1 + w)
+MOE_ARCHS = {"qwen35moe", "qwen3next"}  # their MTP layer is a MoE layer: expert keys, not feed_forward_length
 STEM = {"nextn.eh_proj": "mtp.fc", "nextn.enorm": "mtp.pre_fc_norm_embedding",
         "nextn.hnorm": "mtp.pre_fc_norm_hidden", "nextn.shared_head_norm": "mtp.norm"}
 LAYER = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -124,12 +125,45 @@ def read_head_tensors(reader, arch: str, file: Path) -> tuple[dict[str, np.ndarr
         short = name[len(prefix):].removesuffix(".weight") if name.startswith(prefix) else name
         if arch in ONE_PLUS_W_ARCHS and short in NORMS:
             values = values - np.float32(1.0)
+        if short == "ffn_gate_inp_shexp" and values.ndim == 1:  # converters that squeeze write [1, D] as [D]
+            values = values[None]
         for key, part in _split_experts(target, values):
             out[key], types[key] = part, tensor.tensor_type.name
     if "lm_head.weight" not in out and "model.embed_tokens.weight" in out:  # tied output
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
         types["lm_head.weight"] = types["model.embed_tokens.weight"]
+    _check_experts(out, prefix, file)
     return _main_prefixed(out, arch), _main_prefixed(types, arch)
+
+
+def _check_experts(tensors: dict[str, np.ndarray], prefix: str, file: Path) -> None:
+    """A MoE block (any routed-expert tensor or a router) must hold the router and a complete set of stacked
+    experts whose shapes agree: gate/up [E, I, D] (or ffn_gate_up_exps [E, 2I, D]), down [E, D, I], router [E, D]."""
+    experts = "mtp.layers.0.mlp.experts."
+    parts = {k.removeprefix(experts): v for k, v in tensors.items() if k.startswith(experts)}
+    router = tensors.get("mtp.layers.0.mlp.gate.weight")
+    if not parts and router is None:
+        return
+    gguf_name = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                 "gate_up_proj": "ffn_gate_up_exps"}
+    needed = ["down_proj"] + (["gate_up_proj"] if "gate_up_proj" in parts else ["gate", "up"])
+    missing = [f"{prefix}{gguf_name[p]}.weight" for p in needed if p not in parts]
+    if router is None:
+        missing.append(f"{prefix}ffn_gate_inp.weight")
+    if missing:
+        raise CheckpointError(f"{file}: the MTP block is a MoE layer but {', '.join(missing)} "
+                              f"{'is' if len(missing) == 1 else 'are'} missing; re-convert the head (llama.cpp's "
+                              f"converter writes the router and every stacked expert tensor).")
+    down = parts["down_proj"]
+    gate_up = parts.get("gate_up_proj")
+    gate, up = (gate_up[:, :gate_up.shape[1] // 2], gate_up[:, gate_up.shape[1] // 2:]) if gate_up is not None \
+        else (parts["gate"], parts["up"])
+    count, inter, hidden = gate.shape if gate.ndim == 3 else (None, None, None)
+    if (gate.ndim != 3 or up.shape != gate.shape or down.shape != (count, hidden, inter)
+            or router.shape != (count, hidden)):
+        shapes = {gguf_name[p]: list(v.shape) for p, v in parts.items()} | {"ffn_gate_inp": list(router.shape)}
+        raise CheckpointError(f"{file}: the MTP block's expert tensors disagree in shape (numpy order, GGUF's "
+                              f"reversed): {shapes}; expected gate/up [E, I, D], down [E, D, I], router [E, D].")
 
 
 def _checkpoint_name(name: str, prefix: str, arch: str) -> str | None:
@@ -190,13 +224,17 @@ def _beside_config(file: Path) -> dict | None:
 
 
 def config_from_metadata(reader, arch: str, tensors: dict, file: Path) -> dict:
-    """A config.json for the family parser from the GGUF's metadata (llama.cpp's `{arch}.*` keys)."""
+    """A config.json for the family parser from the GGUF's metadata (llama.cpp's `{arch}.*` keys); a MoE head's
+    expert keys are checked against its stacked expert tensors, and a wrong or missing key is named."""
     if arch not in ARCH_MODEL_TYPE:
         raise CheckpointError(f"{file}: architecture {arch!r} has no config.json beside it and this oracle rebuilds "
                               f"configs only for {', '.join(ARCH_MODEL_TYPE)}; put the model's config.json beside it.")
+    missing = []
 
-    def get(key, default=None):
+    def get(key, default=None, required=True):
         value = _field(reader, f"{arch}.{key}", default)
+        if value is None and required:
+            missing.append(f"{arch}.{key}")
         return value[-1] if isinstance(value, list) and key != "rope.dimension_sections" else value
 
     head_dim = get("attention.key_length")
@@ -205,23 +243,48 @@ def config_from_metadata(reader, arch: str, tensors: dict, file: Path) -> dict:
             "num_attention_heads": get("attention.head_count"), "num_key_value_heads": get("attention.head_count_kv"),
             "head_dim": head_dim, "vocab_size": int(tensors["lm_head.weight"].shape[0]),
             "rms_norm_eps": get("attention.layer_norm_rms_epsilon"), "max_position_embeddings": get("context_length"),
-            "num_hidden_layers": blocks - get("nextn_predict_layers", 1), "mtp_num_hidden_layers": 1,
-            "rope_parameters": {"rope_type": "default", "rope_theta": get("rope.freq_base"),
-                                "partial_rotary_factor": get("rope.dimension_count") / head_dim}}
-    sections = get("rope.dimension_sections")
-    if sections and arch != "qwen3next":
+            "mtp_num_hidden_layers": 1}
+    rope_dims, theta, nextn = get("rope.dimension_count"), get("rope.freq_base"), get("nextn_predict_layers", 1)
+    if not missing:
+        text |= {"num_hidden_layers": blocks - nextn,
+                 "rope_parameters": {"rope_type": "default", "rope_theta": theta,
+                                     "partial_rotary_factor": rope_dims / head_dim}}
+    sections = get("rope.dimension_sections", required=False)
+    if sections and arch != "qwen3next" and "rope_parameters" in text:
         text["rope_parameters"] |= {"mrope_section": [int(s) for s in sections if s][:3], "mrope_interleaved": True}
-    if get("expert_count"):
+    if arch in MOE_ARCHS or "mtp.layers.0.mlp.gate.weight" in tensors:
         text |= {"num_experts": get("expert_count"), "num_experts_per_tok": get("expert_used_count"),
                  "moe_intermediate_size": get("expert_feed_forward_length"),
                  "shared_expert_intermediate_size": get("expert_shared_feed_forward_length")}
     else:
         text["intermediate_size"] = get("feed_forward_length")
-    missing = [k for k, v in text.items() if v is None]
     if missing:
-        raise CheckpointError(f"{file}: the GGUF metadata lacks {', '.join(missing)} for {arch}; put the model's "
-                              f"config.json beside the GGUF.")
+        raise CheckpointError(f"{file}: the GGUF metadata lacks {', '.join(missing)}; put the model's config.json "
+                              f"beside the GGUF, or re-convert it with llama.cpp's converter (which writes them).")
+    _check_expert_metadata(text, tensors, arch, file)
     return text
+
+
+def _check_expert_metadata(text: dict, tensors: dict, arch: str, file: Path) -> None:
+    """The expert keys must describe the stacked tensors: a wrong count would build a head of the wrong shape."""
+    router = tensors.get("mtp.layers.0.mlp.gate.weight")
+    if router is None:
+        return
+    down = tensors["mtp.layers.0.mlp.experts.down_proj"]  # [E, D, I], checked against the router by _check_experts
+    shared = tensors.get("mtp.layers.0.mlp.shared_expert.gate_proj.weight")
+    found = {"expert_count": (text["num_experts"], down.shape[0], "blk.N.ffn_*_exps and ffn_gate_inp"),
+             "expert_feed_forward_length": (text["moe_intermediate_size"], down.shape[2], "blk.N.ffn_*_exps"),
+             "expert_shared_feed_forward_length": (text["shared_expert_intermediate_size"],
+                                                   None if shared is None else shared.shape[0], "blk.N.ffn_*_shexp")}
+    for key, (said, held, where) in found.items():
+        if held is not None and said != held:
+            raise CheckpointError(f"{file}: {arch}.{key} is {said} but the MTP block's {where} hold {held}; the "
+                                  f"metadata and the tensors disagree (re-convert, or put the model's config.json "
+                                  f"beside the GGUF).")
+    used = text["num_experts_per_tok"]
+    if not 1 <= used <= text["num_experts"]:
+        raise CheckpointError(f"{file}: {arch}.expert_used_count is {used}; it must be between 1 and "
+                              f"{arch}.expert_count ({text['num_experts']}).")
 
 
 def _field(reader, key: str, default=None):
