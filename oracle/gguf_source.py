@@ -21,6 +21,8 @@ import hashlib
 import json
 import os
 import shutil
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +30,7 @@ import numpy as np
 from oracle.errors import CheckpointError
 
 SOURCE_RECORD = "gguf_source.json"
+CHUNK_BYTES = 16 << 20  # float32 dequantized per write (gguf.quants needs ~4x that): never the whole head
 # llama.cpp architecture -> the HF text model_type the family registry knows
 ARCH_MODEL_TYPE = {"qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next"}
 ONE_PLUS_W_ARCHS = set(ARCH_MODEL_TYPE)  # every RMSNorm of these heads is (1 + w)
@@ -79,21 +82,23 @@ def source_of(path: Path) -> dict:
 
 
 def _materialize(file: Path, target: Path) -> None:
-    from safetensors.numpy import save_file
-
     reader = _reader(file)
     arch = _field(reader, "general.architecture")
-    tensors, types = read_head_tensors(reader, arch, file)
-    config = _beside_config(file) or config_from_metadata(reader, arch, tensors, file)
+    plan = plan_head(reader, arch, file)
+    config = _beside_config(file) or config_from_metadata(reader, arch, {n: p.shape for n, p in plan.items()}, file)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}, tmp / "model.safetensors")
-    record = {"format": "gguf", "file": str(file.resolve()), "architecture": arch,
-              "norm_offset": "1 subtracted from every (1+w) RMSNorm" if arch in ONE_PLUS_W_ARCHS else "none",
-              "quant_types": dict(sorted(types.items())), "dequantized_by": f"gguf {_gguf_version()}"}
-    (tmp / SOURCE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    try:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        _write_safetensors(tmp / "model.safetensors", plan, file)
+        record = {"format": "gguf", "file": str(file.resolve()), "architecture": arch,
+                  "norm_offset": "1 subtracted from every (1+w) RMSNorm" if arch in ONE_PLUS_W_ARCHS else "none",
+                  "quant_types": {n: plan[n].qtype for n in sorted(plan)}, "dequantized_by": f"gguf {_gguf_version()}"}
+        (tmp / SOURCE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # no half-written cache folder left behind
+        raise
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
 
@@ -107,8 +112,36 @@ def _reader(file: Path):
         raise CheckpointError(f"{file} is not a readable GGUF file ({err}).") from None
 
 
-def read_head_tensors(reader, arch: str, file: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """The head's tensors (checkpoint name -> float32), the embedding and lm_head, and each one's GGUF type."""
+@dataclass(frozen=True)
+class Planned:
+    """One cache tensor: its checkpoint shape, its GGUF type, and the GGUF tensors whose slices along their leading
+    dimension, dequantized in turn, make it (`sources` = (gate, up): expert e's gate rows, then its up rows, as
+    the checkpoint's fused gate_up_proj [E, 2I, D] holds them). `offset` is subtracted ((1+w) norms: 1)."""
+    shape: tuple[int, ...]
+    qtype: str
+    sources: tuple
+    offset: float = 0.0
+
+    def chunks(self, file: Path):
+        """The tensor's float32 values in C order, a slice at a time: memory holds one slice, never the head."""
+        lead = self.sources[0]
+        if len(lead.data.shape) == 1:  # 1-D (norms): whole
+            yield _rows(lead, None, file) - np.float32(self.offset)
+            return
+        if len(self.sources) > 1:  # per expert: gate rows, then up rows
+            for e in range(self.shape[0]):
+                for source in self.sources:
+                    yield _rows(source, slice(e, e + 1), file)
+            return
+        row_bytes = 4 * int(np.prod(self.shape[1:], dtype=np.int64))
+        step = max(1, CHUNK_BYTES // row_bytes)
+        for start in range(0, self.shape[0], step):
+            yield _rows(lead, slice(start, start + step), file) - np.float32(self.offset)
+
+
+def plan_head(reader, arch: str, file: Path) -> dict[str, Planned]:
+    """The head's tensors (checkpoint name -> Planned), the embedding and lm_head: names mapped, shapes checked,
+    nothing dequantized yet but one row of each (so that a type the gguf package cannot read is refused first)."""
     names = {t.name: t for t in reader.tensors}
     blocks = sorted({int(n.split(".")[1]) for n in names if n.startswith("blk.") and ".nextn.eh_proj" in n})
     if len(blocks) != 1:
@@ -116,54 +149,66 @@ def read_head_tensors(reader, arch: str, file: Path) -> tuple[dict[str, np.ndarr
                               f"{'s' if len(blocks) != 1 else ''} (blk.N.nextn.eh_proj.weight); this oracle reads "
                               f"a GGUF holding exactly one MTP layer (llama.cpp's converter writes it with --mtp).")
     prefix = f"blk.{blocks[0]}."
-    out, types = {}, {}
+    plan, experts = {}, {}
     for name, tensor in names.items():
         target = _checkpoint_name(name, prefix, arch)
         if target is None:
             continue
-        values = _dequantized(tensor, file)
+        if target.startswith("experts:"):
+            experts[target.removeprefix("experts:")] = tensor
+            continue
         short = name[len(prefix):].removesuffix(".weight") if name.startswith(prefix) else name
-        if arch in ONE_PLUS_W_ARCHS and short in NORMS:
-            values = values - np.float32(1.0)
-        if short == "ffn_gate_inp_shexp" and values.ndim == 1:  # converters that squeeze write [1, D] as [D]
-            values = values[None]
-        for key, part in _split_experts(target, values):
-            out[key], types[key] = part, tensor.tensor_type.name
-    if "lm_head.weight" not in out and "model.embed_tokens.weight" in out:  # tied output
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
-        types["lm_head.weight"] = types["model.embed_tokens.weight"]
-    _check_experts(out, prefix, file)
-    return _main_prefixed(out, arch), _main_prefixed(types, arch)
+        shape = _shape(tensor)
+        if short == "ffn_gate_inp_shexp" and len(shape) == 1:  # converters that squeeze write [1, D] as [D]
+            shape = (1, *shape)
+        offset = 1.0 if arch in ONE_PLUS_W_ARCHS and short in NORMS else 0.0
+        plan[target] = Planned(shape, tensor.tensor_type.name, (tensor,), offset)
+    if "lm_head.weight" not in plan and "model.embed_tokens.weight" in plan:  # tied output
+        plan["lm_head.weight"] = plan["model.embed_tokens.weight"]
+    plan |= _planned_experts(experts, plan.get("mtp.layers.0.mlp.gate.weight"), prefix, file)
+    for planned in plan.values():
+        for source in planned.sources:
+            _rows(source, slice(0, 1) if len(source.data.shape) > 1 else None, file)
+    if arch in ("qwen35", "qwen35moe") and "model.embed_tokens.weight" in plan:  # the main model's prefix
+        plan["model.language_model.embed_tokens.weight"] = plan.pop("model.embed_tokens.weight")
+    return plan
 
 
-def _check_experts(tensors: dict[str, np.ndarray], prefix: str, file: Path) -> None:
-    """A MoE block (any routed-expert tensor or a router) must hold the router and a complete set of stacked
-    experts whose shapes agree: gate/up [E, I, D] (or ffn_gate_up_exps [E, 2I, D]), down [E, D, I], router [E, D]."""
-    experts = "mtp.layers.0.mlp.experts."
-    parts = {k.removeprefix(experts): v for k, v in tensors.items() if k.startswith(experts)}
-    router = tensors.get("mtp.layers.0.mlp.gate.weight")
-    if not parts and router is None:
-        return
-    gguf_name = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down_proj": "ffn_down_exps",
-                 "gate_up_proj": "ffn_gate_up_exps"}
-    needed = ["down_proj"] + (["gate_up_proj"] if "gate_up_proj" in parts else ["gate", "up"])
-    missing = [f"{prefix}{gguf_name[p]}.weight" for p in needed if p not in parts]
+def _planned_experts(experts: dict, router: Planned | None, prefix: str, file: Path) -> dict[str, Planned]:
+    """Stacked GGUF experts -> the fused checkpoint layout (gate_up_proj [E, 2I, D], down_proj [E, D, I]). A MoE
+    block (any routed-expert tensor or a router) must hold the router and a complete set of stacked experts whose
+    shapes agree: gate/up [E, I, D] (or ffn_gate_up_exps [E, 2I, D]), down [E, D, I], router [E, D]."""
+    if not experts and router is None:
+        return {}
+    needed = ["ffn_down_exps"] + (["ffn_gate_up_exps"] if "ffn_gate_up_exps" in experts
+                                  else ["ffn_gate_exps", "ffn_up_exps"])
+    missing = [f"{prefix}{part}.weight" for part in needed if part not in experts]
     if router is None:
         missing.append(f"{prefix}ffn_gate_inp.weight")
     if missing:
         raise CheckpointError(f"{file}: the MTP block is a MoE layer but {', '.join(missing)} "
                               f"{'is' if len(missing) == 1 else 'are'} missing; re-convert the head (llama.cpp's "
                               f"converter writes the router and every stacked expert tensor).")
-    down = parts["down_proj"]
-    gate_up = parts.get("gate_up_proj")
-    gate, up = (gate_up[:, :gate_up.shape[1] // 2], gate_up[:, gate_up.shape[1] // 2:]) if gate_up is not None \
-        else (parts["gate"], parts["up"])
-    count, inter, hidden = gate.shape if gate.ndim == 3 else (None, None, None)
-    if (gate.ndim != 3 or up.shape != gate.shape or down.shape != (count, hidden, inter)
-            or router.shape != (count, hidden)):
-        shapes = {gguf_name[p]: list(v.shape) for p, v in parts.items()} | {"ffn_gate_inp": list(router.shape)}
+    shapes = {part: _shape(t) for part, t in experts.items()} | {"ffn_gate_inp": router.shape}
+    down = shapes["ffn_down_exps"]
+    if "ffn_gate_up_exps" in experts:
+        count, rows, hidden = shapes["ffn_gate_up_exps"] if len(shapes["ffn_gate_up_exps"]) == 3 else (0, 1, 0)
+        inter, agree = rows // 2, rows % 2 == 0
+        sources = (experts["ffn_gate_up_exps"],)
+    else:
+        count, inter, hidden = shapes["ffn_gate_exps"] if len(shapes["ffn_gate_exps"]) == 3 else (0, 0, 0)
+        agree = shapes["ffn_up_exps"] == shapes["ffn_gate_exps"]
+        sources = (experts["ffn_gate_exps"], experts["ffn_up_exps"])
+    if not (count and agree and down == (count, hidden, inter) and router.shape == (count, hidden)):
         raise CheckpointError(f"{file}: the MTP block's expert tensors disagree in shape (numpy order, GGUF's "
-                              f"reversed): {shapes}; expected gate/up [E, I, D], down [E, D, I], router [E, D].")
+                              f"reversed): {({k: list(v) for k, v in shapes.items()})}; expected ffn_gate_exps and "
+                              f"ffn_up_exps [E, I, D] (or ffn_gate_up_exps [E, 2I, D]), ffn_down_exps [E, D, I], "
+                              f"ffn_gate_inp [E, D].")
+    types = sorted({t.tensor_type.name for t in sources})
+    stem = "mtp.layers.0.mlp.experts."
+    return {stem + "gate_up_proj": Planned((count, 2 * inter, hidden), "+".join(types), sources),
+            stem + "down_proj": Planned(down, experts["ffn_down_exps"].tensor_type.name,
+                                        (experts["ffn_down_exps"],))}
 
 
 def _checkpoint_name(name: str, prefix: str, arch: str) -> str | None:
@@ -184,38 +229,49 @@ def _checkpoint_name(name: str, prefix: str, arch: str) -> str | None:
                           f"refusing to ignore it.")
 
 
-def _split_experts(target: str, values: np.ndarray):
-    """Stacked GGUF experts -> the fused checkpoint layout (gate_up_proj [E, 2I, D], down_proj [E, D, I])."""
-    experts = "mtp.layers.0.mlp.experts."
-    if not target.startswith("experts:"):
-        return [(target, values)]
-    part = target.removeprefix("experts:")
-    return [({"ffn_gate_up_exps": experts + "gate_up_proj", "ffn_down_exps": experts + "down_proj",
-              "ffn_gate_exps": experts + "gate", "ffn_up_exps": experts + "up"}[part], values)]
+def _shape(tensor) -> tuple[int, ...]:
+    return tuple(int(n) for n in reversed(tensor.shape))  # ggml's ne is innermost first
 
 
-def _main_prefixed(tensors: dict, arch: str) -> dict:
-    """Fused experts assembled; the embedding under the family's main-model prefix."""
-    experts = "mtp.layers.0.mlp.experts."
-    if experts + "gate" in tensors:
-        gate, up = tensors.pop(experts + "gate"), tensors.pop(experts + "up")
-        tensors[experts + "gate_up_proj"] = (np.concatenate([gate, up], axis=1) if isinstance(gate, np.ndarray)
-                                             else gate)  # (E, I, D) x 2 -> (E, 2I, D); types: the gate's
-    if arch in ("qwen35", "qwen35moe") and "model.embed_tokens.weight" in tensors:
-        tensors["model.language_model.embed_tokens.weight"] = tensors.pop("model.embed_tokens.weight")
-    return tensors
-
-
-def _dequantized(tensor, file: Path) -> np.ndarray:
+def _rows(tensor, rows: slice | None, file: Path) -> np.ndarray:
+    """Rows `rows` (along the leading numpy dimension; None: all) of a GGUF tensor, dequantized to float32."""
     from gguf import quants
 
+    data = tensor.data if rows is None else tensor.data[rows]
     try:
-        values = quants.dequantize(tensor.data, tensor.tensor_type)
+        values = quants.dequantize(data, tensor.tensor_type)
     except NotImplementedError:
         raise CheckpointError(f"GGUF tensor {tensor.name} in {file.name} is {tensor.tensor_type.name}, a type the gguf "
                               f"package cannot dequantize.") from None
-    shape = tuple(int(n) for n in reversed(tensor.shape))  # ggml's ne is innermost first
-    return np.asarray(values, dtype=np.float32).reshape(shape)
+    return np.asarray(values, dtype=np.float32)
+
+
+def _dequantized(tensor, file: Path) -> np.ndarray:
+    """A whole GGUF tensor as float32 in its numpy shape."""
+    return _rows(tensor, None, file).reshape(_shape(tensor))
+
+
+def _write_safetensors(path: Path, plan: dict[str, Planned], file: Path) -> None:
+    """A float32 safetensors file written tensor by tensor, slice by slice, so that a head of hundreds of experts
+    never sits in memory whole (safetensors' save_file would need every tensor at once)."""
+    header, offset = {}, 0
+    for name, planned in plan.items():
+        nbytes = 4 * int(np.prod(planned.shape, dtype=np.int64))
+        header[name] = {"dtype": "F32", "shape": list(planned.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for name, planned in plan.items():
+            written = 0
+            for chunk in planned.chunks(file):
+                chunk = np.ascontiguousarray(chunk, dtype="<f4")
+                f.write(memoryview(chunk).cast("B"))
+                written += chunk.nbytes
+            start, end = header[name]["data_offsets"]
+            if written != end - start:
+                raise RuntimeError(f"{name}: wrote {written} bytes for a {planned.shape} float32 tensor")  # a bug
 
 
 def _beside_config(file: Path) -> dict | None:
@@ -223,9 +279,9 @@ def _beside_config(file: Path) -> dict | None:
     return json.loads(config.read_text()) if config.is_file() else None
 
 
-def config_from_metadata(reader, arch: str, tensors: dict, file: Path) -> dict:
+def config_from_metadata(reader, arch: str, shapes: dict[str, tuple[int, ...]], file: Path) -> dict:
     """A config.json for the family parser from the GGUF's metadata (llama.cpp's `{arch}.*` keys); a MoE head's
-    expert keys are checked against its stacked expert tensors, and a wrong or missing key is named."""
+    expert keys are checked against the shapes of its stacked expert tensors, and a wrong or missing key is named."""
     if arch not in ARCH_MODEL_TYPE:
         raise CheckpointError(f"{file}: architecture {arch!r} has no config.json beside it and this oracle rebuilds "
                               f"configs only for {', '.join(ARCH_MODEL_TYPE)}; put the model's config.json beside it.")
@@ -241,7 +297,7 @@ def config_from_metadata(reader, arch: str, tensors: dict, file: Path) -> dict:
     blocks = get("block_count")
     text = {"model_type": ARCH_MODEL_TYPE[arch], "hidden_size": get("embedding_length"),
             "num_attention_heads": get("attention.head_count"), "num_key_value_heads": get("attention.head_count_kv"),
-            "head_dim": head_dim, "vocab_size": int(tensors["lm_head.weight"].shape[0]),
+            "head_dim": head_dim, "vocab_size": int(shapes["lm_head.weight"][0]),
             "rms_norm_eps": get("attention.layer_norm_rms_epsilon"), "max_position_embeddings": get("context_length"),
             "mtp_num_hidden_layers": 1}
     rope_dims, theta, nextn = get("rope.dimension_count"), get("rope.freq_base"), get("nextn_predict_layers", 1)
@@ -252,7 +308,7 @@ def config_from_metadata(reader, arch: str, tensors: dict, file: Path) -> dict:
     sections = get("rope.dimension_sections", required=False)
     if sections and arch != "qwen3next" and "rope_parameters" in text:
         text["rope_parameters"] |= {"mrope_section": [int(s) for s in sections if s][:3], "mrope_interleaved": True}
-    if arch in MOE_ARCHS or "mtp.layers.0.mlp.gate.weight" in tensors:
+    if arch in MOE_ARCHS or "mtp.layers.0.mlp.gate.weight" in shapes:
         text |= {"num_experts": get("expert_count"), "num_experts_per_tok": get("expert_used_count"),
                  "moe_intermediate_size": get("expert_feed_forward_length"),
                  "shared_expert_intermediate_size": get("expert_shared_feed_forward_length")}
@@ -261,21 +317,20 @@ def config_from_metadata(reader, arch: str, tensors: dict, file: Path) -> dict:
     if missing:
         raise CheckpointError(f"{file}: the GGUF metadata lacks {', '.join(missing)}; put the model's config.json "
                               f"beside the GGUF, or re-convert it with llama.cpp's converter (which writes them).")
-    _check_expert_metadata(text, tensors, arch, file)
+    _check_expert_metadata(text, shapes, arch, file)
     return text
 
 
-def _check_expert_metadata(text: dict, tensors: dict, arch: str, file: Path) -> None:
+def _check_expert_metadata(text: dict, shapes: dict, arch: str, file: Path) -> None:
     """The expert keys must describe the stacked tensors: a wrong count would build a head of the wrong shape."""
-    router = tensors.get("mtp.layers.0.mlp.gate.weight")
-    if router is None:
+    if "mtp.layers.0.mlp.gate.weight" not in shapes:
         return
-    down = tensors["mtp.layers.0.mlp.experts.down_proj"]  # [E, D, I], checked against the router by _check_experts
-    shared = tensors.get("mtp.layers.0.mlp.shared_expert.gate_proj.weight")
-    found = {"expert_count": (text["num_experts"], down.shape[0], "blk.N.ffn_*_exps and ffn_gate_inp"),
-             "expert_feed_forward_length": (text["moe_intermediate_size"], down.shape[2], "blk.N.ffn_*_exps"),
+    down = shapes["mtp.layers.0.mlp.experts.down_proj"]  # [E, D, I], checked against the router by _planned_experts
+    shared = shapes.get("mtp.layers.0.mlp.shared_expert.gate_proj.weight")
+    found = {"expert_count": (text["num_experts"], down[0], "blk.N.ffn_*_exps and ffn_gate_inp"),
+             "expert_feed_forward_length": (text["moe_intermediate_size"], down[2], "blk.N.ffn_*_exps"),
              "expert_shared_feed_forward_length": (text["shared_expert_intermediate_size"],
-                                                   None if shared is None else shared.shape[0], "blk.N.ffn_*_shexp")}
+                                                   None if shared is None else shared[0], "blk.N.ffn_*_shexp")}
     for key, (said, held, where) in found.items():
         if held is not None and said != held:
             raise CheckpointError(f"{file}: {arch}.{key} is {said} but the MTP block's {where} hold {held}; the "

@@ -197,6 +197,29 @@ def test_config_from_metadata_equals_config_json(tmp_path, monkeypatch):
         assert Checkpoint(bare).config == Checkpoint(head).config, arch
 
 
+def test_the_streamed_cache_is_a_valid_safetensors_file(tmp_path, monkeypatch):
+    """The cache is written tensor by tensor, slice by slice (never the whole head in memory): the safetensors
+    package itself reads it back as the dequantized GGUF tensors."""
+    from safetensors.numpy import load_file
+
+    from oracle.gguf_source import CHUNK_BYTES
+
+    monkeypatch.setenv("MTP_PROBE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("oracle.gguf_source.CHUNK_BYTES", 4096)  # many slices per tensor, even at this size
+    path = write_moe_gguf(tmp_path / "head.gguf", "qwen3next", gguf.GGMLQuantizationType.Q8_0)
+    checkpoint = Checkpoint(path)
+    loaded = load_file(checkpoint.path / "model.safetensors")
+    assert set(loaded) == set(checkpoint.names()) and CHUNK_BYTES > 4096
+    reader = gguf.GGUFReader(path)
+    stacked = {t.name.split(".")[2]: gguf.quants.dequantize(t.data, t.tensor_type) for t in reader.tensors
+               if "_exps" in t.name}
+    np.testing.assert_array_equal(loaded["mtp.layers.0.mlp.experts.gate_up_proj"],
+                                  np.concatenate([stacked["ffn_gate_exps"], stacked["ffn_up_exps"]], axis=1))
+    np.testing.assert_array_equal(loaded["mtp.layers.0.mlp.experts.down_proj"], stacked["ffn_down_exps"])
+    for name, values in loaded.items():
+        np.testing.assert_array_equal(checkpoint.read(name), values, err_msg=name)
+
+
 def test_routed_experts_are_read_only_where_tokens_route(tmp_path, references, monkeypatch):
     """The cache holds every expert dequantized (float32); the trace widens only the experts its tokens route to."""
     monkeypatch.setenv("MTP_PROBE_CACHE", str(tmp_path / "cache"))
