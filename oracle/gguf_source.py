@@ -5,16 +5,22 @@ GGUF, dequantizes it with `gguf.quants.dequantize` (every type the package knows
 Q6_K, …) and writes it once, as float32 safetensors under the checkpoint names, into a cache folder
 (`$MTP_PROBE_CACHE` or `~/.cache/mtp-probe/gguf/<key>`, keyed by the file's path, size and mtime); the Checkpoint
 reads that folder. The folder's `gguf_source.json` records the source (format, file, quant type of every tensor),
-which the trace's provenance carries.
+which the trace's provenance carries. The cache is written a slice at a time (stacked experts one expert at a
+time), so memory never holds the head; but every expert is dequantized into it once, routed or not: the trace
+then widens only the experts its tokens route to, from the cache.
 
 Names (llama.cpp's convert_hf_to_gguf.py, the MTP layer as block N = num_hidden_layers):
   blk.N.nextn.eh_proj -> mtp.fc, nextn.enorm -> mtp.pre_fc_norm_embedding, nextn.hnorm -> mtp.pre_fc_norm_hidden,
   nextn.shared_head_norm -> mtp.norm, and the layer's usual names (attn_norm, attn_q/k/v, attn_output,
   attn_q_norm/k_norm, post_attention_norm, ffn_gate/up/down; MoE ffn_gate_inp, ffn_{gate,up,down}_exps or
   ffn_gate_up_exps, ffn_{gate,up,down}_shexp, ffn_gate_inp_shexp) -> mtp.layers.0.*; token_embd, output.
+  Stacked experts (numpy [E, I, D] gate/up, [E, D, I] down; GGUF's ne reversed) become the fused checkpoint layout
+  gate_up_proj [E, 2I, D] (gate rows first, as the converter's --fuse-gate-up-exps cat([gate, up], dim=1)) and
+  down_proj [E, D, I]. A MoE block without its router or one of its stacked experts is refused by GGUF name.
 Norms: llama.cpp's RMSNorm multiplies by w, so its Qwen converter stores the (1+w) norms as 1 + w; the reader
 subtracts 1 (recorded as `norm_offset` in the source record).
-Config: a `config.json` beside the GGUF when there is one, else rebuilt from the GGUF's metadata.
+Config: a `config.json` beside the GGUF when there is one, else rebuilt from the GGUF's metadata (a MoE head's
+expert_count, expert_feed_forward_length, expert_shared_feed_forward_length checked against its tensors).
 """
 
 import hashlib
