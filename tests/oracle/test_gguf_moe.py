@@ -256,3 +256,17 @@ def test_wrong_expert_metadata_exits_2_naming_the_key(tmp_path, metadata, named)
     output = export(path, tmp_path / "x.h5", tmp_path / "cache", expect=2)
     assert named in output and "Traceback" not in output
     # twin: the same file with the right value exports (test_config_from_metadata_equals_config_json)
+
+
+def test_reading_a_moe_gguf_imports_no_torch(tmp_path):
+    """gguf_source is torch-free: opening a MoE GGUF (materializing its cache) loads neither torch nor transformers."""
+    import subprocess
+    import sys
+
+    path = write_moe_gguf(tmp_path / "head.gguf", "qwen35moe", gguf.GGMLQuantizationType.Q8_0)
+    code = ("import sys; from oracle.checkpoint import Checkpoint; c = Checkpoint(sys.argv[1]); c.read_head(); "
+            "assert c.source['format'] == 'gguf'; print(sorted({'torch', 'transformers'} & set(sys.modules)))")
+    result = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
+                            env={"MTP_PROBE_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"},
+                            cwd=FIXTURES.parent)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr
