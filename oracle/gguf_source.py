@@ -186,6 +186,10 @@ def _planned_experts(experts: dict, router: Planned | None, prefix: str, file: P
     shapes agree: gate/up [E, I, D] (or ffn_gate_up_exps [E, 2I, D]), down [E, D, I], router [E, D]."""
     if not experts and router is None:
         return {}
+    if "ffn_gate_up_exps" in experts and {"ffn_gate_exps", "ffn_up_exps"} & set(experts):
+        raise CheckpointError(f"{file}: the MTP block holds both {prefix}ffn_gate_up_exps.weight and separate "
+                              f"ffn_gate_exps/ffn_up_exps; which ones the engine reads is ambiguous. Re-convert with "
+                              f"or without --fuse-gate-up-exps, not both.")
     needed = ["ffn_down_exps"] + (["ffn_gate_up_exps"] if "ffn_gate_up_exps" in experts
                                   else ["ffn_gate_exps", "ffn_up_exps"])
     missing = [f"{prefix}{part}.weight" for part in needed if part not in experts]

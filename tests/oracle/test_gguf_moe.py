@@ -240,10 +240,31 @@ def test_routed_experts_are_read_only_where_tokens_route(tmp_path, references, m
                                          (("ffn_down_exps",), "blk.4.ffn_down_exps.weight"),
                                          (("ffn_gate_inp",), "blk.4.ffn_gate_inp.weight")])
 def test_a_gguf_missing_an_expert_tensor_exits_2_naming_it(tmp_path, skip, named):
+    """Twin: the complete file exports (test_bf16_moe_gguf_exports_bit_for_bit)."""
     path = write_moe_gguf(tmp_path / "missing.gguf", "qwen35moe", gguf.GGMLQuantizationType.F16, skip=skip)
     output = export(path, tmp_path / "x.h5", tmp_path / "cache", expect=2)
     assert named in output and "Traceback" not in output
     assert not (tmp_path / "x.h5").exists()
+
+
+def test_fused_and_separate_gate_up_experts_together_are_refused(tmp_path):
+    """A file with ffn_gate_up_exps beside ffn_gate_exps/ffn_up_exps (the separate file's tensors and metadata plus
+    the fused file's ffn_gate_up_exps) is ambiguous: refused, naming the tensor."""
+    original = gguf.GGUFReader(write_moe_gguf(tmp_path / "separate.gguf", "qwen35moe", gguf.GGMLQuantizationType.F16))
+    fused = gguf.GGUFReader(write_moe_gguf(tmp_path / "fused.gguf", "qwen35moe", gguf.GGMLQuantizationType.F16,
+                                           fused=True))
+    path = tmp_path / "both.gguf"
+    both = gguf.GGUFWriter(path, "qwen35moe")
+    for field in original.fields.values():
+        if field.name.startswith("qwen35moe."):
+            value = field.contents()
+            (both.add_array if isinstance(value, list) else both.add_float32 if isinstance(value, float)
+             else both.add_uint32)(field.name, value)
+    for tensor in [*original.tensors, *(t for t in fused.tensors if t.name.endswith("ffn_gate_up_exps.weight"))]:
+        both.add_tensor(tensor.name, np.array(tensor.data), raw_shape=tensor.data.shape, raw_dtype=tensor.tensor_type)
+    both.write_header_to_file(), both.write_kv_data_to_file(), both.write_tensors_to_file(), both.close()
+    output = export(path, tmp_path / "x.h5", tmp_path / "cache", expect=2)
+    assert "blk.4.ffn_gate_up_exps.weight" in output and "ambiguous" in output
 
 
 @pytest.mark.parametrize("metadata, named", [({"expert_count": 16}, "qwen35moe.expert_count"),
