@@ -536,21 +536,41 @@ def _attr_kind(value) -> str:
 
 def _check_datasets_group(f: h5py.File, name: str, path: Path) -> h5py.Group | dict:
     """/name, which must be a group of datasets when present ({} when absent)."""
-    group = f.get(name)
-    if group is None:
+    if f.get(name, getlink=True) is None:  # (`name in f` is False for a dangling link)
         return {}
+    _check_hard_link(f, name, path)
+    group = f[name]
     if not isinstance(group, h5py.Group):
         raise TraceFormatError(f"{path}: /{name} is a dataset; it must be a group holding one dataset per name "
                                f"(oracle/trace.py).")
     for member in group:
+        _check_hard_link(group, member, path)
         if group.get(member, getclass=True) is not h5py.Dataset:
             raise TraceFormatError(f"{path}: /{name}/{member} is a group where a dataset belongs; each member of "
                                    f"/{name} is a [T, ...] dataset (oracle/trace.py).")
         dataset = group[member]
+        if dataset.is_virtual:
+            raise TraceFormatError(f"{path}: /{name}/{member} is a virtual dataset (its values live in other "
+                                   f"files); a trace stores every dataset in the file itself. Copy the values in "
+                                   f"(h5py: f[name] = values) or write the trace with write_trace.")
         if dataset.dtype.kind not in "fiu" or dataset.ndim == 0:
             raise TraceFormatError(f"{path}: /{name}/{member} holds {dataset.dtype} {list(dataset.shape)}; the "
                                    f"schema says a numeric [T, ...] array (float32 for stages, oracle/trace.py).")
     return group
+
+
+def _check_hard_link(group: h5py.Group, member: str, path: Path) -> None:
+    """`member` of `group` must be a hard link: HDF5 follows an external or soft link to values stored elsewhere
+    (another file, another dataset), while the fast reader (_PlainRows) reads byte offsets in this file, so a
+    link could make the reader see one set of values and h5py another (a false pass)."""
+    link = group.get(member, getlink=True)
+    if not isinstance(link, h5py.HardLink):
+        where = f"{group.name.rstrip('/')}/{member}"
+        target = f"{link.filename}:{link.path}" if isinstance(link, h5py.ExternalLink) else getattr(link, "path", "?")
+        kind = "an external link" if isinstance(link, h5py.ExternalLink) else "a soft link"
+        raise TraceFormatError(f"{path}: {where} is {kind} (to {target}); a trace stores every dataset in the file "
+                               f"itself. Copy the values in (h5py: del f[name]; f[name] = values) or write the "
+                               f"trace with write_trace.")
 
 
 def _as_str(value):

@@ -20,6 +20,8 @@ Any other `*.bin` name is an error (a misspelt stage would otherwise be silently
 """
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Protocol
 
@@ -160,11 +162,14 @@ class RawDirTrace(_Closing):
         self._widths = widths or {s.name: s.width(Dims(hidden_size)) for s in stage_list}
         self._kinds = {s.name: s.kind for s in stage_list}
         try:
-            files = {p.name for p in self.path.iterdir() if p.is_file()}
+            entries = {p.name for p in self.path.iterdir()}
         except OSError as err:
             raise TraceFormatError(f"raw trace directory {self.path} is not readable: {err}.") from None
         known = {f"{n}.bin" for n in stage_list.names} | {"hidden.bin"}
-        unknown = sorted(f for f in files if f.endswith(".bin") and f not in known)
+        files = {f for f in entries if f in known or f == "inputs.json"}
+        for name in sorted(files):
+            _check_regular_file(self.path / name)
+        unknown = sorted(f for f in entries if f.endswith(".bin") and f not in known)
         if unknown:
             raise TraceFormatError(f"{self.path}: unknown stage files {', '.join(unknown)}; name each file "
                                    f"<stage>.bin with a stage of the reference: {', '.join(stage_list.names)} "
@@ -222,6 +227,34 @@ class RawDirTrace(_Closing):
 
     def describe(self, name: str) -> str:
         return f"{self._file(name)} ({self._file(name).stat().st_size} bytes)"
+
+
+def _check_regular_file(path: Path) -> None:
+    """A file the dump names (a stage, hidden.bin, inputs.json) must be a readable regular file (a symlink to one
+    is followed). Anything else (a dangling symlink, a directory, a FIFO, a device such as /dev/zero) would
+    otherwise read as "not captured" or as endless bytes; a FIFO is never opened, as opening it would block."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as err:
+        raise TraceFormatError(f"{path} cannot be read ({err.strerror}: a dangling symlink?); each file of a raw "
+                               f"trace directory is a regular file the engine wrote. Write it again or remove "
+                               f"it (an absent stage counts as not captured).") from None
+    if not stat.S_ISREG(mode):
+        raise TraceFormatError(f"{path} is {_file_kind(mode)}, not a regular file; each file of a raw trace "
+                               f"directory is a regular file the engine wrote. Write it again or remove it (an "
+                               f"absent stage counts as not captured).")
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as err:
+        raise TraceFormatError(f"{path} cannot be read ({err.strerror}); give the reader permission to read it."
+                               ) from None
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character "
+             "device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return next((text for test, text in kinds if test(mode)), "not a regular file")
 
 
 def _native_float32(rows: np.ndarray) -> np.ndarray:

@@ -1,0 +1,155 @@
+"""Red-team findings, each refused through the real CLIs (exit 2, no traceback, a message naming the bad thing, no
+leftover file, inputs unchanged), each with a twin: the honest variant of the same input still works."""
+
+import os
+import shutil
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+import oracle.cli
+import probe.cli
+from tests.helpers import TINY_REF, run_cli
+from tests.probe.tracekit import load_trace, write_raw
+from tests.test_bad_inputs import assert_refused
+
+
+def _doubled(f, name):
+    f[name][...] = f[name][()] * 2.0
+
+
+# --- 1. HDF5 links and virtual datasets: every dataset the readers use lives in the file itself --------------
+
+def _wrong_target(tmp_path, names=("stages/attn", "inputs/hidden", "evidence/attn_uniform")) -> Path:
+    """A copy of the reference whose attention rows (and everything else a link may point at) are wrong."""
+    target = Path(shutil.copy(TINY_REF, tmp_path / "target.h5"))
+    with h5py.File(target, "r+") as f:
+        for name in names:
+            _doubled(f, name)
+    return target
+
+
+def _external(name):
+    def edit(f, target):
+        del f[name]
+        f[name] = h5py.ExternalLink(str(target), "/" + name)
+    return edit
+
+
+def _soft(name, to):
+    def edit(f, target):
+        del f[name]
+        f[name] = h5py.SoftLink("/" + to)
+    return edit
+
+
+def _virtual(name):
+    def edit(f, target):
+        with h5py.File(target, "r") as t:
+            source = h5py.VirtualSource(t[name])
+            shape, dtype = t[name].shape, t[name].dtype
+        layout = h5py.VirtualLayout(shape=shape, dtype=dtype)
+        layout[...] = source
+        del f[name]
+        f.create_virtual_dataset(name, layout)
+    return edit
+
+
+def _external_group(name):
+    def edit(f, target):
+        del f[name]
+        f[name] = h5py.ExternalLink(str(target), "/" + name)
+    return edit
+
+
+LINK_CASES = {
+    "external link stage": (_external("stages/attn"), r"/stages/attn is an external link"),
+    "external link group": (_external_group("stages"), r"/stages is an external link"),
+    "external link input": (_external("inputs/hidden"), r"/inputs/hidden is an external link"),
+    "external link evidence": (_external("evidence/attn_uniform"), r"/evidence/attn_uniform is an external link"),
+    "soft link stage": (_soft("stages/attn", "stages/res1"), r"/stages/attn is a soft link"),
+    "virtual stage": (_virtual("stages/attn"), r"/stages/attn is a virtual dataset"),
+}
+
+
+def _linked_copy(tmp_path, edit) -> Path:
+    target = _wrong_target(tmp_path)
+    path = Path(shutil.copy(TINY_REF, tmp_path / "linked.h5"))
+    with h5py.File(path, "r+") as f:
+        edit(f, target)
+    return path
+
+
+@pytest.mark.parametrize("case", sorted(LINK_CASES))
+def test_linked_candidate_is_refused(tmp_path, case):
+    edit, pattern = LINK_CASES[case]
+    cand = _linked_copy(tmp_path, edit)
+    assert_refused(probe.cli.cli, ["diff", TINY_REF, cand], pattern, [TINY_REF, cand], tmp_path)
+
+
+@pytest.mark.parametrize("case", ["external link stage", "virtual stage"])
+def test_linked_reference_is_refused(tmp_path, case):
+    edit, pattern = LINK_CASES[case]
+    ref = _linked_copy(tmp_path, edit)
+    assert_refused(probe.cli.cli, ["diff", ref, TINY_REF], pattern, [TINY_REF, ref], tmp_path)
+    assert_refused(oracle.cli.cli, ["inspect", ref], pattern, [ref], tmp_path)
+
+
+def test_twin_values_copied_in_pass_and_the_link_target_diverges(tmp_path):
+    """The same values, copied in (a hard link), pass; the file the link pointed to diverges on its own."""
+    cand = Path(shutil.copy(TINY_REF, tmp_path / "copied.h5"))
+    with h5py.File(cand, "r+") as f:
+        values = f["stages/attn"][()]
+        del f["stages/attn"]
+        f["stages/attn"] = values
+    assert run_cli(probe.cli.cli, ["diff", TINY_REF, cand]).exit_code == 0
+    result = run_cli(probe.cli.cli, ["diff", TINY_REF, _wrong_target(tmp_path, ["stages/attn"])])
+    assert result.exit_code == 1 and "DIVERGED" in result.output, result.output
+
+
+# --- 2. raw dump entries that are not regular files ----------------------------------------------------------
+
+def _raw_dump(tmp_path) -> Path:
+    inputs, stages = load_trace(TINY_REF)
+    return write_raw(tmp_path / "dump", {k: v for k, v in stages.items() if k != "mlp"}, inputs)
+
+
+RAW_ODD = {
+    "dangling symlink": (lambda p: os.symlink(p.parent / "nowhere.bin", p), r"mlp\.bin cannot be read"),
+    "directory": (lambda p: os.mkdir(p), r"mlp\.bin is a directory"),
+    "fifo": (lambda p: os.mkfifo(p), r"mlp\.bin is a FIFO"),
+    "symlink to /dev/zero": (lambda p: os.symlink("/dev/zero", p), r"mlp\.bin is a character device"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RAW_ODD))
+def test_raw_stage_that_is_not_a_regular_file_is_refused(tmp_path, case):
+    make, pattern = RAW_ODD[case]
+    dump = _raw_dump(tmp_path)
+    make(dump / "mlp.bin")
+    before = [p for p in dump.iterdir() if p.name != "mlp.bin"]
+    assert_refused(probe.cli.cli, ["diff", TINY_REF, dump], pattern, [TINY_REF, *before], tmp_path)
+
+
+def test_raw_hidden_bin_fifo_is_refused(tmp_path):
+    dump = _raw_dump(tmp_path)
+    (dump / "hidden.bin").unlink()
+    os.mkfifo(dump / "hidden.bin")
+    assert_refused(probe.cli.cli, ["diff", TINY_REF, dump], r"hidden\.bin is a FIFO", [TINY_REF], tmp_path)
+
+
+def test_twin_raw_stage_as_symlink_to_a_regular_file_is_followed(tmp_path):
+    """A symlink to a regular file is read; with mlp absent the candidate is not all captured but never refused."""
+    inputs, stages = load_trace(TINY_REF)
+    dump = _raw_dump(tmp_path)
+    stages["mlp"].astype("<f4").tofile(tmp_path / "mlp_elsewhere.bin")
+    os.symlink(tmp_path / "mlp_elsewhere.bin", dump / "mlp.bin")
+    result = run_cli(probe.cli.cli, ["diff", TINY_REF, dump])
+    assert result.exit_code == 0 and "PASSED" in result.output, result.output
+    (dump / "mlp.bin").unlink()
+    (tmp_path / "wrong.bin").write_bytes((stages["mlp"] * 2).astype("<f4").tobytes())
+    os.symlink(tmp_path / "wrong.bin", dump / "mlp.bin")
+    result = run_cli(probe.cli.cli, ["diff", TINY_REF, dump])
+    assert result.exit_code == 1 and "mlp" in result.output, result.output
