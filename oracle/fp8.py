@@ -56,6 +56,14 @@ def scale_shape(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, in
     return (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
 
 
+def check_scale_shape(shape: tuple[int, ...], scales: tuple[int, ...], block: tuple[int, int], name: str) -> None:
+    """Refuse block scales whose grid does not fit the weight (a transposed grid, another block size)."""
+    expected = scale_shape(shape, block)
+    if tuple(scales) != expected:
+        raise CheckpointError(f"{name}: weight {list(shape)} in {list(block)} blocks needs weight_scale_inv "
+                              f"{list(expected)}, found {list(scales)} (transposed or another block size?).")
+
+
 def dequantize(stored: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int], name: str = "weight",
                out: np.ndarray | None = None) -> np.ndarray:
     """float32 [out, in] from e4m3 bit patterns [out, in] (uint8) and their block scales (float32; UE8M0 scales
@@ -66,10 +74,7 @@ def dequantize(stored: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]
     scale_inv = np.ascontiguousarray(scale_inv, dtype=np.float32)
     if stored.ndim != 2 or stored.dtype != np.uint8:
         raise CheckpointError(f"{name}: an FP8 weight must be 2-D e4m3 bytes, found {stored.dtype} {stored.shape}.")
-    expected = scale_shape(stored.shape, block)
-    if scale_inv.shape != expected:
-        raise CheckpointError(f"{name}: weight {list(stored.shape)} in {list(block)} blocks needs weight_scale_inv "
-                              f"{list(expected)}, found {list(scale_inv.shape)} (transposed or another block size?).")
+    check_scale_shape(stored.shape, scale_inv.shape, block, name)
     if out is None:
         out = np.empty(stored.shape, dtype=np.float32)
     elif out.shape != stored.shape or out.dtype != np.float32:  # a caller's bug, not the checkpoint's

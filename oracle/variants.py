@@ -425,10 +425,12 @@ class Explainer:
         ops = self.ops.copy()
         owner_path, leaf = path
         original = _get(ops, owner_path + (leaf,))
-        w = original.weight.detach()
-        if isinstance(original, UpcastLinear):
-            replacement = _RankOneError(original, _rms(w), generator)
+        if callable(getattr(original, "value", None)):  # a linear over FP8 bytes (Fp8Linear): the RMS of its value
+            replacement = _RankOneError(original, _rms(original.value()), generator)
+        elif isinstance(original, UpcastLinear):
+            replacement = _RankOneError(original, _rms(original.weight.detach()), generator)
         else:  # a norm's (1+w) (w for plain norms) or a router's [E, D] weight: perturbed element by element
+            w = original.weight.detach()
             base = 1.0 + w.float() if w.dim() == 1 and not getattr(ops, "plain_norms", False) else w.float()
             noisy = w.float() + PERTURBATION * base.pow(2).mean().sqrt() * torch.randn(w.shape, generator=generator)
             replacement = _module_copy(original, weight=nn.Parameter(noisy, requires_grad=False))

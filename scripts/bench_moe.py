@@ -24,6 +24,12 @@ included): on a shared, oversubscribed machine torch's 2-thread kernels wait on 
 The FP8 block dequant alone (oracle/fp8.py), in ns per element: the numpy specification and the compiled kernel
 (oracle/_fp8dequant.c) on the same DeepSeek-V3 expert matrices (gate/up 2048 x 7168, down 7168 x 2048, 128 x 128
 blocks) into the same reused float32 buffer, alternated, best of N; their outputs are checked bit-equal.
+
+    python scripts/bench_moe.py --fp8-linear [--threads N]
+
+The head's dense FP8 linears (Fp8Linear: a block of rows dequantized at a time into a reused buffer) at
+DeepSeek-V3's shapes, against the whole-weight dequant into a fresh array they replaced: bit-equal outputs at
+T = 1, 32, 169, and the times at T = 1 (the first, with its page faults, and a later call).
 """
 
 import argparse
@@ -310,6 +316,47 @@ def bench_dequant(rows: list, repeats: int) -> None:
                      f"{ns['numpy'] / ns['kernel']:.1f}x faster", "bit-equal" if same else "OUTPUTS DIFFER"))
 
 
+# DeepSeek-V3's dense FP8 linears (the MTP layer's attention projections and its shared expert), [out, in]
+DS_DENSE_FP8 = {"q_a_proj": (1536, 7168), "q_b_proj": (24576, 1536), "kv_a_proj_with_mqa": (576, 7168),
+                "kv_b_proj": (32768, 512), "o_proj": (7168, 16384), "shared_experts.gate_proj": (2048, 7168),
+                "shared_experts.down_proj": (7168, 2048)}
+
+
+def bench_fp8_linear(rows: list, tokens: tuple[int, ...] = (1, 32, 169)) -> None:
+    """Fp8Linear (oracle/families/mtp_layer.py) at DeepSeek-V3's dense FP8 shapes on random e4m3 bytes and 128x128
+    scales: its output against the path it replaced (the whole weight dequantized into a fresh float32 array, then
+    F.linear), bit for bit at each T, and both times at the first T (Fp8Linear's first call pays its buffer's page
+    faults once; later calls reuse it)."""
+    import torch
+    import torch.nn.functional as F
+
+    from oracle import fp8
+    from oracle.families.mtp_layer import Fp8Linear
+
+    block, rng = (128, 128), np.random.default_rng(0)
+    for name, shape in DS_DENSE_FP8.items():
+        bits = rng.integers(0, 256, size=shape, dtype=np.uint8)
+        bits[(bits & 0x7F) == 0x7F] = 0x38  # no NaN patterns (NaN != NaN)
+        scales = rng.uniform(1e-4, 1e-2, size=fp8.scale_shape(shape, block)).astype(np.float32)
+        linear = Fp8Linear(torch.from_numpy(bits), torch.from_numpy(scales), block, name=name)
+        same, times = True, {}
+        for t in tokens:
+            x = torch.randn(1, t, shape[1])
+            start = time.perf_counter()
+            whole = F.linear(x, torch.from_numpy(fp8.dequantize(bits, scales, block)))
+            times.setdefault("whole", time.perf_counter() - start)
+            for call in ("first", "again"):
+                start = time.perf_counter()
+                got = linear(x)
+                times.setdefault(call, time.perf_counter() - start)
+                same &= torch.equal(got, whole)
+        rows.append((f"FP8 linear {name} {shape[0]}x{shape[1]}, T={tokens[0]}",
+                     f"whole dequant + linear {times['whole'] * 1e3:.0f} ms",
+                     f"Fp8Linear {times['first'] * 1e3:.0f} ms (first call), {times['again'] * 1e3:.0f} ms (again)",
+                     f"{len(linear.chunks)} chunks", f"bit-equal at T={','.join(map(str, tokens))}" if same
+                     else "OUTPUTS DIFFER"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=("qwen3_next", "deepseek_v3"), default="qwen3_next")
@@ -319,12 +366,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS for every child (default: torch's own)")
     parser.add_argument("--dequant", action="store_true", help="only the FP8 dequant: numpy vs compiled kernel")
     parser.add_argument("--repeats", type=int, default=5, help="--dequant: best of this many (default 5)")
+    parser.add_argument("--fp8-linear", action="store_true", help="only Fp8Linear vs the whole dequant at "
+                        "DeepSeek-V3's dense FP8 shapes: bit-equality and times")
     args = parser.parse_args()
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
     rows: list = []
     if args.dequant:
         bench_dequant(rows, args.repeats)
+    elif args.fp8_linear:
+        bench_fp8_linear(rows)
     elif args.family == "deepseek_v3":
         bench_deepseek(args.checkpoint or Path("/tmp/mtp-bench/dsv3"), args.work, rows, args.experts)
     else:

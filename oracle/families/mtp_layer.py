@@ -10,15 +10,17 @@ convention, off by default as in transformers).
 What it is not: `MtpModel` (which ties the main model's embedding and lm_head and drafts tokens); the head here
 runs T teacher-forced steps in float32 with its own one-layer KV cache.
 
-Weights: bf16 linears stay bf16 and are widened block-wise in use (qwen3_5.UpcastLinear); FP8 linears are
-dequantized with their block scales (oracle/fp8.py) — the routed experts only where a token routes to them, one
-expert at a time.
+Weights: bf16 linears stay bf16 and are widened block-wise in use (qwen3_5.UpcastLinear); FP8 linears stay FP8 and
+are dequantized with their block scales (oracle/fp8.py) in use: the dense ones a block of rows at a time
+(Fp8Linear), the routed experts only where a token routes to them, one expert at a time.
 """
 
+import math
 from collections.abc import Callable
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
@@ -32,7 +34,7 @@ from oracle.families.mtp_layer_layout import MtpLayerConfig, MtpLayerTensors
 from oracle.families.routing_evidence import grouped_flip_distances
 from oracle.families.qwen3_5 import (UpcastLinear, _step_tensors, _to_numpy, _widen_non_linear_parameters,
                                      causal_mask)
-from oracle.fp8 import E4M3, dequantize
+from oracle.fp8 import E4M3, check_scale_shape, dequantize
 from oracle.trace import TraceInputs
 
 try:
@@ -69,7 +71,7 @@ class MtpLayerHead(nn.Module):
         self._seen: Stages | None = None
 
     def install_hooks(self) -> None:
-        """Forward hooks on the official submodules (after the linears were swapped for UpcastLinear)."""
+        """Forward hooks on the official submodules (after the linears were swapped for UpcastLinear/Fp8Linear)."""
         layer, block = self.layer, self.layer.mtp_block
         mlp = block.mlp
 
@@ -160,18 +162,36 @@ def routing_evidence(gate: nn.Module, logits: torch.Tensor,
     return torch.minimum(group_gap, 2 * inner_gap)[:, None], limited[:, None], flips
 
 
-def _upcast_bias_free_linears(module: nn.Module) -> None:
-    """Bias-free nn.Linear -> UpcastLinear on its stored weight; a linear with a bias (GLM's q/k/v) keeps its class
-    with the weight widened to float32 (UpcastLinear has no bias, and dropping one would run and be wrong)."""
-    for name, child in module.named_children():
-        if isinstance(child, nn.Linear):
-            if child.bias is None:
-                setattr(module, name, UpcastLinear(child.weight.data))
+def _swap_linears(module: nn.Module, fp8: "Fp8Weights", fp8_linears: dict[str, str]) -> None:
+    """Every nn.Linear under `module` swapped for the oracle's linear over its stored weight: FP8 weights (their
+    parameter names in `fp8_linears`, -> checkpoint name) for an Fp8Linear with their block scales; bias-free bf16
+    ones for an UpcastLinear; a linear with a bias (GLM's q/k/v) over a weight that is not FP8 keeps its class with
+    weight and bias widened to float32 (UpcastLinear has no bias, and dropping one would run and be wrong)."""
+    swapped = 0
+    for path, parent in list(module.named_modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            key = f"{path}.{name}.weight" if path else f"{name}.weight"
+            if key in fp8_linears:
+                setattr(parent, name, fp8.linear(fp8_linears[key], child.bias))
+                swapped += 1
+            elif child.bias is None:
+                setattr(parent, name, UpcastLinear(child.weight.data))
             else:
                 child.weight = nn.Parameter(child.weight.data.float(), requires_grad=False)
                 child.bias = nn.Parameter(child.bias.data.float(), requires_grad=False)
-        else:
-            _upcast_bias_free_linears(child)
+    if swapped != len(fp8_linears):
+        raise RuntimeError(f"FP8 linears not swapped: {sorted(fp8_linears)}")  # a bug: each was loaded into one
+
+
+def _is_linear_weight(module: nn.Module, key: str) -> bool:
+    """`key` (a parameter name) is the weight of an nn.Linear under `module` (built on meta: nothing loaded)."""
+    path, _, leaf = key.rpartition(".")
+    try:
+        return leaf == "weight" and isinstance(module.get_submodule(path), nn.Linear)
+    except AttributeError:  # no such module: load_state_dict reports the name as unexpected
+        return False
 
 
 def torch_weights(weights: HeadWeights) -> dict[str, torch.Tensor]:
@@ -211,6 +231,69 @@ class Fp8Weights:
             return t
         scale = self.weights[name.removesuffix("weight") + _SCALE]
         return torch.from_numpy(dequantize(t.numpy(), scale.numpy(), self.block, name))
+
+    def linear(self, name: str, bias: torch.Tensor | None = None) -> "Fp8Linear":
+        """The FP8 weight `name` as a linear that dequantizes it in row blocks in use (never whole)."""
+        return Fp8Linear(self.weights[name], self.weights[name.removesuffix("weight") + _SCALE], self.block, bias,
+                         name)
+
+
+class Fp8Linear(nn.Module):
+    """A linear whose weight stays FP8 as stored (e4m3 bytes, mapped) beside its block scales, dequantized a block
+    of output rows at a time (whole scale blocks, about ROWS rows) into one reused float32 buffer right before the
+    matmul, as UpcastLinear widens bf16.
+
+    It computes F.linear(x, dequantize(weight, scale_inv), bias) without ever holding the float32 weight, with the
+    same bits: each output column reduces over the same K in the same order (tests/families/test_fp8_linear.py,
+    and at DeepSeek-V3's shapes in scripts/bench_moe.py --fp8-linear). Why: dequantizing the head's dense FP8
+    linears whole into fresh float32 arrays cost ~1.7 s of a 6.5 s DeepSeek-V3-scale export, nearly all first-touch
+    page faults (o_proj: 1.08 s into a fresh array, 25 ms into an already-written one), and held ~750 MB.
+    """
+
+    ROWS = 1024
+    # Every chunk starts on a multiple of ALIGN output rows and is at least ALIGN wide (a narrower tail joins the
+    # chunk before it), because the CPU GEMM is bit-stable under an output-row split only then: measured on this
+    # torch, a chunk 1-11 rows wide, or (one token) starting off a multiple of 4, reduces in another order.
+    ALIGN = 64
+
+    def __init__(self, stored: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                 bias: torch.Tensor | None = None, name: str = "weight"):
+        super().__init__()
+        check_scale_shape(tuple(stored.shape), tuple(scale_inv.shape), block, name)
+        self.weight = nn.Parameter(stored, requires_grad=False)  # uint8: head.to(dtype) leaves it as stored
+        self.bias = None if bias is None else nn.Parameter(bias.data.float(), requires_grad=False)
+        # plain attributes, not buffers: head.to(dtype) (oracle/noise.py) must not round the scales or the buffer
+        self.scale_inv = np.ascontiguousarray(scale_inv.numpy(), dtype=np.float32)
+        self.fp8_block, self.name = tuple(block), name
+        step = math.lcm(block[0], self.ALIGN)  # chunks start on a scale block's first row, and aligned
+        self.rows = max(step, self.ROWS // step * step)
+        self.chunks = self._chunks(stored.shape[0])
+        # Allocated once: a fresh buffer per call would pay its page faults on every matmul.
+        self.buffer = torch.empty(max(stop - start for start, stop in self.chunks), stored.shape[1],
+                                  dtype=torch.float32)
+
+    def _chunks(self, out_features: int) -> list[tuple[int, int]]:
+        chunks = [(start, min(start + self.rows, out_features)) for start in range(0, out_features, self.rows)]
+        if len(chunks) > 1 and chunks[-1][1] - chunks[-1][0] < self.ALIGN:
+            chunks[-2:] = [(chunks[-2][0], out_features)]
+        return chunks
+
+    def value(self) -> torch.Tensor:
+        """The whole float32 weight the model means (for a variant that rewrites it; never in the forward)."""
+        return torch.from_numpy(dequantize(self.weight.numpy(), self.scale_inv, self.fp8_block, self.name))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        stored, bo = self.weight.numpy(), self.fp8_block[0]
+        out = x.new_empty(*x.shape[:-1], stored.shape[0])
+        for start, stop in self.chunks:
+            rows = self.buffer[: stop - start]
+            dequantize(stored[start:stop], self.scale_inv[start // bo: -(-stop // bo)], self.fp8_block, self.name,
+                       out=rows.numpy())
+            # the weight follows activations of another dtype (oracle/noise.py runs the head in float64, bf16, fp16)
+            weight = rows if x.dtype == rows.dtype else rows.to(x.dtype)
+            bias = None if self.bias is None else self.bias[start:stop].to(x.dtype)
+            out[..., start:stop] = F.linear(x, weight, bias)
+        return out
 
 
 class RoutedFp8Experts(RoutedExperts):
@@ -267,12 +350,17 @@ def build_mtp_layer_head(cfg: MtpLayerConfig, text, decoder_layer: type, rms_nor
     text._experts_implementation = "eager"
     with torch.device("meta"):
         head = MtpLayerHead(text, decoder_layer, rms_norm, cfg.mask_pos0_embedding)
-    state = {}
+    head.requires_grad_(False)  # FP8 bytes (uint8) are loaded into nn.Linear weights until _swap_linears
+    state, fp8_linears = {}, {}
     for name, t in weights.items():
         if name in layout.copies or name.endswith(_SCALE) or experts.owns(name):
             continue
+        key = state_name(name, cfg.head_prefix)
+        if name in fp8.fp8 and _is_linear_weight(head, key):
+            state[key], fp8_linears[key] = t, name  # stays FP8: an Fp8Linear dequantizes it in row blocks in use
+            continue
         value = fp8.value(name)
-        state[state_name(name, cfg.head_prefix)] = value if value.dim() >= 2 else value.float()
+        state[key] = value if value.dim() >= 2 else value.float()
     lazy = experts.parameter_names("layer.mtp_block.mlp.experts.")
     result = head.load_state_dict(state, strict=False, assign=True)
     missing = set(result.missing_keys) - lazy
@@ -284,7 +372,7 @@ def build_mtp_layer_head(cfg: MtpLayerConfig, text, decoder_layer: type, rms_nor
     if left:
         raise RuntimeError(f"parameters never loaded: {left}")  # a bug: strict loading should prevent it
     _widen_non_linear_parameters(head)
-    _upcast_bias_free_linears(head)
+    _swap_linears(head, fp8, fp8_linears)
     experts.attach(head.layer.mtp_block.mlp.experts)
     head.install_hooks()
     return head.eval(), rotary(text)  # rotary built for real: its inv_freq is computed, not loaded

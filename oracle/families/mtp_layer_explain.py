@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from oracle.families.moe_experts import _Widened, routed_experts_of
-from oracle.families.mtp_layer import Fp8Weights, RoutedFp8Experts
+from oracle.families.mtp_layer import Fp8Linear, Fp8Weights, RoutedFp8Experts
 from oracle.families.qwen3_5 import UpcastLinear, _step_tensors, causal_mask
 from oracle.trace import TraceInputs
 from oracle.variants import _identity_router, _set
@@ -253,7 +253,8 @@ def shared_scaled(ops: MtpLayerOps) -> "MtpLayerOps | str":
     if factor == 1:
         return "routed_scaling_factor is 1: the variant changes nothing"
     down = ops.mlp.shared_experts.down_proj
-    return ops.replaced(("mlp", "shared_experts", "down_proj"), UpcastLinear(down.weight.detach().float() * factor))
+    weight = down.value() if isinstance(down, Fp8Linear) else down.weight.detach().float()  # its .weight: bytes
+    return ops.replaced(("mlp", "shared_experts", "down_proj"), UpcastLinear(weight * factor))
 
 
 class _SwappedHalves:
