@@ -16,6 +16,7 @@ import numpy as np
 from oracle.checkpoint import Checkpoint, check_token_ids
 from oracle.errors import InputError
 from oracle.families.registry import head_module
+from oracle.finite import check_finite_reference
 from oracle.inputs import hidden_from_file, hidden_from_seed, positions_from_start, token_ids_from_array
 from oracle.limits import check_export_limits
 from oracle.output import check_writable
@@ -114,6 +115,7 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     if set(stages) != set(stage_list.names):  # a bug in the family's head, never the user's input
         raise RuntimeError(f"the {family.name} head recorded {sorted(stages)}, its stage list is {stage_list.names}")
     evidence = recorded | {"attn_uniform": uniform}
+    check_finite_reference(ckpt, h, stages, stage_list.names, evidence)  # NaN/Inf: refused, naming the tensor
     blind = qk_blind_tokens(stages["attn"], evidence["attn_uniform"])
     if blind.all():
         warn(qk_warning(inputs.num_tokens))

@@ -11,7 +11,7 @@ import pytest
 
 import oracle.cli
 import probe.cli
-from tests.helpers import TINY_REF, run_cli
+from tests.helpers import TINY, TINY_REF, run_cli
 from tests.probe.tracekit import load_trace, write_raw
 from tests.test_bad_inputs import assert_refused
 
@@ -153,3 +153,57 @@ def test_twin_raw_stage_as_symlink_to_a_regular_file_is_followed(tmp_path):
     os.symlink(tmp_path / "wrong.bin", dump / "mlp.bin")
     result = run_cli(probe.cli.cli, ["diff", TINY_REF, dump])
     assert result.exit_code == 1 and "mlp" in result.output, result.output
+
+
+# --- 3. a reference holding NaN/Inf is never written --------------------------------------------------------
+
+def _edit_tensors(ckpt: Path, edit) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    for file in sorted(ckpt.glob("*.safetensors")):
+        tensors = load_file(file)
+        if edit(tensors):
+            save_file(tensors, file, metadata={"format": "pt"})
+            return ckpt
+    raise AssertionError("no tensor edited")
+
+
+def _nan_at(name_end):
+    def edit(tensors):
+        names = sorted(n for n in tensors if n.endswith(name_end))
+        if names:
+            tensors[names[0]].view(-1)[0] = float("nan")
+        return bool(names)
+    return edit
+
+
+def _fp8_checkpoint(tmp_path) -> Path:
+    from tests.helpers import load_script
+
+    return load_script("make_fixtures").write_mtp_layer_checkpoint(tmp_path / "fp8", fp8_block=[16, 32])
+
+
+NAN_CASES = {
+    "bf16 weight": (lambda tmp: shutil.copytree(TINY, tmp / "ckpt"), "mtp.fc.weight",
+                    r"stage fc is NaN/Inf at token 0.*NaN/Inf in mtp\.fc\.weight \(BF16\)"),
+    "fp8 block scale": (_fp8_checkpoint, "down_proj.weight_scale_inv",
+                        r"is NaN/Inf at token \d.*NaN/Inf in \S*down_proj\.weight_scale_inv \(F32\)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NAN_CASES))
+def test_export_of_a_checkpoint_holding_nan_is_refused(tmp_path, case):
+    make, tensor, pattern = NAN_CASES[case]
+    ckpt = _edit_tensors(Path(make(tmp_path)), _nan_at(tensor))
+    out = tmp_path / "ref.h5"
+    assert_refused(oracle.cli.cli, ["export", ckpt, "--out", out, "--tokens", "17,42,3", "--hidden-seed", "0", "-q"],
+                   pattern, [ckpt], tmp_path)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("case", sorted(NAN_CASES))
+def test_twin_the_finite_checkpoint_exports(tmp_path, case):
+    ckpt = Path(NAN_CASES[case][0](tmp_path))
+    out = tmp_path / "ref.h5"
+    result = run_cli(oracle.cli.cli, ["export", ckpt, "--out", out, "--tokens", "17,42,3", "--hidden-seed", "0", "-q"])
+    assert result.exit_code == 0 and out.exists(), result.output
