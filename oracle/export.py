@@ -26,6 +26,9 @@ from oracle.trace import EVIDENCE_DOCS, TraceInputs, write_trace
 MODES = ("batched", "stepwise")
 
 
+_OPTION = {"file": "--hidden", "seed": "--hidden-seed", "main_model": "--main-model"}
+
+
 @dataclass(frozen=True)
 class HiddenSource:
     """Where H comes from: exactly one of `file`, `seed`, or `main_model` (which needs `first_token`)."""
@@ -42,6 +45,9 @@ class HiddenSource:
         if len(given) != 1:
             raise InputError(f"HiddenSource: give exactly one of file=..., seed=... or main_model=True (CLI: --hidden, "
                              f"--hidden-seed, --main-model); got {', '.join(given) or 'none'}.")
+        if self.first_token is not None and not self.main_model:  # else it would be silently ignored
+            raise InputError(f"--first-token {self.first_token} applies only with --main-model (x_0 is what the main "
+                             f"model reads first); drop it, or use --main-model instead of {_OPTION[given[0]]}.")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))):
             raise InputError(f"HiddenSource(seed={self.seed!r}): the seed is an integer (CLI: --hidden-seed N).")
         if isinstance(self.file, Path):

@@ -18,13 +18,19 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 def token_ids_from_text(text: str, source: str) -> np.ndarray:
-    """Token ids from '5,17,3' or whitespace/comma separated text; at least one."""
-    fields = [f for f in re.split(r"[\s,]+", text.strip()) if f]
-    if not fields:
+    """Token ids from '5,17,3' or whitespace/comma separated text; at least one. An empty item ('17,,42', a
+    trailing comma) is refused, not skipped: a dropped id would shift every later step."""
+    if not text.strip():
         raise InputError(f"{source}: no token ids given; pass e.g. --tokens 5,17,3.")
-    bad = next((f for f in fields if not re.fullmatch(r"[+-]?\d+", f)), None)
+    fields = re.split(r"\s*,\s*|\s+", text.strip())
+    empty = next((i for i, f in enumerate(fields) if not f), None)
+    if empty is not None:
+        raise InputError(f"{source}: item {empty + 1} (of {len(fields)}) is empty (two commas in a row, or a "
+                         f"leading or trailing comma); give one id between each pair of commas, e.g. 5,17,3.")
+    bad = next((f for f in fields if not re.fullmatch(r"[+-]?[0-9]+", f)), None)
     if bad is not None:
-        raise InputError(f"{source}: {bad!r} is not an integer token id.")
+        ascii_hint = " (ASCII digits 0-9 only)" if re.fullmatch(r"[+-]?\d+", bad) else ""
+        raise InputError(f"{source}: {bad!r} is not an integer token id{ascii_hint}.")
     values = [int(f) for f in fields]
     _check_int64(values, source)
     return np.array(values, dtype=np.int64)

@@ -207,3 +207,45 @@ def test_twin_the_finite_checkpoint_exports(tmp_path, case):
     out = tmp_path / "ref.h5"
     result = run_cli(oracle.cli.cli, ["export", ckpt, "--out", out, "--tokens", "17,42,3", "--hidden-seed", "0", "-q"])
     assert result.exit_code == 0 and out.exists(), result.output
+
+
+# --- 4. option parsing: nothing silently dropped or reinterpreted -------------------------------------------
+
+@pytest.mark.parametrize("tokens, pattern", [
+    ("17,,42", r"item 2 \(of 3\) is empty"),
+    ("17,42,", r"item 3 \(of 3\) is empty"),
+    (",17", r"item 1 \(of 2\) is empty"),
+    ("\uff11\uff17,42", r"'\uff11\uff17' is not an integer token id \(ASCII digits 0-9 only\)"),
+])
+def test_export_tokens_with_an_empty_or_non_ascii_item_are_refused(tmp_path, tokens, pattern):
+    out = tmp_path / "ref.h5"
+    assert_refused(oracle.cli.cli, ["export", TINY, "--out", out, "--tokens", tokens, "--hidden-seed", "0", "-q"],
+                   pattern, [TINY], tmp_path)
+    assert not out.exists()
+
+
+def test_twin_tokens_with_spaces_around_commas_and_a_file_across_lines_export(tmp_path):
+    from oracle.inputs import token_ids_from_text
+
+    assert token_ids_from_text(" 17 , 42,3\n255 ", "--tokens").tolist() == [17, 42, 3, 255]
+    result = run_cli(oracle.cli.cli, ["export", TINY, "--out", tmp_path / "ref.h5", "--tokens", "17, 42", "-q",
+                                      "--hidden-seed", "0"])
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("command", ["export", "noise"])
+def test_first_token_without_main_model_is_refused(tmp_path, command):
+    out = tmp_path / ("ref.h5" if command == "export" else "noise.json")
+    assert_refused(oracle.cli.cli, [command, TINY, "--out", out, "--tokens", "17,42", "--hidden-seed", "0",
+                                    "--first-token", "9", "-q"],
+                   r"--first-token 9 applies only with --main-model.*--hidden-seed", [TINY], tmp_path)
+    assert not out.exists()
+
+
+def test_twin_first_token_with_main_model_exports(tmp_path):
+    from tests.helpers import FIXTURES
+
+    out = tmp_path / "ref.h5"
+    result = run_cli(oracle.cli.cli, ["export", FIXTURES / "qwen3_5_trained", "--out", out, "--tokens", "17,42",
+                                      "--main-model", "--first-token", "9", "-q"])
+    assert result.exit_code == 0 and out.exists(), result.output
