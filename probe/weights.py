@@ -10,6 +10,7 @@ parser (bf16 included), `.npy` with numpy.
 """
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,6 +73,7 @@ class WeightsReport:
 def audit_weights(checkpoint: Path, dump: Path) -> WeightsReport:
     """Classify every head tensor of `checkpoint` as the engine's `dump` holds it (see the module docstring)."""
     ckpt = Checkpoint(checkpoint)
+    _refuse_the_checkpoint_itself(ckpt, Path(dump))
     layout = ckpt.layout()
     reference = ckpt.read_head(widen=True, digest=False).tensors
     held = read_dump(Path(dump))
@@ -157,6 +159,26 @@ def _short(name: str) -> str:
 def _examples(names) -> str:
     names = sorted(names)
     return ", ".join(names[:4]) + (f", … ({len(names)} in all)" if len(names) > 4 else "")
+
+
+def _refuse_the_checkpoint_itself(ckpt: Checkpoint, dump: Path) -> None:
+    """A dump that is (or holds) one of the checkpoint's own safetensors files (the same file, the same folder, a
+    symlink or hard link to it) would compare the checkpoint with itself: WEIGHTS OK, having checked nothing."""
+    dump_files = [dump] if dump.is_file() else sorted(dump.glob("*.safetensors"))
+    own = sorted(ckpt.path.glob("*.safetensors"))
+    for file in dump_files:
+        same = next((shard for shard in own if _same_file(file, shard)), None)
+        if same is not None:
+            raise InputError(f"the dump is the checkpoint itself ({file} is the checkpoint's {same.name}): dump "
+                             f"what your engine holds after loading (its parameters, e.g. safetensors.torch."
+                             f"save_file of the module's state_dict) and pass that file or folder as DUMP.")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def read_dump(path: Path) -> dict:

@@ -249,3 +249,46 @@ def test_twin_first_token_with_main_model_exports(tmp_path):
     result = run_cli(oracle.cli.cli, ["export", FIXTURES / "qwen3_5_trained", "--out", out, "--tokens", "17,42",
                                       "--main-model", "--first-token", "9", "-q"])
     assert result.exit_code == 0 and out.exists(), result.output
+
+
+# --- 5. a weights audit of the checkpoint against itself checks nothing ------------------------------------
+
+def _checkpoint_as_dump(tmp_path, kind) -> tuple[Path, Path]:
+    from tests.helpers import TINY_SHARDED
+
+    ckpt = Path(shutil.copytree(TINY_SHARDED if kind == "shard" else TINY, tmp_path / "ckpt"))
+    shards = sorted(ckpt.glob("*.safetensors"))
+    if kind == "folder":
+        return ckpt, ckpt
+    if kind == "file":
+        return ckpt, shards[0]
+    if kind == "shard":
+        return ckpt, shards[-1]
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    if kind == "symlink in a folder":
+        os.symlink(shards[0], dump / "held.safetensors")
+    else:  # a hard link
+        os.link(shards[0], dump / "held.safetensors")
+    return ckpt, dump
+
+
+@pytest.mark.parametrize("kind", ["folder", "file", "shard", "symlink in a folder", "hard link in a folder"])
+def test_weights_audit_of_the_checkpoint_itself_is_refused(tmp_path, kind):
+    ckpt, dump = _checkpoint_as_dump(tmp_path, kind)
+    result = assert_refused(probe.cli.cli, ["weights", ckpt, dump], r"the dump is the checkpoint itself.*"
+                            r"Dump|dump what your engine holds after loading", [ckpt], tmp_path)
+    assert "WEIGHTS OK" not in result.output
+
+
+def test_twin_a_copy_of_the_head_as_the_engine_dump_is_audited(tmp_path):
+    """A real dump (the head's tensors written to a file of their own, as an engine would) is audited: OK."""
+    from safetensors.numpy import save_file
+
+    from oracle.checkpoint import Checkpoint
+
+    weights = Checkpoint(TINY).read_head(widen=True, digest=False).tensors
+    dump = tmp_path / "held.safetensors"
+    save_file({n: np.ascontiguousarray(w) for n, w in weights.items()}, dump)
+    result = run_cli(probe.cli.cli, ["weights", TINY, dump])
+    assert result.exit_code == 0 and "WEIGHTS OK" in result.output, result.output
