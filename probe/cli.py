@@ -148,7 +148,7 @@ def run(ctx, ref, spec, checkpoint, out, profile, rtol, atol, stage_tol, json_pa
     refuse_overwriting_inputs({"--out": out, "--json": json_path, "--plot": plot_path, "--html": html_path},
                               {"REF": ref, "checkpoint": checkpoint, "--impl library": library})
     if out:
-        check_writable(out, "--out")
+        check_output(out, "--out")
     adapter = adapter_from_spec(spec, checkpoint, reference_conventions(ref))
     with reporting(enabled=not quiet):
         result = run_and_diff(ref, adapter, tols, out=out, fail_fast=fail_fast,
@@ -186,7 +186,7 @@ def weights(ctx, checkpoint, dump, json_path, verbose) -> None:
 
     refuse_overwriting_inputs({"--json": json_path}, {"CHECKPOINT": checkpoint, "DUMP": dump})
     if json_path:
-        check_writable(json_path, "--json")
+        check_output(json_path, "--json")
     try:
         report = audit_weights(checkpoint, dump)
     except MtpError as err:
@@ -224,6 +224,30 @@ def selftest(ctx, reference, checkpoint, build_dir, quiet) -> None:
     ctx.exit(0 if all(r.ok is not False for r in rows) else 1)
 
 
+def check_output(path: Path, option: str) -> None:
+    """check_writable, and what it cannot see: the output's temporary file (atomic_output's name) can really be
+    created beside it (/proc, /sys, a read-only mount refuse it), and an existing output is a regular file (the
+    rename would replace /dev/null or a FIFO). Checked before the work, so a verdict is never followed by exit 2."""
+    import os
+    import stat
+
+    check_writable(path, option)
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = None  # absent: created by the write
+    if mode is not None and not stat.S_ISREG(mode):
+        raise OutputError(f"{option} {path} exists and is not a regular file (a device, FIFO or socket); writing "
+                          f"the output would replace it. Choose a file name.")
+    probe = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # the name the write itself uses, removed at once
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_WRONLY, 0o600))
+        os.unlink(probe)
+    except OSError as err:
+        raise OutputError(f"{option} {path}: a file cannot be created in {path.parent} ({err.strerror}); choose "
+                          f"another location.") from None
+
+
 def _tols(ref: Path, profile: str, rtol, atol, stage_tol, json_path, plot_path, html_path=None) -> dict[str, Tol]:
     if (rtol is None) != (atol is None):
         raise click.UsageError("give both --rtol and --atol, or neither (API: Tol(rtol, atol, why)).")
@@ -234,7 +258,7 @@ def _tols(ref: Path, profile: str, rtol, atol, stage_tol, json_path, plot_path, 
                                f"STAGE=RTOL,ATOL), or use a named --profile.")
     for option, path in (("--json", json_path), ("--plot", plot_path), ("--html", html_path)):
         if path:
-            check_writable(path, option)  # before the diff, not after minutes of work
+            check_output(path, option)  # before the diff, not after minutes of work
     if measured is not None:
         return tol_table(overrides=stage_tol, measured=measured_tol_table(*measured, reference_facts(ref)))
     return tol_table(PROFILES[profile] if rtol is None else Tol(rtol, atol, "--rtol/--atol"), stage_tol)

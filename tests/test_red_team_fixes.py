@@ -292,3 +292,36 @@ def test_twin_a_copy_of_the_head_as_the_engine_dump_is_audited(tmp_path):
     save_file({n: np.ascontiguousarray(w) for n, w in weights.items()}, dump)
     result = run_cli(probe.cli.cli, ["weights", TINY, dump])
     assert result.exit_code == 0 and "WEIGHTS OK" in result.output, result.output
+
+
+# --- 6. outputs that cannot be written are refused before the comparison -----------------------------------
+
+@pytest.mark.parametrize("option", ["--json", "--html", "--plot"])
+@pytest.mark.parametrize("target, pattern", [
+    ("/proc/version", r"/proc/version: a file cannot be created in /proc"),
+    ("/dev/null", r"/dev/null exists and is not a regular file"),
+])
+def test_unwritable_report_path_is_refused_before_the_diff(tmp_path, option, target, pattern):
+    cand = Path(shutil.copy(TINY_REF, tmp_path / "cand.h5"))
+    with h5py.File(cand, "r+") as f:
+        _doubled(f, "stages/attn")  # a diverging candidate: the verdict must not be printed before the refusal
+    result = assert_refused(probe.cli.cli, ["diff", TINY_REF, cand, option, target], pattern, [TINY_REF, cand],
+                            tmp_path)
+    assert "DIVERGED" not in result.output and "PASSED" not in result.output, result.output
+    assert Path("/dev/null").is_char_device()
+
+
+def test_unwritable_weights_json_is_refused_before_the_audit(tmp_path):
+    result = assert_refused(probe.cli.cli, ["weights", TINY, TINY_REF, "--json", "/proc/version"],
+                            r"--json /proc/version: a file cannot be created", [TINY], tmp_path)
+    assert "WEIGHTS" not in result.output
+
+
+def test_twin_report_paths_in_a_writable_folder_are_written_and_leave_no_probe_file(tmp_path):
+    cand = Path(shutil.copy(TINY_REF, tmp_path / "cand.h5"))
+    (tmp_path / "old.json").write_text("{}")  # an existing regular file is replaced
+    result = run_cli(probe.cli.cli, ["diff", TINY_REF, cand, "--json", tmp_path / "old.json", "--html",
+                                     tmp_path / "r.html"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "old.json").read_text() != "{}" and (tmp_path / "r.html").is_file()
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
