@@ -162,6 +162,12 @@ def _linear(weight: Tensor) -> UpcastLinear:
     return UpcastLinear(weight.contiguous())
 
 
+def _weight(linear: nn.Module) -> Tensor:
+    """A linear's weight as stored (bf16 stays bf16), or the whole float32 value of one over FP8 bytes (Fp8Linear:
+    its `.weight` holds the bytes)."""
+    return linear.value() if callable(getattr(linear, "value", None)) else linear.weight.detach()
+
+
 def _minus_one(norm: nn.Module) -> nn.Module:
     """(1 + (w - 1)) x̂ = w x̂: the plain-norm flavour through the official (1+w) module."""
     return _module_copy(norm, weight=nn.Parameter(norm.weight.detach() - 1.0, requires_grad=False))
@@ -190,7 +196,7 @@ def qgate_halves(ops: StageOps) -> StageOps:
     """Candidate reads q_h from rows [h·hd, (h+1)·hd) and gate_h from rows [(H+h)·hd, …); the official module
     reads them per head from [2h·hd, …) and [(2h+1)·hd, …): hand it the rows the candidate reads, in its layout."""
     heads, _, hd = _attn_shape(ops)
-    w = ops.attn.q_proj.weight.detach()
+    w = _weight(ops.attn.q_proj)
     rows = torch.cat([torch.cat([torch.arange(h * hd, (h + 1) * hd), torch.arange((heads + h) * hd, (heads + h + 1) * hd)])
                       for h in range(heads)])
     ops = ops.copy()
@@ -201,9 +207,9 @@ def qgate_halves(ops: StageOps) -> StageOps:
 def no_gate(ops: StageOps) -> StageOps:
     """Gate rows zeroed (sigmoid(0) = 1/2) and o_proj doubled: exactly the ungated output."""
     heads, _, hd = _attn_shape(ops)
-    w = ops.attn.q_proj.weight.detach().clone().view(heads, 2 * hd, -1)
+    w = _weight(ops.attn.q_proj).clone().view(heads, 2 * hd, -1)
     w[:, hd:] = 0
-    o = ops.attn.o_proj.weight.detach() * 2
+    o = _weight(ops.attn.o_proj) * 2
     ops = ops.copy()
     ops.attn = _module_copy(ops.attn, q_proj=_linear(w.view(2 * heads * hd, -1)), o_proj=_linear(o))
     return ops
@@ -237,7 +243,7 @@ def rope_interleaved(ops: StageOps) -> StageOps:
     attn = ops.attn
     ops = ops.copy()
     ops.attn = _module_copy(
-        attn, q_proj=_linear(attn.q_proj.weight.detach()[q_rows]), k_proj=_linear(attn.k_proj.weight.detach()[k_rows]),
+        attn, q_proj=_linear(_weight(attn.q_proj)[q_rows]), k_proj=_linear(_weight(attn.k_proj)[k_rows]),
         q_norm=_module_copy(attn.q_norm, weight=nn.Parameter(attn.q_norm.weight.detach()[perm], requires_grad=False)),
         k_norm=_module_copy(attn.k_norm, weight=nn.Parameter(attn.k_norm.weight.detach()[perm], requires_grad=False)))
     return ops
@@ -425,10 +431,8 @@ class Explainer:
         ops = self.ops.copy()
         owner_path, leaf = path
         original = _get(ops, owner_path + (leaf,))
-        if callable(getattr(original, "value", None)):  # a linear over FP8 bytes (Fp8Linear): the RMS of its value
-            replacement = _RankOneError(original, _rms(original.value()), generator)
-        elif isinstance(original, UpcastLinear):
-            replacement = _RankOneError(original, _rms(original.weight.detach()), generator)
+        if isinstance(original, UpcastLinear) or callable(getattr(original, "value", None)):  # or over FP8 bytes
+            replacement = _RankOneError(original, _rms(_weight(original)), generator)
         else:  # a norm's (1+w) (w for plain norms) or a router's [E, D] weight: perturbed element by element
             w = original.weight.detach()
             base = 1.0 + w.float() if w.dim() == 1 and not getattr(ops, "plain_norms", False) else w.float()

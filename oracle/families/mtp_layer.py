@@ -32,8 +32,8 @@ from oracle.families.mtp_layer_main_model import MainLayout, run_main_model
 from oracle.families.mtp_layer_main_model import load_main_model as load_main
 from oracle.families.mtp_layer_layout import MtpLayerConfig, MtpLayerTensors
 from oracle.families.routing_evidence import grouped_flip_distances
-from oracle.families.qwen3_5 import (UpcastLinear, _step_tensors, _to_numpy, _widen_non_linear_parameters,
-                                     causal_mask)
+from oracle.families.qwen3_5 import (UpcastLinear, _is_linear_weight, _step_tensors, _to_numpy,
+                                     _widen_non_linear_parameters, causal_mask)
 from oracle.fp8 import E4M3, check_scale_shape, dequantize
 from oracle.trace import TraceInputs
 
@@ -185,15 +185,6 @@ def _swap_linears(module: nn.Module, fp8: "Fp8Weights", fp8_linears: dict[str, s
         raise RuntimeError(f"FP8 linears not swapped: {sorted(fp8_linears)}")  # a bug: each was loaded into one
 
 
-def _is_linear_weight(module: nn.Module, key: str) -> bool:
-    """`key` (a parameter name) is the weight of an nn.Linear under `module` (built on meta: nothing loaded)."""
-    path, _, leaf = key.rpartition(".")
-    try:
-        return leaf == "weight" and isinstance(module.get_submodule(path), nn.Linear)
-    except AttributeError:  # no such module: load_state_dict reports the name as unexpected
-        return False
-
-
 def torch_weights(weights: HeadWeights) -> dict[str, torch.Tensor]:
     """Stored head tensors as torch tensors sharing memory: bf16 as torch.bfloat16, FP8 as its bit patterns in
     torch.uint8 (no other head tensor is uint8; dequantized with their `weight_scale_inv` in build_head)."""
@@ -259,6 +250,9 @@ class Fp8Linear(nn.Module):
     def __init__(self, stored: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                  bias: torch.Tensor | None = None, name: str = "weight"):
         super().__init__()
+        if stored.dim() != 2 or stored.dtype != torch.uint8:
+            raise CheckpointError(f"{name}: an FP8 weight must be 2-D e4m3 bytes, found {stored.dtype} "
+                                  f"{tuple(stored.shape)}.")
         check_scale_shape(tuple(stored.shape), tuple(scale_inv.shape), block, name)
         self.weight = nn.Parameter(stored, requires_grad=False)  # uint8: head.to(dtype) leaves it as stored
         self.bias = None if bias is None else nn.Parameter(bias.data.float(), requires_grad=False)

@@ -162,13 +162,23 @@ def _widen_non_linear_parameters(module: nn.Module) -> None:
                 setattr(child, name, nn.Parameter(param.float(), requires_grad=False))
 
 
-def _upcast_linears(module: nn.Module) -> None:
-    """Replace every nn.Linear under `module` (official modules included) by an UpcastLinear on its weight."""
+def _upcast_linears(module: nn.Module, fp8: dict[str, nn.Module] | None = None, prefix: str = "") -> None:
+    """Replace every nn.Linear under `module` (official modules included) by an UpcastLinear on its weight, or by
+    the Fp8Linear in `fp8` under its weight's name (FP8 bytes stay FP8: dequantized in row blocks in use)."""
     for name, child in module.named_children():
         if isinstance(child, nn.Linear):
-            setattr(module, name, UpcastLinear(child.weight.data))
+            setattr(module, name, (fp8 or {}).get(f"{prefix}{name}.weight") or UpcastLinear(child.weight.data))
         else:
-            _upcast_linears(child)
+            _upcast_linears(child, fp8, f"{prefix}{name}.")
+
+
+def _is_linear_weight(module: nn.Module, key: str) -> bool:
+    """`key` (a parameter name) is the weight of an nn.Linear under `module` (built on meta: nothing loaded)."""
+    path, _, leaf = key.rpartition(".")
+    try:
+        return leaf == "weight" and isinstance(module.get_submodule(path), nn.Linear)
+    except AttributeError:  # no such module: load_state_dict reports the name as unexpected
+        return False
 
 
 FP8_SCALE = "weight_scale_inv"  # X.weight_scale_inv: the block scale beside an FP8 X.weight
@@ -193,8 +203,9 @@ def torch_weights(weights: HeadWeights) -> dict[str, torch.Tensor]:
 
 
 def dequantize_fp8(cfg: HeadConfig, weights: dict[str, torch.Tensor], lazy: frozenset[str] = frozenset()):
-    """(the head's tensors with every FP8 linear dequantized to float32 with its block scale and the scales dropped,
-    the Fp8Weights that did it or None when nothing is FP8). Tensors in `lazy` (routed experts) stay as stored:
+    """(the head's tensors with every FP8 weight as an Fp8Linear over its bytes and block scale (dequantized in row
+    blocks in use; build_qwen_head dequantizes whole one that is no linear's weight) and the scales dropped, the
+    Fp8Weights or None when nothing is FP8). Tensors in `lazy` (routed experts) stay as stored:
     RoutedFp8Experts dequantizes them one expert at a time, where tokens route. An FP8 weight without its scale, or
     a scale beside a weight that is not FP8, is refused by name (oracle/families/mtp_layer.py Fp8Weights)."""
     if cfg.weight_block_size is None and not any(t.dtype == torch.uint8 for t in weights.values()):
@@ -202,7 +213,8 @@ def dequantize_fp8(cfg: HeadConfig, weights: dict[str, torch.Tensor], lazy: froz
     from oracle.families.mtp_layer import Fp8Weights  # here, not at the top: mtp_layer imports this module
 
     fp8 = Fp8Weights(weights, cfg.weight_block_size)
-    return {n: t if n in lazy else fp8.value(n) for n, t in weights.items() if not n.endswith(FP8_SCALE)}, fp8
+    return {n: fp8.linear(n) if n in fp8.fp8 and n not in lazy else t for n, t in weights.items()
+            if not n.endswith(FP8_SCALE)}, fp8
 
 
 def routed_experts(cfg: HeadConfig, layout, weights: dict[str, torch.Tensor]) -> tuple[RoutedExperts, dict]:
@@ -231,7 +243,11 @@ def build_qwen_head(text, classes: QwenClasses, weights: dict[str, torch.Tensor]
     for the experts a forward pass routes to; every other parameter must come from `weights`."""
     with torch.device("meta"):  # no default init of full-size modules: every parameter must come from `weights`
         head = MtpHead(text, classes)
-    state = {name.removeprefix("mtp."): t if t.dim() >= 2 else t.float() for name, t in weights.items()}
+    head.requires_grad_(False)  # FP8 bytes (uint8) load into nn.Linear weights until _upcast_linears
+    fp8 = {name.removeprefix("mtp."): t for name, t in weights.items() if isinstance(t, nn.Module)}  # Fp8Linear
+    state = {name.removeprefix("mtp."): t if t.dim() >= 2 else t.float() for name, t in weights.items()
+             if not isinstance(t, nn.Module)}
+    state |= {key: linear.weight if _is_linear_weight(head, key) else linear.value() for key, linear in fp8.items()}
     lazy = experts.parameter_names("layers.0.mlp.experts.") if experts is not None else set()
     state = {k: v for k, v in state.items() if not (experts is not None and experts.owns("mtp." + k))}
     result = head.load_state_dict(state, strict=False, assign=True)
@@ -243,7 +259,7 @@ def build_qwen_head(text, classes: QwenClasses, weights: dict[str, torch.Tensor]
     if left_on_meta:
         raise RuntimeError(f"parameters never loaded: {left_on_meta}")  # a bug: strict loading should prevent it
     _widen_non_linear_parameters(head)
-    _upcast_linears(head)
+    _upcast_linears(head, {key: linear for key, linear in fp8.items() if _is_linear_weight(head, key)})
     if experts is not None:
         experts.attach(head.layers[0].mlp.experts)
     rotary = classes.rotary(text)  # built for real: its inv_freq buffer is computed, not loaded

@@ -174,3 +174,55 @@ def test_scale_grid_that_does_not_fit_is_refused_by_name(checkpoints):
         Fp8Linear(linear.weight.data, torch.from_numpy(linear.scale_inv.T.copy()), linear.fp8_block,
                   name=linear.name)
     Fp8Linear(linear.weight.data, torch.from_numpy(linear.scale_inv), linear.fp8_block, name=linear.name)  # twin
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the Qwen heads' FP8 path (oracle/families/qwen3_5.py dequantize_fp8) shares Fp8Weights, so it gets Fp8Linear too
+
+
+@pytest.fixture(scope="module")
+def qwen_pairs(tmp_path_factory):
+    """(FP8 copy, its exactly dequantized float32 twin) of the dense tiny Qwen head (24 x 40 blocks: every grid
+    ragged) and of Qwen3-Next (16 x 32 blocks, router and shared-expert gates quantised too)."""
+    from tests.families.test_qwen_fp8 import CASES
+
+    root = tmp_path_factory.mktemp("qwen_fp8_linear")
+    return {case: CASES[case](root) for case in ("dense", "next")}
+
+
+@pytest.mark.parametrize("case", ["dense", "next"])
+def test_qwen_fp8_linears_stay_fp8_and_equal_whole_dequant(qwen_pairs, case, monkeypatch):
+    monkeypatch.setattr(Fp8Linear, "ROWS", 1)
+    fp8_dir, _ = qwen_pairs[case]
+    _, ckpt, head, _ = build(fp8_dir)
+    linears = fp8_linears(head)
+    nn_linear_weights = {n for n, m in head.named_modules() if isinstance(m, (nn.Linear, Fp8Linear))}
+    assert linears and all(m.weight.dtype == torch.uint8 for m in linears.values())
+    # every FP8 linear weight of the head is an Fp8Linear (a router that is no nn.Linear is dequantized whole)
+    assert {f"mtp.{p}.weight" for p in linears} == {n for n in dense_fp8_names(ckpt)
+                                                    if n.removeprefix("mtp.").removesuffix(".weight")
+                                                    in nn_linear_weights}
+    for path, linear in linears.items():
+        for t in (1, 7):
+            x = torch.randn(1, t, linear.weight.shape[1], generator=torch.Generator().manual_seed(t))
+            assert torch.equal(linear(x), WholeDequant(linear)(x)), (case, path, t)
+
+
+def test_qwen_explain_variants_read_the_fp8_weights_value(qwen_pairs):
+    """--explain's variants that rewrite a linear's rows (oracle/variants.py) read an Fp8Linear's value, not its
+    bytes: on the FP8 head they build the very weights they build on the dequantized twin's head."""
+    from oracle import variants
+
+    fp8_dir, deq_dir = qwen_pairs["dense"]
+    ops = {}
+    for which, path in (("fp8", fp8_dir), ("deq", deq_dir)):
+        _, ckpt, head, rotary = build(path)
+        ops[which] = variants.StageOps(head, rotary, inputs(ckpt))
+    assert isinstance(ops["fp8"].attn.q_proj, Fp8Linear)
+    for variant in (variants.qgate_halves, variants.no_gate, variants.rope_interleaved):
+        fp8, deq = variant(ops["fp8"]).attn, variant(ops["deq"]).attn
+        for name in ("q_proj", "k_proj", "o_proj"):  # rewritten (UpcastLinear) or untouched (still FP8)
+            assert torch.equal(variants._weight(getattr(fp8, name)).float(),
+                               variants._weight(getattr(deq, name)).float()), (variant.__name__, name)
+        # twin: the bytes are not the weight (reading them would have rewritten nonsense)
+        assert not torch.equal(ops["fp8"].attn.q_proj.weight.float(), variants._weight(ops["deq"].attn.q_proj).float())
