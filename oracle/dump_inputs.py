@@ -32,7 +32,7 @@ def dump_inputs(ref: Path, out_dir: Path) -> list[Path]:
     Refuses (OutputError) to write over the reference itself or into a path that is not a directory."""
     ref, out_dir = Path(ref), Path(out_dir)
     with read_trace(ref) as reader:
-        inputs = reader.inputs()
+        inputs = reader.verified_inputs()  # an edited reference is refused, as the probe refuses it
     targets = [out_dir / name for name in INPUT_FILES]
     for target in targets:
         if target.exists() and os.path.samefile(target, ref):

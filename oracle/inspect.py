@@ -50,7 +50,7 @@ def render_inspection(path: Path) -> str:
             if key in attrs:
                 lines.append(f"  {key:<18} {json.dumps(attrs[key], sort_keys=True)}")
         if reader.has_inputs:
-            inputs = reader.inputs()
+            inputs = reader.verified_inputs()  # an edited reference is refused, as the probe refuses it
             lines.append(f"  token_ids          {_preview(inputs.token_ids)}")
             lines.append(f"  positions          {_preview(inputs.positions)}")
         stage_list = reader.stage_list  # the trace's own stages, with the doc/kind/shape it stores

@@ -371,6 +371,18 @@ class TraceReader:
                                        f"expected {shape} from num_tokens={t}, hidden_size={d}.")
         return TraceInputs(**arrays)
 
+    def verified_inputs(self) -> TraceInputs:
+        """inputs(), refused (TraceFormatError) when the recorded inputs_digest does not match them: inputs edited
+        after export are not the ones the stages were computed from (the probe refuses such a reference too)."""
+        inputs = self.inputs()
+        recorded = self.attrs.get("inputs_digest")
+        actual = inputs_digest(inputs)
+        if recorded is not None and actual != recorded:
+            raise TraceFormatError(f"{self.path}: its /inputs hash to {actual[:19]}…, but its inputs_digest attribute "
+                                   f"says {str(recorded)[:19]}…: the inputs were changed after export, so its stages "
+                                   f"are not the oracle's output for them. Write it again: {export_hint(self.path)}")
+        return inputs
+
 
 class _PlainRows:
     """Where the rows of a plainly stored dataset lie in the file, so they can be read with os.preadv.

@@ -325,3 +325,32 @@ def test_twin_report_paths_in_a_writable_folder_are_written_and_leave_no_probe_f
     assert result.exit_code == 0, result.output
     assert (tmp_path / "old.json").read_text() != "{}" and (tmp_path / "r.html").is_file()
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+# --- 7. mtp-oracle inspect / inputs verify the reference's inputs digest, as the probe does ------------------
+
+def _edited_inputs(tmp_path) -> Path:
+    path = Path(shutil.copy(TINY_REF, tmp_path / "edited.h5"))
+    with h5py.File(path, "r+") as f:
+        f["inputs/token_ids"][0] = f["inputs/token_ids"][0] + 1
+    return path
+
+
+@pytest.mark.parametrize("command", ["inspect", "inputs"])
+def test_reference_with_edited_inputs_is_refused(tmp_path, command):
+    ref = _edited_inputs(tmp_path)
+    out_dir = tmp_path / "engine_inputs"
+    args = [command, ref] + (["--out-dir", out_dir] if command == "inputs" else [])
+    assert_refused(oracle.cli.cli, args, r"edited\.h5: its /inputs hash to .*inputs_digest attribute says .*changed "
+                                         r"after export", [ref], tmp_path)
+    assert not out_dir.exists() or not any(out_dir.iterdir())
+    assert_refused(probe.cli.cli, ["diff", ref, TINY_REF], r"inputs_digest", [ref], tmp_path)  # as the probe does
+
+
+@pytest.mark.parametrize("command", ["inspect", "inputs"])
+def test_twin_the_unedited_reference_is_inspected_and_its_inputs_written(tmp_path, command):
+    out_dir = tmp_path / "engine_inputs"
+    args = [command, TINY_REF] + (["--out-dir", out_dir] if command == "inputs" else [])
+    result = run_cli(oracle.cli.cli, args)
+    assert result.exit_code == 0, result.output
+    assert command == "inspect" or (out_dir / "inputs.json").is_file()
