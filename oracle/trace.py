@@ -39,6 +39,9 @@ Datasets
                                         q, k, q_norm, k_norm or RoPE (oracle/attention_evidence.py); a reference
                                         without it can at best give an inconclusive verdict.
 
+Every dataset above (and its group) is stored in the file itself: a hard link, not virtual. External and soft
+links and virtual datasets are refused (TraceFormatError): the direct reader reads this file's byte offsets.
+
 The oracle writes every stage of its family. A candidate may omit stages it does not capture (never counted as passed) and
 may omit /inputs. Files are written under a temporary name beside the target and renamed when complete, so an
 interrupted write never leaves a file that looks finished.

@@ -16,7 +16,9 @@ Raw directory layout (for engines that do not write HDF5):
     hidden.bin     optional: the hidden H [T, D] float32 the engine consumed (must be the reference's, bit for bit;
                    DeepSeek-V4: [T, hc·D], the main model's hc residual streams)
 
-Any other `*.bin` name is an error (a misspelt stage would otherwise be silently "not captured").
+Any other `*.bin` name is an error (a misspelt stage would otherwise be silently "not captured"), and so is one of
+these names that is not a readable regular file (dangling symlink, directory, FIFO, device; a symlink to a regular
+file is followed).
 """
 
 import json
