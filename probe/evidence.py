@@ -115,7 +115,29 @@ def inconclusive_reasons(rows: Sequence[StageRows], captured: Sequence[str],
         reasons.append(_no_qk_reason(rows, qk))
     if ATTENTION in captured and qk is not None and qk.window is not None and len(qk.sensitive) <= qk.window:
         reasons.append(window_reason(qk.window, len(qk.sensitive)))
+    tie = tie_reason(rows)
+    if tie:
+        reasons.append(tie)
     return tuple(reasons)
+
+
+def tie_reason(rows: Sequence[StageRows]) -> str | None:
+    """Why rows excused by a routing near-tie keep a comparison from passing: they differ and were not judged.
+
+    A flip at a near-tie is rounding, not a wiring bug (so not a divergence), but the candidate's rows after the
+    router at that token were then computed from other experts and checked against nothing; a pass must not count
+    them (the red team passed garbage there). None when no row was excused."""
+    excused = {r.stage: r.tokens[r.has_status({"tie"})].tolist() for r in rows}
+    excused = {stage: tokens for stage, tokens in excused.items() if tokens}
+    if not excused:
+        return None
+    tokens = sorted({t for ts in excused.values() for t in ts})
+    shown = ", ".join(map(str, tokens[:12])) + (f" and {len(tokens) - 12} more" if len(tokens) > 12 else "")
+    count = sum(len(ts) for ts in excused.values())
+    return (f"routing near-ties at token(s) {shown}: the candidate chose other experts within rounding there, so "
+            f"{count} (stage, token) rows after the router ({', '.join(excused)}) differ and were not compared; "
+            f"the rest is within tolerance. Compare at inputs without near-ties (other tokens or hidden rows), or "
+            f"capture the candidate's own topk_ids so only the rows a flip explains are excused")
 
 
 def window_reason(window: int, num_tokens: int) -> str:

@@ -27,6 +27,12 @@ from probe.errors import AdapterError, CandidateError
 from probe.poison import poison
 
 
+# What a Python candidate's own code may raise that the probe reports as INVALID: any error, and sys.exit() (a
+# candidate that exits would otherwise end the probe with its exit code and no verdict). Ctrl-C still interrupts.
+# os._exit() cannot be caught: a Python candidate shares the probe's process (a C library runs in a child).
+CANDIDATE_FAULTS = (Exception, SystemExit)
+
+
 class PythonAdapter:
     deterministic = True
     capture_only: tuple[str, ...] | None = None  # set by --explain's observer check: capture at most these
@@ -37,6 +43,9 @@ class PythonAdapter:
             raise AdapterError(f"--impl python:{spec}: expected python:MODULE:FACTORY, e.g. python:my_engine:make_head.")
         try:
             factory = getattr(importlib.import_module(module_name), factory_name)
+        except SystemExit as err:  # the module's own code ran sys.exit() on import
+            raise CandidateError(f"--impl python:{spec}: importing {module_name} called sys.exit({err.code!r}); a "
+                                 f"candidate module must not exit the probe's process.") from None
         except (ImportError, AttributeError) as err:
             raise AdapterError(f"--impl python:{spec}: cannot load {factory_name} from {module_name} ({err}). "
                                f"Is the module on PYTHONPATH?") from None
@@ -56,7 +65,7 @@ class PythonAdapter:
     def run(self, inputs: TraceInputs) -> dict[str, np.ndarray]:
         try:
             impl = self._make()  # a fresh impl per run: its KV cache must start empty
-        except Exception as err:  # the candidate's own code: report it, never crash the probe
+        except CANDIDATE_FAULTS as err:  # the candidate's own code: report it, never crash the probe
             raise self._raised(err, f"in {self._factory_name}()") from None
         if not callable(getattr(impl, "step", None)):
             raise AdapterError(f"{self.name}: the object {self._factory_name}() returned has no step() method.")
@@ -73,16 +82,18 @@ class PythonAdapter:
                 try:
                     impl.step(int(inputs.positions[i]), inputs.embed[i].copy(), inputs.hidden[i].copy(),
                               buffers["out"][i], rows)
-                except Exception as err:  # the candidate's own code: report it, never crash the probe
+                except CANDIDATE_FAULTS as err:  # the candidate's own code: report it, never crash the probe
                     raise self._raised(err, f"at step {i}") from None
                 bar.update()
         return buffers
 
-    def _raised(self, err: Exception, where: str) -> CandidateError:
+    def _raised(self, err: BaseException, where: str) -> CandidateError:
         """`candidate raised ValueError at step 3: msg`, with the candidate's own frames (not the probe's)."""
         frames = [f for f in traceback.extract_tb(err.__traceback__) if not _is_probe_frame(f.filename)]
         shown = "".join(traceback.format_list(frames[-6:])).rstrip()
-        return CandidateError(f"candidate raised {type(err).__name__} {where}: {err}"
+        what = (f"called sys.exit({err.code!r}) {where} (a candidate must not end the probe's process)"
+                if isinstance(err, SystemExit) else f"raised {type(err).__name__} {where}: {err}")
+        return CandidateError(f"candidate {what}"
                               + (f"\ncandidate traceback (most recent call last):\n{shown}" if shown else ""))
 
 
@@ -91,7 +102,7 @@ def _is_probe_frame(filename: str) -> bool:
 
 
 def _captured_stages(impl, name: str, traceable: tuple[str, ...]) -> tuple[str, ...]:
-    declared = getattr(impl, "capture", traceable)
+    declared = tuple(getattr(impl, "capture", traceable))  # any iterable, read once (a generator too)
     unknown = sorted(set(declared) - set(traceable))
     if unknown:
         raise AdapterError(f"{name}: capture lists unknown stages {unknown}; valid: {', '.join(traceable)}.")

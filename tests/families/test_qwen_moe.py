@@ -149,7 +149,9 @@ def test_a_routing_flip_at_a_reference_near_tie_is_a_tie_not_a_wiring_bug(export
     near = _near_tie_reference(trace, tmp_path / "near.h5", 4, (leaving, entering))
     cand = _with_stages(trace, tmp_path / "flip.h5", _flip_at(4, leaving, entering))
     report = diff_traces(near, cand)
-    assert report.verdict.name == "pass" and report.routing_ties == (4,), report.verdict
+    # not a divergence (rounding), but the rows after the flip were not compared: never a pass
+    assert report.verdict.name == "inconclusive" and report.routing_ties == (4,), report.verdict
+    assert any("routing near-ties at token(s) 4" in r for r in report.verdict.reasons)
     assert report.rows["topk_ids"].has_status({"tie"})[4] and report.rows["out"].has_status({"tie"})[4]
     # twin: the same flip where the reference's margin is wide is a divergence at topk_ids
     twin = diff_traces(trace, cand)
@@ -241,3 +243,31 @@ def test_topk_weights_follow_the_candidates_own_expert_order(exported, tmp_path)
 
     twin = diff_traces(trace, _with_stages(trace, tmp_path / "twin.h5", weights_only))
     assert twin.verdict.name == "diverged" and twin.first.stage == "topk_weights"
+
+
+def test_a_loosened_router_tolerance_never_turns_other_experts_into_a_pass(exported, tmp_path):
+    """Red team: `--stage-tol router_logits=0.5,...` makes every token a near-tie, so a candidate routing to other
+    experts with everything after them wrong was PASSED. Excused rows were not compared: inconclusive. Twins: the
+    default tolerance calls the same candidate a divergence, and even the loose one does where the expert brought
+    in is far from the boundary (/evidence/topk_flip)."""
+    from probe.tolerance import Tol, tol_table
+
+    _, trace = exported["qwen3_next", "fused"]
+    _, stages = load_trace(trace)
+    def wrong_everywhere(st):
+        for t in range(len(st["topk_ids"])):
+            logits, ids = stages["router_logits"][t], stages["topk_ids"][t]
+            weakest = int(ids[np.argmin(logits[ids])])
+            pick = max if near else min
+            other = int(pick((e for e in range(len(logits)) if e not in ids), key=lambda e: logits[e]))
+            _flip_at(t, weakest, other)(st)
+    loose = tol_table()
+    loose["router_logits"] = Tol(0.5, 1e-5, "red team")
+    near = True
+    cand = _with_stages(trace, tmp_path / "wrong.h5", wrong_everywhere)
+    report = diff_traces(trace, cand, loose)
+    assert report.verdict.name == "inconclusive" and report.routing_ties, report.verdict
+    assert diff_traces(trace, cand).verdict.name == "diverged"
+    near = False
+    far = _with_stages(trace, tmp_path / "far.h5", wrong_everywhere)
+    assert diff_traces(trace, far, loose).verdict.name == "diverged"

@@ -74,3 +74,33 @@ def raises_in_factory(config, weights):
 
 def shifted_rows(config, weights):
     return ShiftedRows(config, weights)
+
+
+class ExitsAtStep3(numpy_step.NumpyHead):
+    """A candidate that ends the process with success mid-run (red team: the probe exited 0 with no verdict)."""
+
+    def step(self, pos, embed_row, hidden, out, trace):
+        self.steps = getattr(self, "steps", 0) + 1
+        if self.steps == 4:
+            sys.exit(0)
+        super().step(pos, embed_row, hidden, out, trace)
+
+
+class CapturesThroughAGenerator(numpy_step.NumpyHead):
+    """`capture` as a one-shot iterable: the stages it lists must still be captured."""
+
+    @property
+    def capture(self):
+        return (name for name in ("attn", "mlp"))
+
+
+def exits_at_step_3(config, weights):
+    return ExitsAtStep3(config, weights)
+
+
+def exits_in_factory(config, weights):
+    sys.exit(0)
+
+
+def captures_through_a_generator(config, weights):
+    return CapturesThroughAGenerator(config, weights)

@@ -103,6 +103,24 @@ def test_a_crashing_python_candidate_is_invalid_with_its_own_frame(factory, word
     assert "probe/adapters/python.py" not in result.output and "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("factory, words", [
+    ("exits_at_step_3", "INVALID | candidate called sys.exit(0) at step 3"),
+    ("exits_in_factory", "INVALID | candidate called sys.exit(0) in exits_in_factory()"),
+])
+def test_a_python_candidate_that_exits_is_invalid_not_a_silent_success(factory, words):
+    """Red team: sys.exit(0) inside a Python candidate ended the probe with exit 0 and no verdict."""
+    result = run_cli(cli, ["run", TINY_REF, "--impl", PY + factory, "--checkpoint", TINY])
+    assert result.exit_code == 2 and words in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+def test_a_capture_list_given_as_a_generator_is_read_once():
+    """Red team: a generator `capture` was consumed by the check, so attn counted as not captured. Twin-free by
+    construction: the same stages listed as a tuple give the same rows."""
+    result = run_cli(cli, ["run", TINY_REF, "--impl", PY + "captures_through_a_generator", "--checkpoint", TINY])
+    assert "not captured: attn" not in result.output and result.exit_code == 0, result.output
+
+
 def test_a_c_candidate_that_exits_0_mid_run_is_invalid(tmp_path):
     from probe.adapters.cabi import build_library
 
