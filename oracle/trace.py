@@ -40,7 +40,8 @@ Datasets
                                         without it can at best give an inconclusive verdict.
 
 Every dataset above (and its group) is stored in the file itself: a hard link, not virtual. External and soft
-links and virtual datasets are refused (TraceFormatError): the direct reader reads this file's byte offsets.
+links, virtual datasets and external raw storage are refused (TraceFormatError): the direct reader reads this
+file's byte offsets.
 
 The oracle writes every stage of its family. A candidate may omit stages it does not capture (never counted as passed) and
 may omit /inputs. Files are written under a temporary name beside the target and renamed when complete, so an
@@ -564,10 +565,11 @@ def _check_datasets_group(f: h5py.File, name: str, path: Path) -> h5py.Group | d
             raise TraceFormatError(f"{path}: /{name}/{member} is a group where a dataset belongs; each member of "
                                    f"/{name} is a [T, ...] dataset (oracle/trace.py).")
         dataset = group[member]
-        if dataset.is_virtual:
-            raise TraceFormatError(f"{path}: /{name}/{member} is a virtual dataset (its values live in other "
-                                   f"files); a trace stores every dataset in the file itself. Copy the values in "
-                                   f"(h5py: f[name] = values) or write the trace with write_trace.")
+        if dataset.is_virtual or dataset.id.get_create_plist().get_external_count():
+            kind = "a virtual dataset" if dataset.is_virtual else "stored in external raw files"
+            raise TraceFormatError(f"{path}: /{name}/{member} is {kind} (its values live in other files); a "
+                                   f"trace stores every dataset in the file itself. Copy the values in (h5py: "
+                                   f"f[name] = values) or write the trace with write_trace.")
         if dataset.dtype.kind not in "fiu" or dataset.ndim == 0:
             raise TraceFormatError(f"{path}: /{name}/{member} holds {dataset.dtype} {list(dataset.shape)}; the "
                                    f"schema says a numeric [T, ...] array (float32 for stages, oracle/trace.py).")

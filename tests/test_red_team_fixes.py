@@ -57,6 +57,16 @@ def _virtual(name):
     return edit
 
 
+def _external_storage(name):
+    def edit(f, target):
+        values = f[name][()]
+        raw = target.with_suffix(".raw")
+        values.astype(values.dtype.newbyteorder("<")).tofile(raw)
+        del f[name]
+        f.create_dataset(name, shape=values.shape, dtype="<f4", external=[(str(raw), 0, values.nbytes)])
+    return edit
+
+
 def _external_group(name):
     def edit(f, target):
         del f[name]
@@ -71,6 +81,7 @@ LINK_CASES = {
     "external link evidence": (_external("evidence/attn_uniform"), r"/evidence/attn_uniform is an external link"),
     "soft link stage": (_soft("stages/attn", "stages/res1"), r"/stages/attn is a soft link"),
     "virtual stage": (_virtual("stages/attn"), r"/stages/attn is a virtual dataset"),
+    "external storage stage": (_external_storage("stages/attn"), r"/stages/attn is stored in external raw files"),
 }
 
 
