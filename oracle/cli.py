@@ -1,5 +1,6 @@
 """`mtp-oracle`: export reference traces of an MTP head and inspect them."""
 
+import re
 import shlex
 import signal
 import sys
@@ -14,6 +15,27 @@ from oracle.progress import reporting, say
 EXISTING_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
 EXISTING_FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
 CHECKPOINT = click.Path(exists=True, path_type=Path)  # a folder in the HF layout, or a GGUF file
+
+
+class _AsciiDigits:
+    """An integer option written in ASCII digits: Python's int() also takes full-width digits ('１７') and
+    underscores ('1_7'), which --tokens refuses too (oracle/inputs.py)."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not re.fullmatch(r"\s*[+-]?[0-9]+\s*", value):
+            self.fail(f"{value!r} is not an integer written in ASCII digits 0-9.", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+class AsciiInt(_AsciiDigits, click.types.IntParamType):
+    pass
+
+
+class AsciiIntRange(_AsciiDigits, click.IntRange):
+    pass
+
+
+INT = AsciiInt()
 
 
 @click.group(cls=MtpGroup)
@@ -35,11 +57,11 @@ Examples:
 @click.option("--tokens-file", type=EXISTING_FILE, help="Step token ids from a text file or a .npy int array.")
 @click.option("--hidden", "hidden_file", metavar="FILE",
               help="H [T, D] float32: FILE.npy, FILE.bin (raw little-endian) or FILE.h5:/dataset.")
-@click.option("--hidden-seed", type=int, help="Synthetic H: standard normal rows from this seed.")
+@click.option("--hidden-seed", type=INT, help="Synthetic H: standard normal rows from this seed.")
 @click.option("--main-model", is_flag=True, help="H from the checkpoint's main model (post-final-norm).")
-@click.option("--first-token", type=click.IntRange(0, 2**63 - 1),
+@click.option("--first-token", type=AsciiIntRange(0, 2**63 - 1),
               help="With --main-model: x_0, the token before the first step token.")
-@click.option("--start-pos", type=int, default=0, show_default=True, help="Position p_0 of step 0.")
+@click.option("--start-pos", type=INT, default=0, show_default=True, help="Position p_0 of step 0.")
 @click.option("--norm-topk-prob/--no-norm-topk-prob", default=None,
               help="MoE heads: renormalise the top-k router weights to sum 1, or not [default: config.json's "
                    "norm_topk_prob; without the key, transformers' convention (Qwen3.5-MoE: on)]. Recorded in the "
@@ -84,16 +106,16 @@ Examples:
   mtp-oracle accept CHECKPOINT --tokens-file text.txt --hidden H.npy --quantize '*=int8' --quantize '*.mlp.*=int4'
 """)
 @click.argument("checkpoint", type=CHECKPOINT)
-@click.option("--k", type=int, default=4, show_default=True, help="Drafts per chain (speculation depth).")
+@click.option("--k", type=INT, default=4, show_default=True, help="Drafts per chain (speculation depth).")
 @click.option("--tokens", help="The sequence x_0..x_{N-1}, comma separated (NOT shifted: bridge step i reads x_{i+1}).")
 @click.option("--tokens-file", type=EXISTING_FILE, help="The sequence from a text file or a .npy int array.")
 @click.option("--hidden", "hidden_file", metavar="FILE",
               help="H_0..H_{N-1} [N, D] float32, post-final-norm: FILE.npy, FILE.bin or FILE.h5:/dataset.")
 @click.option("--main-model", is_flag=True, help="H from the checkpoint's main model run over the sequence.")
-@click.option("--hidden-seed", type=int, help="Synthetic H (plumbing checks only; implies --target text).")
+@click.option("--hidden-seed", type=INT, help="Synthetic H (plumbing checks only; implies --target text).")
 @click.option("--target", type=click.Choice(["greedy", "text"]), help="Compare drafts with the main model's argmax "
               "(greedy; default) or with the sequence's next tokens (text; a proxy).")
-@click.option("--chunk-rows", type=int, default=8192, show_default=True,
+@click.option("--chunk-rows", type=INT, default=8192, show_default=True,
               help="lm_head rows read (and held in float32) at a time.")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), help="Write the measurement as JSON.")
 @click.option("--quantize", multiple=True, metavar="GLOB=SCHEME",
@@ -147,11 +169,11 @@ Examples:
 @click.option("--tokens-file", type=EXISTING_FILE, help="Step token ids from a text file or a .npy int array.")
 @click.option("--hidden", "hidden_file", metavar="FILE",
               help="H [T, D] float32: FILE.npy, FILE.bin (raw little-endian) or FILE.h5:/dataset.")
-@click.option("--hidden-seed", type=int, help="Synthetic H: standard normal rows from this seed.")
+@click.option("--hidden-seed", type=INT, help="Synthetic H: standard normal rows from this seed.")
 @click.option("--main-model", is_flag=True, help="H from the checkpoint's main model (post-final-norm).")
-@click.option("--first-token", type=click.IntRange(0, 2**63 - 1),
+@click.option("--first-token", type=AsciiIntRange(0, 2**63 - 1),
               help="With --main-model: x_0, the token before the first step token.")
-@click.option("--start-pos", type=int, default=0, show_default=True, help="Position p_0 of step 0.")
+@click.option("--start-pos", type=INT, default=0, show_default=True, help="Position p_0 of step 0.")
 @click.option("--margin", type=float, default=4.0, show_default=True,
               help="Tolerance = margin x the measured noise (>= 1).")
 @click.option("--paths", default="float32,bfloat16,float16", show_default=True,

@@ -365,3 +365,19 @@ def test_twin_the_unedited_reference_is_inspected_and_its_inputs_written(tmp_pat
     result = run_cli(oracle.cli.cli, args)
     assert result.exit_code == 0, result.output
     assert command == "inspect" or (out_dir / "inputs.json").is_file()
+
+
+@pytest.mark.parametrize("option, value", [("--hidden-seed", "\uff10"), ("--start-pos", "\uff15"),
+                                           ("--hidden-seed", "1_0")])
+def test_integer_options_in_non_ascii_digits_are_refused(tmp_path, option, value):
+    args = ["export", TINY, "--out", tmp_path / "ref.h5", "--tokens", "17,42", "-q"]
+    args += [option, value] if option == "--hidden-seed" else ["--hidden-seed", "0", option, value]
+    assert_refused(oracle.cli.cli, args, rf"Invalid value for '{option}': '{value}' is not an integer written in "
+                                         r"ASCII digits 0-9", [TINY], tmp_path)
+    assert not (tmp_path / "ref.h5").exists()
+
+
+def test_twin_integer_options_in_ascii_digits_with_a_sign_export(tmp_path):
+    result = run_cli(oracle.cli.cli, ["export", TINY, "--out", tmp_path / "ref.h5", "--tokens", "17,42", "-q",
+                                      "--hidden-seed", "+3", "--start-pos", "+2"])
+    assert result.exit_code == 0, result.output
