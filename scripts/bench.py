@@ -128,17 +128,22 @@ def child_rawread(*paths: str) -> None:
     print(json.dumps({"gbps": rate, "bytes": nbytes}))
 
 
-def child_cabi_prep(ckpt: str, work: str, t: int) -> None:
-    """weights.bin (float32, mtp_weights field order) and the inputs for the plain C loop."""
+def child_cabi_prep(ckpt: str, work: str, t: int, abi: int = 1) -> None:
+    """The inputs for the plain C loop and its weights: ABI v1, weights.bin (float32, mtp_weights field order); ABI
+    v2, weights_v2.txt (each head tensor's name, mtp2_dtype, shape and byte offset in its shard, which the loop maps
+    as the probe does) and the shard's path."""
     from oracle.checkpoint import Checkpoint
     from oracle.inputs import hidden_from_seed
     from probe.adapters.cabi_worker import WEIGHT_TENSORS
 
     c, out = Checkpoint(Path(ckpt)), Path(work)
-    head = c.read_head()
-    with open(out / "weights.bin", "wb") as f:
-        for _, name in WEIGHT_TENSORS:
-            f.write(np.ascontiguousarray(head.tensors[name], dtype=np.float32).tobytes())
+    if abi == 1:
+        head = c.read_head()
+        with open(out / "weights.bin", "wb") as f:
+            for _, name in WEIGHT_TENSORS:
+                f.write(np.ascontiguousarray(head.tensors[name], dtype=np.float32).tobytes())
+    else:
+        (out / "weights_v2.txt").write_text(stored_head_table(Path(ckpt), [name for _, name in WEIGHT_TENSORS]))
     ids = token_ids(t)
     c.embedding_rows(ids).astype("<f4").tofile(out / "embed.bin")
     hidden_from_seed(0, t, c.config.hidden_size).astype("<f4").tofile(out / "hidden.bin")
@@ -147,8 +152,44 @@ def child_cabi_prep(ckpt: str, work: str, t: int) -> None:
     np.save(out / "hidden.npy", hidden_from_seed(0, t, c.config.hidden_size))
     np.save(out / "positions.npy", np.arange(t, dtype=np.int64))
     cfg = c.config
-    print(json.dumps([cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                      cfg.rotary_dim, cfg.intermediate_size, t, cfg.rms_norm_eps, cfg.rope_theta]))
+    if abi == 1:
+        print(json.dumps([cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                          cfg.rotary_dim, cfg.intermediate_size, t, cfg.rms_norm_eps, cfg.rope_theta]))
+        return
+    ints = {"hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_attention_heads, "max_steps": t,
+            "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "hidden_width": cfg.hidden_size,
+            "intermediate_size": cfg.intermediate_size}
+    doubles = {"rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+               "partial_rotary_factor": cfg.partial_rotary_factor}
+    print(json.dumps([str(shard_of(Path(ckpt), WEIGHT_TENSORS[0][1])), str(t)]
+                     + [f"i:{k}={v}" for k, v in ints.items()] + [f"d:{k}={v!r}" for k, v in doubles.items()]))
+
+
+def shard_of(ckpt: Path, name: str) -> Path:
+    index = ckpt / "model.safetensors.index.json"
+    if not index.is_file():
+        return ckpt / "model.safetensors"
+    return ckpt / json.loads(index.read_text())["weight_map"][name]
+
+
+def stored_head_table(ckpt: Path, names: list[str]) -> str:
+    """weights_v2.txt: `name dtype ndim rows cols offset` per tensor, from the safetensors header of the one shard
+    that holds them all (the realscale checkpoint's head shard)."""
+    from probe.adapters.cabi_v2 import DTYPES
+
+    shard = shard_of(ckpt, names[0])
+    if any(shard_of(ckpt, name) != shard for name in names):
+        raise RuntimeError(f"the head spans shards; the plain C loop maps one ({shard})")
+    with open(shard, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    lines = []
+    for name in names:
+        entry = header[name]
+        shape = entry["shape"] + [0] * (2 - len(entry["shape"]))
+        lines.append(f"{name} {DTYPES[entry['dtype']]} {len(entry['shape'])} {shape[0]} {shape[1]} "
+                     f"{8 + size + entry['data_offsets'][0]}")
+    return "\n".join(lines) + "\n"
 
 
 def child_accept(ckpt: str, chains: int, k: int) -> None:
@@ -402,18 +443,24 @@ def bench_diff(work: Path, rows: list) -> None:
         ref.unlink(), cand.unlink()
 
 
-def bench_cabi(ckpt: Path, work: Path, rows: list, t: int = 4) -> None:
+def bench_cabi(ckpt: Path, work: Path, rows: list, t: int = 4, abi: int = 2) -> None:
+    """`mtp-probe run --impl c:LIB` (whole command) against the same step in a plain C loop, alternated, 5 times:
+    ABI v2 (mtp_step_v2.c: the stored bf16 handed over mapped, nothing widened; the loop maps the same shard) or v1
+    (mtp_step.c: 15 float32 weights, which the worker widens and the loop reads from weights.bin)."""
     from probe.adapters.cabi import build_library
 
+    cands = ROOT / "fixtures" / "candidates"
     ref = work / f"ref_cabi{t}.h5"
-    run_child([PY, __file__, "child-export", str(ckpt), str(t), str(ref)])
-    lib = build_library(ROOT / "fixtures" / "candidates" / "mtp_step.c", work)
-    loop = work / "bench_c_loop"
-    subprocess.run(["gcc", "-O2", "-std=c11", f"-I{ROOT / 'fixtures' / 'candidates'}", str(ROOT / "scripts" /
-                    "bench_c_loop.c"), str(ROOT / "fixtures" / "candidates" / "mtp_step.c"), "-o", str(loop), "-lm"],
-                   check=True)
-    args = json.loads(run_child([PY, __file__, "child-cabi-prep", str(ckpt), str(work), str(t)])[2])
-    os.sync()  # the 1.7 GB weights.bin must not be written back while the runs below are timed
+    if not ref.is_file():
+        run_child([PY, __file__, "child-export", str(ckpt), str(t), str(ref)])
+    step_c, loop_c = (cands / "mtp_step_v2.c", "bench_c_loop_v2.c") if abi == 2 else (cands / "mtp_step.c",
+                                                                                       "bench_c_loop.c")
+    lib = build_library(step_c, work)
+    loop = work / f"bench_c_loop_v{abi}"
+    subprocess.run(["gcc", "-O2", "-std=c11", f"-I{cands}", str(ROOT / "scripts" / loop_c), str(step_c), "-o",
+                    str(loop), "-lm"], check=True)
+    args = json.loads(run_child([PY, __file__, "child-cabi-prep", str(ckpt), str(work), str(t), str(abi)])[2])
+    os.sync()  # v1's 1.7 GB weights.bin must not be written back while the runs below are timed
     runs = {"loop": [], "probe": [], "worker": []}
     for _ in range(5):  # alternating, best of 5: the machine is shared (single runs vary by up to 2x here)
         loop_wall, _, loop_out = run_child([str(loop), str(work), *map(str, args)])
@@ -430,17 +477,21 @@ def bench_cabi(ckpt: Path, work: Path, rows: list, t: int = 4) -> None:
     loop_wall, loop_steps = min(w for w, _ in runs["loop"]), min(s for _, s in runs["loop"])
     probe_wall = min(runs["probe"])
     worker_wall, worker_steps, load = (min(r[i] for r in runs["worker"]) for i in range(3))
-    rows.append((f"C ABI: mtp-probe run, whole command (T={t}, {verdict})", f"{probe_wall:.2f} s",
-                 f"plain C loop {loop_wall:.2f} s", f"{probe_wall / loop_wall:.2f}x", f"<= {TARGETS['cabi']}x"))
+    what = "v2, bf16 as stored" if abi == 2 else "v1, float32"
     medians = [float(np.median(x)) for x in (runs["probe"], [w for w, _ in runs["loop"]])]
-    rows.append(("C ABI: the same, medians of the 5 runs", f"{medians[0]:.2f} s", f"plain C loop {medians[1]:.2f} s",
-                 f"{medians[0] / medians[1]:.2f}x", ""))
-    rows.append(("C ABI: worker alone (load, steps, save)", f"{worker_wall:.2f} s", f"load {load:.2f} s",
+    rows.append((f"C ABI {what}: mtp-probe run, whole command, median of 5 (T={t}, {verdict})",
+                 f"{medians[0]:.2f} s", f"plain C loop {medians[1]:.2f} s", f"{medians[0] / medians[1]:.2f}x",
+                 f"<= {TARGETS['cabi']}x"))
+    rows.append((f"C ABI {what}: the same, best of 5", f"{probe_wall:.2f} s", f"plain C loop {loop_wall:.2f} s",
+                 f"{probe_wall / loop_wall:.2f}x", ""))
+    rows.append((f"C ABI {what}: worker alone (load, steps, save)", f"{worker_wall:.2f} s", f"load {load:.2f} s",
                  f"{worker_wall / loop_wall:.2f}x", ""))
-    rows.append(("C ABI: step loop, ctypes driver vs C", f"{worker_steps:.3f} s", f"plain C loop {loop_steps:.3f} s",
-                 f"{worker_steps / loop_steps:.3f}x", f"<= {TARGETS['cabi']}x"))
-    for name in ("weights.bin", "embed.bin", "hidden.bin", "positions.bin"):
-        (work / name).unlink()
+    rows.append((f"C ABI {what}: step loop, ctypes driver vs C", f"{worker_steps:.3f} s",
+                 f"plain C loop {loop_steps:.3f} s", f"{worker_steps / loop_steps:.3f}x", f"<= {TARGETS['cabi']}x"))
+    print(f"C ABI {what}: probe runs {', '.join(f'{w:.2f}' for w in runs['probe'])} s; loop runs "
+          f"{', '.join(f'{w:.2f}' for w, _ in runs['loop'])} s", file=sys.stderr)
+    for name in ("weights.bin", "weights_v2.txt", "embed.bin", "hidden.bin", "positions.bin"):
+        (work / name).unlink(missing_ok=True)
 
 
 def bench_accept(ckpt: Path, rows: list, chains: int = 169, k: int = 4) -> None:
@@ -479,7 +530,10 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/mtp-bench/work"))
     parser.add_argument("--only", choices=("export", "diff", "cabi", "accept", "moe"),
                         help="Run one part (floors always run).")
+    parser.add_argument("--abi", type=int, choices=(1, 2), action="append",
+                        help="C ABI version(s) the cabi part measures (repeatable; default: 2, then 1).")
     args = parser.parse_args()
+    args.abi = args.abi or [2, 1]
     if not (args.checkpoint / "model.safetensors.index.json").is_file():
         subprocess.run([PY, str(ROOT / "scripts" / "make_realscale_checkpoint.py"), str(args.checkpoint)], check=True)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -493,7 +547,8 @@ def main() -> None:
     if args.only in (None, "diff"):
         bench_diff(args.work, rows)
     if args.only in (None, "cabi"):
-        bench_cabi(args.checkpoint, args.work, rows)
+        for abi in args.abi:
+            bench_cabi(args.checkpoint, args.work, rows, abi=abi)
     if args.only in (None, "accept"):
         bench_accept(args.checkpoint, rows)
     if args.only in (None, "moe"):  # the Qwen3-Next-shaped MoE layer (scripts/bench_moe.py)
@@ -513,7 +568,7 @@ if __name__ == "__main__":
          "child-floors": lambda a: child_floors(a[0], [int(t) for t in a[1:]]),
          "child-synth": lambda a: child_synth(a[0], int(a[1]), float(a[2]), int(a[3])),
          "child-rawread": lambda a: child_rawread(*a),
-         "child-cabi-prep": lambda a: child_cabi_prep(a[0], a[1], int(a[2])),
+         "child-cabi-prep": lambda a: child_cabi_prep(a[0], a[1], int(a[2]), int(a[3]) if len(a) > 3 else 1),
          "child-naive": lambda a: child_naive(a[0], int(a[1])),
          "child-diff": lambda a: child_diff(a[0], a[1]),
          "child-accept": lambda a: child_accept(a[0], int(a[1]), int(a[2]))}[sys.argv[1]](sys.argv[2:])
