@@ -43,6 +43,8 @@ def _first_nonfinite(arrays: dict[str, np.ndarray], allow_inf: bool = False) -> 
     for name, rows in arrays.items():
         if rows.dtype.kind == "f":
             rows = rows.reshape(len(rows), -1)
+            if (not np.isnan(rows).any()) if allow_inf else np.isfinite(rows).all():
+                continue  # the common case, in one quick pass; rows are located only on failure
             bad = np.flatnonzero(np.isnan(rows).any(axis=1) if allow_inf else ~np.isfinite(rows).all(axis=1))
             if bad.size:
                 return name, int(bad[0])
