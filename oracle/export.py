@@ -121,7 +121,7 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     if set(stages) != set(stage_list.names):  # a bug in the family's head, never the user's input
         raise RuntimeError(f"the {family.name} head recorded {sorted(stages)}, its stage list is {stage_list.names}")
     evidence = recorded | {"attn_uniform": uniform}
-    check_finite_reference(ckpt, h, stages, stage_list.names, evidence)  # NaN/Inf: refused, naming the tensor
+    check_finite_reference(ckpt, inputs, stages, stage_list.names, evidence)  # NaN/Inf: refused, naming the tensor
     blind = qk_blind_tokens(stages["attn"], evidence["attn_uniform"])
     if blind.all():
         warn(qk_warning(inputs.num_tokens))

@@ -13,21 +13,28 @@ from oracle.errors import CheckpointError, InputError
 _SCAN_ELEMENTS = 1 << 24  # a head tensor is widened this many elements at a time (64 MB of float32)
 
 
-def check_finite_reference(ckpt: Checkpoint, hidden: np.ndarray, stages: dict[str, np.ndarray],
-                           order: list[str], evidence: dict[str, np.ndarray]) -> None:
-    """Raise (exit 2) when any stage row holds NaN/Inf (an evidence row NaN), naming the first stage (in `order`) and token,
-    and the head tensors holding NaN/Inf (or the hidden, when it is the input that is not finite)."""
+def check_finite_reference(ckpt: Checkpoint, inputs, stages: dict[str, np.ndarray], order: list[str],
+                           evidence: dict[str, np.ndarray]) -> None:
+    """Raise (exit 2) when any stage row holds NaN/Inf (an evidence row NaN), naming the first stage (in `order`)
+    and token, and the head tensors holding NaN/Inf (or the input, hidden or embedding rows, that is not finite).
+    `inputs`: the TraceInputs the head consumed."""
     found = _first_nonfinite({f"stage {n}": stages[n] for n in order if n in stages}) or \
         _first_nonfinite({f"evidence {n}": v for n, v in evidence.items()}, allow_inf=True)
     if found is None:
         return
     where, token = found
-    what = f"the reference's {where} is NaN/Inf at token {token} (of {len(hidden)}); a reference must be finite."
-    bad_hidden = np.flatnonzero(~np.isfinite(hidden.reshape(len(hidden), -1)).all(axis=1))
+    what = (f"the reference's {where} is NaN/Inf at token {token} (of {inputs.num_tokens}); a reference must be "
+            f"finite.")
+    bad_hidden = _nonfinite_rows(inputs.hidden)
     if bad_hidden.size:  # (a --hidden file is checked when read: this is the main model's output)
         raise InputError(f"{what} The hidden H the head consumed is NaN/Inf at token(s) "
                          f"{', '.join(map(str, bad_hidden[:8]))}: check the main model's weights in {ckpt.path}, "
                          f"or pass a finite hidden with --hidden.")
+    bad_embed = _nonfinite_rows(inputs.embed)
+    if bad_embed.size:
+        ids = ", ".join(str(int(inputs.token_ids[t])) for t in bad_embed[:8])
+        raise CheckpointError(f"{what} The embedding rows of token id(s) {ids} hold NaN/Inf: the checkpoint's "
+                              f"embedding table in {ckpt.path} is damaged there. Re-download or re-convert it.")
     tensors = nonfinite_head_tensors(ckpt)
     if tensors:
         raise CheckpointError(f"{what} The checkpoint's head holds NaN/Inf in {', '.join(tensors)} ({ckpt.path}). "
@@ -35,6 +42,11 @@ def check_finite_reference(ckpt: Checkpoint, hidden: np.ndarray, stages: dict[st
                               f"weights.")
     raise CheckpointError(f"{what} No head tensor in {ckpt.path} holds NaN/Inf, so the values overflowed float32: "
                           f"check the scale of the hidden (--hidden) and of the weights.")
+
+
+def _nonfinite_rows(rows: np.ndarray) -> np.ndarray:
+    rows = rows.reshape(len(rows), -1)
+    return np.flatnonzero(~np.isfinite(rows).all(axis=1))
 
 
 def _first_nonfinite(arrays: dict[str, np.ndarray], allow_inf: bool = False) -> tuple[str, int] | None:

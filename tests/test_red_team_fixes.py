@@ -202,6 +202,24 @@ NAN_CASES = {
 }
 
 
+def _nan_embedding_row(token):
+    def edit(tensors):
+        name = "model.language_model.embed_tokens.weight"
+        tensors[name][token, 3] = float("inf")
+        return True
+    return edit
+
+
+def test_export_with_a_nonfinite_embedding_row_names_the_token_id(tmp_path):
+    ckpt = _edit_tensors(Path(shutil.copytree(TINY, tmp_path / "ckpt")), _nan_embedding_row(42))
+    out = tmp_path / "ref.h5"
+    assert_refused(oracle.cli.cli, ["export", ckpt, "--out", out, "--tokens", "17,42,3", "--hidden-seed", "0", "-q"],
+                   r"stage \w+ is NaN/Inf at token 1 .*embedding rows of token id\(s\) 42 hold NaN/Inf", [ckpt],
+                   tmp_path)
+    result = run_cli(oracle.cli.cli, ["export", ckpt, "--out", out, "--tokens", "17,3", "--hidden-seed", "0", "-q"])
+    assert result.exit_code == 0, result.output  # twin: tokens that do not read the damaged row export
+
+
 @pytest.mark.parametrize("case", sorted(NAN_CASES))
 def test_export_of_a_checkpoint_holding_nan_is_refused(tmp_path, case):
     make, tensor, pattern = NAN_CASES[case]
