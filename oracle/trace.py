@@ -382,9 +382,10 @@ class TraceReader:
         recorded = self.attrs.get("inputs_digest")
         actual = inputs_digest(inputs)
         if recorded is not None and actual != recorded:
-            raise TraceFormatError(f"{self.path}: its /inputs hash to {actual[:19]}…, but its inputs_digest attribute "
-                                   f"says {str(recorded)[:19]}…: the inputs were changed after export, so its stages "
-                                   f"are not the oracle's output for them. Write it again: {export_hint(self.path)}")
+            raise TraceFormatError(f"{self.path}: its /inputs hash to {actual[:19]}…, but its inputs_digest "
+                                   f"attribute says {str(recorded)[:19]}…: the inputs were changed after export, so "
+                                   f"its stages are not the oracle's output for them. Write it again: "
+                                   f"{export_hint(self.path)}")
         return inputs
 
 
