@@ -1,9 +1,12 @@
 """What went wrong loading one tensor: the engine's copy `a` against the checkpoint's `e`, classified.
 
 Tried in this order (the first that fits names the fault): ok, zeros, init_like (a norm left at its initial all-0
-or all-1 value), constant, scaled (one constant factor: a forgotten dequant scale), permuted_rows (rows, or the
-input columns, of the checkpoint in another order), quantized (highly correlated, error of quantization size),
-init_like (a linear uncorrelated with the checkpoint whose spread is that of a fresh initialisation), different.
+or all-1 value), constant, transposed (a square matrix stored transposed), scaled (one constant factor: a forgotten
+dequant scale), permuted_rows (rows, or the input columns, of the checkpoint in another order: a true permutation,
+every row used once), zeros or different (some rows all 0, or wholly unlike the checkpoint's, where the rest match:
+a partial load; no quantization does that), quantized (highly
+correlated, error of quantization size spread over the tensor), init_like (a linear uncorrelated with the
+checkpoint whose spread is that of a fresh initialisation), different.
 A tensor whose shape is the checkpoint's transposed is classified after transposing back: `transposed` when it then
 matches (ok, scaled or quantized), otherwise the fault found, noted as stored transposed. Torch-free.
 """
@@ -62,6 +65,9 @@ def classify(a: np.ndarray, e: np.ndarray, facts: TensorFacts) -> Finding:
 
 
 def _by_values(a: np.ndarray, e: np.ndarray, facts: TensorFacts, max_rel: float) -> Finding:
+    if a.ndim == 2 and a.shape[0] == a.shape[1] > 1 and _close(a.T, e, float(np.abs(e).max()) or 1.0):
+        return Finding("transposed", max_rel, f"a square {list(a.shape)} matrix stored transposed (rows are the "
+                                              f"checkpoint's columns)")
     ea, ee = float(np.dot(a.ravel(), a.ravel())), float(np.dot(e.ravel(), e.ravel()))
     dot = float(np.dot(a.ravel(), e.ravel()))
     corr = dot / np.sqrt(ea * ee) if ea and ee else 0.0
@@ -74,6 +80,9 @@ def _by_values(a: np.ndarray, e: np.ndarray, facts: TensorFacts, max_rel: float)
     permuted = _permutation_note(a, e, facts)
     if permuted:
         return Finding("permuted_rows", max_rel, permuted)
+    partial = _partial_rows(a, e, max_rel)
+    if partial:
+        return partial
     rms = float(np.linalg.norm(a - e) / np.sqrt(ee)) if ee else float("inf")
     if corr > QUANTIZED_CORR and rms < QUANTIZED_RMS:
         return Finding("quantized", max_rel, f"{rms:.2%} rms error, correlation {corr:.4f}: quantization-sized "
@@ -82,6 +91,26 @@ def _by_values(a: np.ndarray, e: np.ndarray, facts: TensorFacts, max_rel: float)
     if init:
         return Finding("init_like", max_rel, init)
     return Finding("different", max_rel, f"correlation {corr:+.3f} with the checkpoint, {rms:.1%} rms error")
+
+
+def _partial_rows(a: np.ndarray, e: np.ndarray, max_rel: float) -> Finding | None:
+    """Rows of a matrix that are all 0, or wholly unlike the checkpoint's, while the other rows match: a partial load
+    (a shard or a slice never copied), not quantization, whose error is spread over every row."""
+    if a.ndim < 2:
+        return None
+    rows_a, rows_e = a.reshape(-1, a.shape[-1]), e.reshape(-1, e.shape[-1])
+    norm_e = np.linalg.norm(rows_e, axis=1)
+    rel = np.linalg.norm(rows_a - rows_e, axis=1) / np.where(norm_e == 0, 1.0, norm_e)
+    zero = ~rows_a.any(axis=1) & rows_e.any(axis=1)
+    wrong = rel > 0.5  # no quantization moves a whole row by half its norm while the others stay close
+    if not wrong.any() or wrong.all() or np.median(rel) > QUANTIZED_RMS:
+        return None
+    n, bad = len(rel), int(np.count_nonzero(wrong))
+    first = ", ".join(map(str, np.flatnonzero(wrong)[:5])) + (" …" if bad > 5 else "")
+    if zero[wrong].all():
+        return Finding("zeros", max_rel, f"{bad} of {n} rows are all 0 (rows {first}): a partially loaded tensor?")
+    return Finding("different", max_rel, f"{bad} of {n} rows differ wholly from the checkpoint's (rows {first}) while "
+                                      f"the rest match: a partial or misplaced load?")
 
 
 def _close(a: np.ndarray, e: np.ndarray, scale: float) -> bool:
@@ -142,6 +171,8 @@ def _row_permutation(a: np.ndarray, e: np.ndarray) -> np.ndarray | None:
         if not len(hits):
             return None
         perm[i] = hits[0]
+    if len(np.unique(perm)) != n:  # a checkpoint row used twice (a duplicated row) is no permutation
+        return None
     return None if np.array_equal(perm, np.arange(n)) else perm
 
 

@@ -216,13 +216,15 @@ def test_a_transposed_ragged_scale_grid_is_refused_by_shape(tmp_path):
 
 def test_an_fp8_weight_without_its_scale_is_refused_naming_it(tmp_path):
     o_proj = ATTN + "o_proj.weight"
-    fp8, _ = fp8_copy(FIXTURES / "qwen3_5_moe_tiny", tmp_path / "t", (128, 128),
-                      edit=lambda t: t.pop(o_proj.removesuffix("weight") + "weight_scale_inv"))
+    fp8, deq = fp8_copy(FIXTURES / "qwen3_5_moe_tiny", tmp_path / "t", (128, 128),
+                        edit=lambda t: t.pop(o_proj.removesuffix("weight") + "weight_scale_inv"))
     result = export(fp8, tmp_path / "t.h5")
     assert result.exit_code == 2 and o_proj in result.output and "weight_scale_inv" in result.output, result.output
     assert not (tmp_path / "t.h5").exists()
     # the load audit reads the head dequantized: it refuses too, never decodes the weight unscaled
-    audit = run_cli(probe_cli, ["weights", fp8, fp8 / "model.safetensors"])
+    dump = tmp_path / "engine_dump.safetensors"  # any dump: the checkpoint side is refused first
+    shutil.copy(deq / "model.safetensors", dump)
+    audit = run_cli(probe_cli, ["weights", fp8, dump])
     assert audit.exit_code == 2 and o_proj in audit.output, audit.output
 
 

@@ -203,3 +203,29 @@ def test_cli_exit_codes_last_line_and_json(tmp_path):
                                       "--json", str(tmp_path / "bad.json")])
     assert result.exit_code == 2 and result.output.splitlines()[0].startswith("WEIGHTS INVALID | ")
     assert json.loads((tmp_path / "bad.json").read_text())["verdict"] == "invalid"
+
+
+def square_transposed(w): return w.T.copy()
+def last_row_zeroed(w): return np.concatenate([w[:-1], np.zeros_like(w[-1:])])
+def some_rows_foreign(w): return np.concatenate([w[:-3], np.random.default_rng(5).standard_normal(w[-3:].shape)
+                                                  .astype(np.float32) * w.std()])
+def one_row_duplicated(w): return np.concatenate([w[:1], w[:-1]])
+
+
+@pytest.mark.parametrize("name, fault, status, words", [
+    (ATTN + "k_proj.weight", square_transposed, "transposed", "square"),
+    ("mtp.fc.weight", last_row_zeroed, "zeros", "1 of 64 rows are all 0"),
+    (MLP + "down_proj.weight", some_rows_foreign, "different", "3 of 64 rows differ wholly"),
+    (ATTN + "q_proj.weight", one_row_duplicated, "different", ""),
+])
+def test_red_team_faults_are_named_for_what_they_are(tmp_path, name, fault, status, words):
+    """Red team: a square matrix stored transposed was `different`, a zeroed row `quantized`, a duplicated row
+    `permuted_rows`. Twin: the same tensors quantized (error spread over every row) stay `quantized`."""
+    tensors = head(DENSE)
+    assert fault is not square_transposed or tensors[name].shape[0] == tensors[name].shape[1]
+    tensors[name] = fault(tensors[name])
+    found = audit(tmp_path, DENSE, tensors)[name]
+    assert found.status == status and words in found.note, found
+    twin = head(DENSE)
+    twin[name] = int8(twin[name])
+    assert audit(tmp_path, DENSE, twin)[name].status == "quantized"
