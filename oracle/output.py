@@ -7,6 +7,7 @@ import errno
 import os
 import re
 import signal
+import stat
 import sys
 import threading
 from collections.abc import Iterator
@@ -21,7 +22,10 @@ _DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def check_writable(path: Path, option: str = "--out") -> None:
-    """Fail early, naming `option`, if `path` cannot be created or replaced."""
+    """Fail early, naming `option`, if `path` cannot be created or replaced: checked before the work, so a result
+    is never followed by a failed write. Beyond permissions: an existing output must be a regular file (the rename
+    would replace /dev/null or a FIFO), and atomic_output's temporary file must really be creatable beside it
+    (/proc, /sys and read-only mounts pass os.access but refuse it)."""
     path = Path(path)
     if path.is_dir():
         raise OutputError(f"{option} {path} is a directory; give a file name such as {path / 'out.h5'}.")
@@ -30,6 +34,22 @@ def check_writable(path: Path, option: str = "--out") -> None:
         raise OutputError(f"{option} {path}: directory {parent} does not exist; create it first.")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputError(f"{option} {path}: directory {parent} is not writable; choose another location.")
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = None  # absent: created by the write
+    if mode is not None and not stat.S_ISREG(mode):
+        raise OutputError(f"{option} {path} exists and is not a regular file (a device, FIFO or socket); writing "
+                          f"the output would replace it. Choose a file name.")
+    trial = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # the name atomic_output writes, removed at once
+    try:
+        os.close(os.open(trial, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600))
+        os.unlink(trial)
+    except FileExistsError:
+        pass  # this process's own pending write: creatable
+    except OSError as err:
+        raise OutputError(f"{option} {path}: a file cannot be created in {parent} ({err.strerror}), so it cannot "
+                          f"write {path}; choose another location.") from None
 
 
 def refuse_overwriting_inputs(outputs: dict[str, Path | None], inputs: dict[str, Path | None]) -> None:

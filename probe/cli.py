@@ -225,27 +225,9 @@ def selftest(ctx, reference, checkpoint, build_dir, quiet) -> None:
 
 
 def check_output(path: Path, option: str) -> None:
-    """check_writable, and what it cannot see: the output's temporary file (atomic_output's name) can really be
-    created beside it (/proc, /sys, a read-only mount refuse it), and an existing output is a regular file (the
-    rename would replace /dev/null or a FIFO). Checked before the work, so a verdict is never followed by exit 2."""
-    import os
-    import stat
-
+    """oracle/output.py check_writable: every output checked before the work (so a verdict is never followed by
+    exit 2)."""
     check_writable(path, option)
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        mode = None  # absent: created by the write
-    if mode is not None and not stat.S_ISREG(mode):
-        raise OutputError(f"{option} {path} exists and is not a regular file (a device, FIFO or socket); writing "
-                          f"the output would replace it. Choose a file name.")
-    probe = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # the name the write itself uses, removed at once
-    try:
-        os.close(os.open(probe, os.O_CREAT | os.O_WRONLY, 0o600))
-        os.unlink(probe)
-    except OSError as err:
-        raise OutputError(f"{option} {path}: a file cannot be created in {path.parent} ({err.strerror}); choose "
-                          f"another location.") from None
 
 
 def _tols(ref: Path, profile: str, rtol, atol, stage_tol, json_path, plot_path, html_path=None) -> dict[str, Tol]:
