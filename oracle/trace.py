@@ -19,6 +19,8 @@ Root attributes
     inputs_digest      "sha256:<hex>" of the four /inputs datasets, see `inputs_digest`
     evidence_digest    "sha256:<hex>" of evidence_rules and the /evidence datasets, see `evidence_digest`; the
                        probe uses a reference's evidence only when it matches
+    stage_checksums    JSON {stage: "crc32:<hex>"} of each stage's rows, see `stage_checksums`; the probe's diff
+                       verifies every stage it read whole (absent in traces written before it: not verified)
     provenance         JSON: command line, checkpoint path, hidden source, seed, mode, dtype, git commit, time
 
 Datasets
@@ -51,6 +53,7 @@ interrupted write never leaves a file that looks finished.
 import hashlib
 import json
 import os
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,7 +81,8 @@ EVIDENCE_DOCS = {
                             "changed the expert choice (the plain top-k over all experts differs): a group-limit "
                             "error can show only at these tokens",
 }
-_JSON_ATTRS = ("versions", "config", "provenance", "dims", "evidence_rules", "experts", "embedding")
+_JSON_ATTRS = ("versions", "config", "provenance", "dims", "evidence_rules", "experts", "embedding",
+               "stage_checksums")
 _CHUNK_BYTES = 1 << 20
 
 
@@ -109,6 +113,15 @@ def inputs_digest(inputs: TraceInputs) -> str:
         digest.update(f"{name}|{arr.dtype.str}|{list(arr.shape)}|".encode())
         digest.update(arr.tobytes())
     return "sha256:" + digest.hexdigest()
+
+
+def stage_checksums(stages: dict[str, np.ndarray]) -> dict[str, str]:
+    """Per stage, the CRC-32 of its rows' little-endian bytes in row order ("crc32:%08x"): a reader that reads the
+    rows anyway (the probe's diff) verifies them in passing, so a reference damaged or edited after export is
+    refused instead of blaming the candidate. Unkeyed, like every digest here: it detects damage and careless
+    edits, not a forger who recomputes it."""
+    return {name: f"crc32:{zlib.crc32(np.ascontiguousarray(rows, rows.dtype.newbyteorder('<'))):08x}"
+            for name, rows in stages.items()}
 
 
 def evidence_digest(rules: dict | None, evidence: dict[str, np.ndarray]) -> str:
@@ -145,7 +158,7 @@ def write_trace(path: Path, inputs: TraceInputs, stages: dict[str, np.ndarray], 
     unknown = set(stages) - set(names)
     if unknown:
         raise ValueError(f"unknown stage names {sorted(unknown)}; valid: {stage_list.names}")
-    attrs = {"dims": dims.to_dict()} | attrs
+    attrs = {"dims": dims.to_dict()} | attrs | {"stage_checksums": stage_checksums({n: stages[n] for n in names})}
     if evidence:
         attrs["evidence_digest"] = evidence_digest(attrs.get("evidence_rules"), evidence)
     # h5py writes through hdf5_target: HDF5 never sees a failed write (a full disk), which it does not survive

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Sequence
+import zlib
 
 import numpy as np
 
@@ -140,7 +141,9 @@ def _compare_stages(ref: TraceSource, cand: TraceSource, names: Sequence[str], t
     stop, chunk_ok = total, True
     blocks_read = tracked(_read_and_sum(ref, cand, blocks, tols, widths), "diff", total * len(names), unit="row",
                           count=lambda item: item[0][2] - item[0][1])  # (stage, token) rows compared
+    checksums = _ReferenceChecksums(ref, names)
     for (name, start, end), actual, expected, sums in blocks_read:
+        checksums.add(name, expected)
         if sums is None:  # an index-set stage (topk_ids): compared as sets
             block = compare_index_sets(name, start, actual, expected, tols[name], routing.near_tie(start, end),
                                        routing.flippable(start, end))
@@ -155,7 +158,32 @@ def _compare_stages(ref: TraceSource, cand: TraceSource, names: Sequence[str], t
                 stop = end
                 break
             chunk_ok = True
+    if stop == total:  # every row of every compared stage read: verify them (fail-fast stops are not verified)
+        checksums.verify()
     return {name: join_rows(progress.blocks) for name, progress in stages.items()}, stop
+
+
+class _ReferenceChecksums:
+    """The reference's stage rows checked against its `stage_checksums` (oracle/trace.py) as the diff reads them:
+    a reference damaged or edited after export is refused (exit 2) instead of blaming the candidate. Blocks of one
+    stage arrive in token order, so each CRC-32 runs along its stage; traces without the record are not checked."""
+
+    def __init__(self, ref: TraceSource, names: Sequence[str]):
+        recorded = ref.attrs.get("stage_checksums")
+        self.ref, self.recorded = ref, recorded if isinstance(recorded, dict) else {}
+        self.crc = {name: 0 for name in names if name in self.recorded}
+
+    def add(self, name: str, rows: np.ndarray) -> None:
+        if name in self.crc:
+            self.crc[name] = zlib.crc32(np.ascontiguousarray(rows), self.crc[name])
+
+    def verify(self) -> None:
+        for name, crc in self.crc.items():
+            if f"crc32:{crc:08x}" != self.recorded[name]:
+                raise ReferenceTraceError(f"reference {self.ref.path}: the rows of stage {name} do not match the "
+                                          f"trace's stage_checksums ({self.recorded[name]}, read crc32:{crc:08x}): "
+                                          f"the reference was edited or damaged after export, so no comparison "
+                                          f"with it means anything. Regenerate it with mtp-oracle export.")
 
 
 def _read_and_sum(ref: TraceSource, cand: TraceSource, blocks: list[tuple[str, int, int]], tols: dict[str, Tol],

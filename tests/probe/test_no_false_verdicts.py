@@ -244,3 +244,21 @@ def test_a_reference_whose_evidence_was_edited_is_refused(tmp_path, degenerate_r
         del f.attrs["evidence_digest"]  # evidence no digest covers is not trusted: at best inconclusive
     assert run_cli(cli, ["diff", unsigned, TINY_REF]).exit_code == 3
     assert run_cli(cli, ["diff", TINY_REF, TINY_REF]).exit_code == 0  # twin: the untouched reference
+
+
+def test_a_reference_damaged_after_export_is_refused_not_blamed_on_the_candidate(tmp_path):
+    """Red team: one edited attn value in the reference made a correct candidate DIVERGED (exit 1). The trace's
+    stage_checksums are verified as the diff reads the rows: the damaged reference is INVALID, naming the stage.
+    Twin: the same reference undamaged passes the same candidate."""
+    from oracle.cli import cli as oracle_cli
+
+    ref = tmp_path / "ref.h5"
+    inputs = ["--tokens", "17,42,3,255,100,7,511,64", "--hidden-seed", "0", "-q"]
+    assert run_cli(oracle_cli, ["export", TINY, "--out", ref, *inputs]).exit_code == 0
+    cand = tmp_path / "cand.h5"
+    shutil.copy(TINY_REF, cand)  # the same head and inputs, exported earlier: a correct candidate
+    assert run_cli(cli, ["diff", ref, cand]).exit_code == 0
+    with h5py.File(ref, "a") as f:
+        f["stages/attn"][3, 5] *= np.float32(1.0001)
+    result = run_cli(cli, ["diff", ref, cand])
+    assert result.exit_code == 2 and "stage attn do not match the trace's stage_checksums" in last_line(result)
