@@ -187,7 +187,8 @@ def _swap_linears(module: nn.Module, fp8: "Fp8Weights", fp8_linears: dict[str, s
 
 def torch_weights(weights: HeadWeights) -> dict[str, torch.Tensor]:
     """Stored head tensors as torch tensors sharing memory: bf16 as torch.bfloat16, FP8 as its bit patterns in
-    torch.uint8 (no other head tensor is uint8; dequantized with their `weight_scale_inv` in build_head)."""
+    torch.uint8 (no other head tensor is uint8; dequantized with their `weight_scale_inv` in use: Fp8Linear,
+    RoutedFp8Experts)."""
     as_torch = {"F32": torch.from_numpy, "F16": torch.from_numpy, E4M3: torch.from_numpy,
                 "BF16": lambda a: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)}
     out = {}
