@@ -125,6 +125,12 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     blind = qk_blind_tokens(stages["attn"], evidence["attn_uniform"])
     if blind.all():
         warn(qk_warning(inputs.num_tokens))
+    if "topk_margin" in evidence and "router_logits" in stages:
+        from oracle.families.routing_evidence import near_tie_tokens, near_tie_warning
+
+        ties = near_tie_tokens(stages["router_logits"], evidence["topk_margin"])
+        if len(ties):
+            warn(near_tie_warning(ties, inputs.num_tokens))
     import torch
     import transformers  # both loaded by the head module: the versions recorded are the ones that ran
 

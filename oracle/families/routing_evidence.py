@@ -9,7 +9,28 @@ A distance may be smaller than the exact one (that only excuses more: still a ne
 larger than a flip that rounding could cause. torch in, torch out; the families call these on their router's own
 selection scores (oracle/families/*.py)."""
 
+import numpy as np
 import torch
+
+# The probe's default float32 tolerance (probe/tolerance.py DEFAULT) for router_logits, restated for the export's
+# warning (the oracle never imports the probe); the probe judges near-ties with the tolerance of its own diff.
+WARN_RTOL, WARN_ATOL = 1e-4, 1e-5
+
+
+def near_tie_tokens(router_logits: np.ndarray, margin: np.ndarray) -> np.ndarray:
+    """Tokens whose top-k selection margin is within twice the default router_logits tolerance (the probe's
+    near-tie rule, probe/diff.py _Routing): a candidate may choose other experts there by rounding alone, and a diff
+    against this reference is then at best inconclusive at those tokens."""
+    logits = np.asarray(router_logits, dtype=np.float64)
+    limit = 2 * np.maximum(WARN_ATOL, WARN_RTOL * np.abs(logits).max(axis=1))
+    return np.flatnonzero(np.asarray(margin, dtype=np.float64).reshape(len(logits), -1)[:, 0] < limit)
+
+
+def near_tie_warning(tokens: np.ndarray, num_tokens: int) -> str:
+    shown = ", ".join(map(str, tokens[:12])) + (f" and {len(tokens) - 12} more" if len(tokens) > 12 else "")
+    return (f"warning: the router's own top-k selection is a near-tie at {len(tokens)} of {num_tokens} token(s) "
+            f"({shown}): a candidate within rounding may choose other experts there, and a diff is then at best "
+            f"inconclusive at those tokens. Export with other tokens or hidden rows to avoid them.")
 
 
 def topk_flip_distances(choice: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

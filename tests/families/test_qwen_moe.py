@@ -271,3 +271,22 @@ def test_a_loosened_router_tolerance_never_turns_other_experts_into_a_pass(expor
     near = False
     far = _with_stages(trace, tmp_path / "far.h5", wrong_everywhere)
     assert diff_traces(trace, far, loose).verdict.name == "diverged"
+
+
+def test_export_warns_about_routing_near_ties_in_its_own_reference(tmp_path):
+    """A router whose logits tie (here: a zero gate, every expert equal) makes every token a near-tie: the export
+    says so before anyone diffs against it. Twin: the ordinary fixture exports without the warning."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    ckpt = FIXTURES.write_moe_checkpoint(tmp_path / "tie", "qwen3_5_moe", "per_expert", main_model=False)
+    tensors = load_file(ckpt / "model.safetensors")
+    gate = next(n for n in tensors if n.endswith("mlp.gate.weight"))
+    tensors[gate] = torch.zeros_like(tensors[gate])
+    save_file(tensors, ckpt / "model.safetensors")
+    args = ["--tokens", TOKENS, "--hidden-seed", "0"]
+    tied = run_cli(oracle_cli, ["export", ckpt, "--out", tmp_path / "tie.h5", *args])
+    assert tied.exit_code == 0 and "near-tie at 10 of 10 token(s)" in tied.output, tied.output
+    plain = FIXTURES.write_moe_checkpoint(tmp_path / "plain", "qwen3_5_moe", "per_expert", main_model=False)
+    ok = run_cli(oracle_cli, ["export", plain, "--out", tmp_path / "plain.h5", *args])
+    assert ok.exit_code == 0 and "near-tie" not in ok.output
