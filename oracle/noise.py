@@ -143,6 +143,8 @@ def _path_figures(truth: dict, got: dict, stage_list, path: str, margin: float) 
     """One path's figures: per stage measured_max_rel/abs and the tolerance, tokens whose routing flipped."""
     flips = np.zeros(len(next(iter(truth.values()))), dtype=bool)
     stages = {}
+    if "topk_ids" in truth and "topk_weights" in truth:  # as the probe compares them: in the truth's id order
+        got = got | {"topk_weights": _in_id_order(got["topk_weights"], got["topk_ids"], truth["topk_ids"])}
     for stage in stage_list:
         e, a = truth[stage.name], got[stage.name]
         if stage.kind == INDEX_SET:  # compared as sets by the probe: no float tolerance
@@ -152,6 +154,19 @@ def _path_figures(truth: dict, got: dict, stage_list, path: str, margin: float) 
             continue
         stages[stage.name] = _stage_figures(a[~flips], e[~flips], path, margin)
     return {"unit_roundoff": UNIT_ROUNDOFF[path], "routing_flips": np.flatnonzero(flips).tolist(), "stages": stages}
+
+
+def _in_id_order(weights: np.ndarray, ids: np.ndarray, truth_ids: np.ndarray) -> np.ndarray:
+    """A path's topk_weights rows reordered into the truth's topk_ids order where both select the same experts:
+    the probe compares a candidate's weights so (probe/diff.py _aligned_to_reference_ids), so a rank swap of two
+    near-equal experts by rounding is no error there, and must not inflate the measured noise either (it made the
+    measured topk_weights rtol reach 0.6-1.2 on DeepSeek heads: a stage that then checked nothing)."""
+    out = np.array(weights, copy=True)
+    for row, (mine, theirs) in enumerate(zip(np.asarray(ids), np.asarray(truth_ids))):
+        if not np.array_equal(mine, theirs) and np.array_equal(np.sort(mine), np.sort(theirs)):
+            where = {int(e): j for j, e in enumerate(mine)}
+            out[row] = weights[row, [where[int(e)] for e in theirs]]
+    return out
 
 
 def _stage_figures(actual: np.ndarray, expected: np.ndarray, path: str, margin: float) -> dict:

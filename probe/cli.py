@@ -241,7 +241,9 @@ def _tols(ref: Path, profile: str, rtol, atol, stage_tol, json_path, plot_path, 
     for option, path in (("--json", json_path), ("--plot", plot_path), ("--html", html_path)):
         if path:
             check_output(path, option)  # before the diff, not after minutes of work
-    if measured is not None:
+    if measured is not None:  # the profile is an input too: no report may overwrite it
+        refuse_overwriting_inputs({"--json": json_path, "--plot": plot_path, "--html": html_path},
+                                  {"--profile": measured[0]})
         return tol_table(overrides=stage_tol, measured=measured_tol_table(*measured, reference_facts(ref)))
     return tol_table(PROFILES[profile] if rtol is None else Tol(rtol, atol, "--rtol/--atol"), stage_tol)
 

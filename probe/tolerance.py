@@ -162,6 +162,9 @@ def measured_tol_table(file: Path, path: str | None, reference: dict) -> TolTabl
         raise ToleranceError(f"{where} was measured on a {profile.get('family')} head; the reference "
                              f"{reference['name']} is a {reference['family']} head: {_REGENERATE}.")
     ours, theirs = profile.get("checkpoint_digest"), reference.get("checkpoint_digest")
+    if theirs and not ours:
+        raise ToleranceError(f"{where} does not say which head it measured (no checkpoint_digest), so it cannot be "
+                             f"checked against the reference {reference['name']}: {_REGENERATE}.")
     if ours and theirs and ours != theirs:
         raise ToleranceError(f"{where} was measured on the head in {profile.get('checkpoint')} (digest {ours}); the "
                              f"reference {reference['name']} was exported from another head (digest {theirs}). "
@@ -209,26 +212,57 @@ def _covered(figures: dict, reference: dict, where: str) -> dict:
 
 
 def _measured_table(file: Path, path: str, profile: dict, stages: dict, reference: dict) -> TolTable:
-    u = profile["paths"][path].get("unit_roundoff")
-    try:
-        margin = float(profile["margin"])
-        table = TolTable(DEFAULT, {name: _measured_tol(path, margin, u, stages[name], reference["kinds"].get(name))
-                                   for name in reference["stages"]})
-    except (KeyError, TypeError, ValueError) as err:
-        raise ToleranceError(f"--profile {file}:{path}: a stage lacks measured_max_rel, measured_max_abs, rtol or "
-                             f"atol, or the margin is missing ({err!r}: a damaged file); {_REGENERATE}.") from None
+    where = f"--profile {file}:{path}"
+    u = _number(profile["paths"][path].get("unit_roundoff"), f"{where}: unit_roundoff", low=0.0, high=1.0)
+    margin = _number(profile.get("margin"), f"{where}: margin", low=1.0)
+    table = TolTable(DEFAULT, {name: _measured_tol(where, path, margin, u, stages[name], reference["kinds"].get(name))
+                               for name in reference["stages"]})
     digest = reference.get("inputs_digest")
     inputs = profile.get("inputs") if isinstance(profile.get("inputs"), dict) else {}
-    table.noise = NoiseFloor(str(file), path, margin, profile["family"], int(inputs.get("num_tokens", 0)),
+    num_tokens = inputs.get("num_tokens", 0)
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ToleranceError(f"{where}: inputs.num_tokens is {num_tokens!r}, not a token count (a damaged file); "
+                             f"{_REGENERATE}.")
+    table.noise = NoiseFloor(str(file), path, margin, profile["family"], num_tokens,
                              None if not digest else inputs.get("inputs_digest") == digest, u,
                              {name: stages[name] for name in reference["stages"]})
     return table
 
 
-def _measured_tol(path: str, margin: float, u: float | None, entry: dict, kind: str | None) -> Tol:
+def _measured_tol(where: str, path: str, margin: float, u: float, entry, kind: str | None) -> Tol:
+    """The stage's tolerance, recomputed from its measured figures by the profile's own rule (rtol = margin x
+    max(measured max_rel, u); atol at most rtol x the smallest row's scale, or margin x the measured max_abs for
+    all-zero rows): a profile whose stated tolerances disagree with its figures, or that would check nothing (rtol
+    >= 1), is refused, never trusted (an edited profile passed a candidate 30% off at attn)."""
     if kind == "index_set":
         return Tol(0.0, 0.0, "index set: compared as a set, no float tolerance")
-    rel, absolute = float(entry["measured_max_rel"]), float(entry["measured_max_abs"])
-    floor = " (floor: one rounding)" if u is not None and rel < u else ""
-    return Tol(float(entry["rtol"]), float(entry["atol"]),
-               f"{path} noise x{margin:g}: measured max_rel {rel:.2g}, max_abs {absolute:.2g}{floor}")
+    if not isinstance(entry, dict):
+        raise ToleranceError(f"{where}: a stage's figures are {entry!r}, not an object (a damaged file); "
+                             f"{_REGENERATE}.")
+    rel = _number(entry.get("measured_max_rel"), f"{where}: measured_max_rel", low=0.0)
+    absolute = _number(entry.get("measured_max_abs"), f"{where}: measured_max_abs", low=0.0)
+    scale = _number(entry.get("min_row_scale", 0.0), f"{where}: min_row_scale", low=0.0)
+    stated_rtol = _number(entry.get("rtol"), f"{where}: rtol", low=0.0)
+    stated_atol = _number(entry.get("atol"), f"{where}: atol", low=0.0)
+    rtol = margin * max(rel, u)
+    atol_limit = max(rtol * scale, margin * absolute)
+    if abs(stated_rtol - rtol) > 1e-9 * rtol or stated_atol > atol_limit * (1 + 1e-9):
+        raise ToleranceError(f"{where}: a stage states rtol {stated_rtol:g}, atol {stated_atol:g}, but its own "
+                             f"figures (measured max_rel {rel:g}, max_abs {absolute:g}, margin {margin:g}) give rtol "
+                             f"{rtol:g} and atol at most {atol_limit:g}: the file was edited or damaged. "
+                             f"{_REGENERATE}.")
+    if rtol >= 1:
+        raise ToleranceError(f"{where}: a stage's measured noise gives rtol {rtol:g} (>= 100% of the row), which "
+                             f"checks nothing: that path is too coarse for this head. Use another path "
+                             f"(--profile FILE:float32) or a named profile.")
+    floor = " (floor: one rounding)" if rel < u else ""
+    return Tol(rtol, stated_atol, f"{path} noise x{margin:g}: measured max_rel {rel:.2g}, max_abs {absolute:.2g}{floor}")
+
+
+def _number(value, what: str, low: float, high: float = math.inf) -> float:
+    """A finite JSON number in [low, high] (never a bool or a string), or the ToleranceError naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
+            not low <= value <= high:
+        raise ToleranceError(f"{what} is {value!r}: expected a number in [{low:g}, {high:g}] (a damaged or edited "
+                             f"file); {_REGENERATE}.")
+    return float(value)

@@ -160,11 +160,49 @@ def _other_head(p):
     (lambda tmp, dense, moe: _edited(tmp, dense, _drop_mlp), "the reference's stages mlp are not in the profile"),
     (lambda tmp, dense, moe: _edited(tmp, dense, _overflow), "computed NaN/Inf at res2"),
     (lambda tmp, dense, moe: f"{dense}:int8", "the profile measured float32, bfloat16, float16"),
-], ids=["missing", "unreadable", "schema", "family", "checkpoint", "stages", "overflow", "path"])
+    # red team: edited tolerances were trusted (rtol 0.5 passed a candidate 30% off at attn)
+    (lambda tmp, dense, moe: _edited(tmp, dense, _set("attn", rtol=0.5)), "a stage states rtol 0.5"),
+    (lambda tmp, dense, moe: _edited(tmp, dense, _set("attn", atol=1.0)), "atol at most"),
+    (lambda tmp, dense, moe: _edited(tmp, dense, _set("attn", rtol=True)), "rtol is True: expected a number"),
+    (lambda tmp, dense, moe: _edited(tmp, dense, _set("attn", measured_max_rel="0.01")), "measured_max_rel is '0.01'"),
+    (lambda tmp, dense, moe: _edited(tmp, dense, lambda p: p.update(margin=-4)), "margin is -4"),
+    (lambda tmp, dense, moe: _edited(tmp, dense, lambda p: p["inputs"].update(num_tokens="abc")),
+     "inputs.num_tokens is 'abc'"),
+    (lambda tmp, dense, moe: _edited(tmp, dense, lambda p: p.pop("checkpoint_digest")), "does not say which head"),
+    (lambda tmp, dense, moe: _edited(tmp, dense, _coarse("attn")), "which checks nothing"),
+], ids=["missing", "unreadable", "schema", "family", "checkpoint", "stages", "overflow", "path", "rtol-edited",
+        "atol-edited", "rtol-bool", "figure-string", "margin-negative", "num-tokens", "no-digest", "coarse"])
 def test_bad_profiles_are_refused(tmp_path, dense, moe, spec, message):
     result = run_cli(probe_cli, ["diff", TINY_REF, TINY_REF, "--profile", spec(tmp_path, dense, moe), "-q"])
     assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
     assert "Traceback" not in result.output
+
+
+def _set(stage, **fields):
+    return lambda p: p["paths"]["bfloat16"]["stages"][stage].update(fields)
+
+
+def _coarse(stage):
+    """A self-consistent stage whose measured noise is 30% (margin 4: rtol 1.2): a path that checks nothing there."""
+    def edit(p):
+        entry = p["paths"]["bfloat16"]["stages"][stage]
+        entry.update(measured_max_rel=0.3, rtol=1.2, atol=1.2 * entry["min_row_scale"])
+    return edit
+
+
+def test_a_report_may_not_overwrite_the_profile(dense, tmp_path):
+    """Red team: --json onto the --profile file replaced the profile with the report."""
+    import shutil
+
+    victim = tmp_path / "victim.json"
+    shutil.copy(dense, victim)
+    before = victim.read_bytes()
+    for option in ("--json", "--html"):
+        result = run_cli(probe_cli, ["diff", TINY_REF, TINY_REF, "--profile", victim, option, victim, "-q"])
+        assert result.exit_code == 2 and "is the --profile" in result.output, result.output
+    assert victim.read_bytes() == before
+    ok = run_cli(probe_cli, ["diff", TINY_REF, TINY_REF, "--profile", victim, "--json", tmp_path / "r.json", "-q"])
+    assert ok.exit_code == 0  # twin: another output path
 
 
 def _write(path, text: str) -> str:
@@ -188,3 +226,24 @@ def test_noise_refuses_bad_options_and_writes_nothing(tmp_path, args, message):
     result = run_cli(oracle_cli, base + (args if "--tokens" in args else ["--tokens", TOKENS, *args]))
     assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
     assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_noise_measures_topk_weights_in_the_truths_id_order():
+    """Red team: a bf16 rank swap of two near-equal experts counted as a huge topk_weights error (rtol 0.6-1.2 on
+    DeepSeek heads: a stage that checked nothing), while the probe compares weights by expert id. The same
+    selection listed in another order now measures as no error; a real weight error still does (twin)."""
+    import numpy as np
+
+    from oracle.noise import _path_figures
+    from oracle.stages import INDEX_SET, ROWS, Stage
+
+    ids = np.array([[3, 1], [0, 2]])
+    weights = np.array([[0.6, 0.4], [0.7, 0.3]], dtype=np.float32)
+    truth = {"topk_ids": ids, "topk_weights": weights}
+    swapped = {"topk_ids": ids[:, ::-1].copy(), "topk_weights": weights[:, ::-1].copy()}
+
+    stages = [Stage("topk_ids", "T×k", "ids", INDEX_SET), Stage("topk_weights", "T×k", "weights", ROWS)]
+    same = _path_figures(truth, swapped, stages, "bfloat16", 4.0)["stages"]["topk_weights"]
+    assert same["measured_max_rel"] == 0.0 and same["rtol"] < 0.05
+    wrong = {"topk_ids": ids, "topk_weights": weights * np.float32(0.7)}
+    assert _path_figures(truth, wrong, stages, "bfloat16", 4.0)["stages"]["topk_weights"]["measured_max_rel"] > 0.2
