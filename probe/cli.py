@@ -10,8 +10,10 @@ import click
 from oracle.errors import MtpError, MtpGroup, OutputError
 from oracle.output import check_writable, refuse_overwriting_inputs
 from oracle.progress import reporting, say
+from oracle.stages import KNOWN_STAGE_NAMES
 
 from probe.diff import DiffReport, diff_traces
+from probe.errors import ToleranceError
 from probe.report import render_text, summary_line, write_json
 from probe.rowdiff import kernel_note
 from probe.run import SPEC_HELP, adapter_from_spec, checkpoint_for, reference_conventions, run_and_diff
@@ -241,11 +243,24 @@ def _tols(ref: Path, profile: str, rtol, atol, stage_tol, json_path, plot_path, 
     for option, path in (("--json", json_path), ("--plot", plot_path), ("--html", html_path)):
         if path:
             check_output(path, option)  # before the diff, not after minutes of work
+    _stage_tol_stages_exist(ref, stage_tol)
     if measured is not None:  # the profile is an input too: no report may overwrite it
         refuse_overwriting_inputs({"--json": json_path, "--plot": plot_path, "--html": html_path},
                                   {"--profile": measured[0]})
         return tol_table(overrides=stage_tol, measured=measured_tol_table(*measured, reference_facts(ref)))
     return tol_table(PROFILES[profile] if rtol is None else Tol(rtol, atol, "--rtol/--atol"), stage_tol)
+
+
+def _stage_tol_stages_exist(ref: Path, stage_tol) -> None:
+    """A --stage-tol for a stage the reference does not have would silently do nothing: refuse it (red team)."""
+    if not stage_tol:
+        return
+    stages = reference_facts(ref)["stages"]
+    for text in stage_tol:
+        name = text.partition("=")[0].strip()
+        if name in KNOWN_STAGE_NAMES and name not in stages:  # an unknown name: refused by the parse itself
+            raise ToleranceError(f"--stage-tol {text}: the reference {ref} has no stage '{name}' (its stages: "
+                                 f"{', '.join(stages)}); drop it or name one of those.")
 
 
 def _render(report: DiffReport, json_path: Path | None, plot_path: Path | None, verbose: bool,

@@ -237,3 +237,11 @@ def test_usage_errors(tmp_path):
 
 def test_probe_errors_are_mtp_errors():
     assert issubclass(ProbeError, MtpError)
+
+
+def test_a_stage_tolerance_for_a_stage_the_reference_lacks_is_refused():
+    """Red team 2: `--stage-tol router_logits=...` on a dense reference was silently ignored. Twin: a stage it
+    has is accepted."""
+    result = diff_cli(TINY_REF, TINY_REF, "--stage-tol", "router_logits=1e-3,1e-4")
+    assert result.exit_code == 2 and "has no stage 'router_logits'" in result.output
+    assert diff_cli(TINY_REF, TINY_REF, "--stage-tol", "attn=1e-3,1e-4").exit_code == 0
