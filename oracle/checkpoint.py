@@ -145,6 +145,8 @@ class Checkpoint:
         entries = self._head_entries()
         for name, entry in entries.items():
             stored = self._stored(entry)  # routed experts: mapped, read only where a token routes to them
+            if name.endswith(("weight_scale_inv", ".scale")) and entry.dtype in ("F32", "BF16", "F16"):
+                _check_block_scales(self.path, name, _widen(stored, entry.dtype))
             tensors[name] = _widen(stored, entry.dtype) if widen else stored
             dtypes[name] = "F32" if widen else entry.dtype
             scale = name.removesuffix("weight") + "weight_scale_inv"
@@ -347,6 +349,17 @@ def _checked_header_entry(path: Path, name: str, meta) -> tuple[int, int]:
         raise bad(f"has data_offsets {offsets!r} covering {end - start} bytes, but {dtype} {shape} needs "
                   f"{math.prod(shape) * itemsize}")
     return start, end
+
+
+def _check_block_scales(path: Path, name: str, scales: np.ndarray) -> None:
+    """FP8 block scales are positive finite magnitudes: refuse NaN/Inf, a negative scale, or a tensor whose every
+    scale is 0 (its weight would dequantize to all zeros and export without complaint; red team). Scale tensors
+    are 1/(block area) of their weight, so this costs next to nothing."""
+    problem = ("holds NaN/Inf" if not np.isfinite(scales).all() else "holds a negative scale" if (scales < 0).any()
+               else "is 0 in every block (the weight would dequantize to all zeros)" if not scales.any() else None)
+    if problem:
+        raise CheckpointError(f"{path}: block scale {name} {problem}; a scale is a positive magnitude. Re-export or "
+                              f"re-copy the checkpoint.")
 
 
 def _check_shape(entry: TensorEntry, expected: tuple[int, ...] | None, cfg: HeadConfig) -> None:

@@ -198,8 +198,30 @@ NAN_CASES = {
     "bf16 weight": (lambda tmp: shutil.copytree(TINY, tmp / "ckpt"), "mtp.fc.weight",
                     r"stage fc is NaN/Inf at token 0.*NaN/Inf in mtp\.fc\.weight \(BF16\)"),
     "fp8 block scale": (_fp8_checkpoint, "down_proj.weight_scale_inv",
-                        r"is NaN/Inf at token \d.*NaN/Inf in \S*down_proj\.weight_scale_inv \(F32\)"),
+                        r"block scale \S*down_proj\.weight_scale_inv holds NaN/Inf"),  # refused on reading
 }
+
+
+def _scales_set(name_end, value):
+    def edit(tensors):
+        names = sorted(n for n in tensors if n.endswith(name_end))
+        if names:
+            tensors[names[0]][...] = value if value == 0 else -tensors[names[0]].abs()
+        return bool(names)
+    return edit
+
+
+@pytest.mark.parametrize("value, words", [(0, "is 0 in every block"), (-1, "holds a negative scale")])
+def test_block_scales_that_are_no_magnitudes_are_refused(tmp_path, value, words):
+    """Red team 2: all-zero FP8 block scales exported an all-zero weight with only a misleading q/k warning;
+    negative ones were taken silently. Twin: the untouched FP8 checkpoint exports."""
+    args = ["--tokens", "17,42,3", "--hidden-seed", "0", "-q"]
+    good = _fp8_checkpoint(tmp_path)
+    assert run_cli(oracle.cli.cli, ["export", good, "--out", tmp_path / "ok.h5", *args]).exit_code == 0
+    ckpt = _edit_tensors(good, _scales_set("down_proj.weight_scale_inv", value))
+    out = tmp_path / "ref.h5"
+    assert_refused(oracle.cli.cli, ["export", ckpt, "--out", out, *args],
+                   rf"block scale \S*down_proj\.weight_scale_inv {words}", [ckpt], tmp_path)
 
 
 def _nan_embedding_row(token):
