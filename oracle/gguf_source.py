@@ -312,6 +312,7 @@ def config_from_metadata(reader, arch: str, shapes: dict[str, tuple[int, ...]], 
             "mtp_num_hidden_layers": 1}
     rope_dims, theta, nextn = get("rope.dimension_count"), get("rope.freq_base"), get("nextn_predict_layers", 1)
     if not missing:
+        _check_block_metadata(reader, arch, blocks, nextn, file)
         text |= {"num_hidden_layers": blocks - nextn,
                  "rope_parameters": {"rope_type": "default", "rope_theta": theta,
                                      "partial_rotary_factor": rope_dims / head_dim}}
@@ -329,6 +330,21 @@ def config_from_metadata(reader, arch: str, shapes: dict[str, tuple[int, ...]], 
                               f"beside the GGUF, or re-convert it with llama.cpp's converter (which writes them).")
     _check_expert_metadata(text, shapes, arch, file)
     return text
+
+
+def _check_block_metadata(reader, arch: str, blocks: int, nextn: int, file: Path) -> None:
+    """`nextn_predict_layers` must be 1 (the one MTP layer this oracle reads) and the MTP block must be the last of
+    `block_count` (llama.cpp puts it at N = num_hidden_layers): contradictory metadata would build a config with
+    the wrong num_hidden_layers, or hide a second MTP layer (red team 2)."""
+    mtp = sorted({int(t.name.split(".")[1]) for t in reader.tensors
+                  if t.name.startswith("blk.") and ".nextn.eh_proj" in t.name})
+    if nextn != 1:
+        raise CheckpointError(f"{file}: {arch}.nextn_predict_layers is {nextn}; this oracle reads a GGUF with exactly "
+                              f"one MTP layer (1). Re-convert, or put the model's config.json beside the GGUF.")
+    if mtp and mtp[-1] != blocks - 1:
+        raise CheckpointError(f"{file}: {arch}.block_count is {blocks}, so the MTP block should be blk.{blocks - 1}, "
+                              f"but it is blk.{mtp[-1]}; the metadata and the tensors disagree (re-convert, or put "
+                              f"the model's config.json beside the GGUF).")
 
 
 def _check_expert_metadata(text: dict, shapes: dict, arch: str, file: Path) -> None:

@@ -271,7 +271,11 @@ def test_fused_and_separate_gate_up_experts_together_are_refused(tmp_path):
                                              ({"expert_used_count": 9}, "qwen35moe.expert_used_count"),
                                              ({"expert_feed_forward_length": 40},
                                               "qwen35moe.expert_feed_forward_length"),
-                                             ({"expert_count": None}, "qwen35moe.expert_count")])
+                                             ({"expert_count": None}, "qwen35moe.expert_count"),
+                                             # red team 2: contradictory block metadata was taken silently
+                                             ({"nextn_predict_layers": 2}, "qwen35moe.nextn_predict_layers is 2"),
+                                             ({"nextn_predict_layers": 0}, "qwen35moe.nextn_predict_layers is 0"),
+                                             ({"block_count": 3}, "qwen35moe.block_count is 3")])
 def test_wrong_expert_metadata_exits_2_naming_the_key(tmp_path, metadata, named):
     path = write_moe_gguf(tmp_path / "bad.gguf", "qwen35moe", gguf.GGMLQuantizationType.F16, metadata=metadata)
     output = export(path, tmp_path / "x.h5", tmp_path / "cache", expect=2)
