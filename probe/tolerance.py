@@ -158,6 +158,9 @@ def measured_tol_table(file: Path, path: str | None, reference: dict) -> TolTabl
     family or head, a path it did not measure, a reference stage it does not cover."""
     profile = _read_profile(file)
     where = f"--profile {file}"
+    if not isinstance(profile.get("family"), str):
+        raise ToleranceError(f"{where} does not say which family's head it measured (no family): a damaged file; "
+                             f"{_REGENERATE}.")
     if profile.get("family") != reference["family"]:
         raise ToleranceError(f"{where} was measured on a {profile.get('family')} head; the reference "
                              f"{reference['name']} is a {reference['family']} head: {_REGENERATE}.")

@@ -170,8 +170,9 @@ def _other_head(p):
      "inputs.num_tokens is 'abc'"),
     (lambda tmp, dense, moe: _edited(tmp, dense, lambda p: p.pop("checkpoint_digest")), "does not say which head"),
     (lambda tmp, dense, moe: _edited(tmp, dense, _coarse("attn")), "which checks nothing"),
+    (lambda tmp, dense, moe: _edited(tmp, dense, lambda p: p.pop("family")), "does not say which family"),
 ], ids=["missing", "unreadable", "schema", "family", "checkpoint", "stages", "overflow", "path", "rtol-edited",
-        "atol-edited", "rtol-bool", "figure-string", "margin-negative", "num-tokens", "no-digest", "coarse"])
+        "atol-edited", "rtol-bool", "figure-string", "margin-negative", "num-tokens", "no-digest", "coarse", "no-family"])
 def test_bad_profiles_are_refused(tmp_path, dense, moe, spec, message):
     result = run_cli(probe_cli, ["diff", TINY_REF, TINY_REF, "--profile", spec(tmp_path, dense, moe), "-q"])
     assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
