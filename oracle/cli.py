@@ -45,6 +45,27 @@ def cli(ctx: click.Context) -> None:
     ctx.obj = ctx.obj or {"command": shlex.join(["mtp-oracle", *sys.argv[1:]])}
 
 
+def step_input_options(tokens_note: str):
+    """The options that say what a trace's steps read (tokens, H, positions): export and noise take the same."""
+    options = [
+        click.option("--tokens", help=f"Step token ids t_1..t_T, comma separated ({tokens_note})."),
+        click.option("--tokens-file", type=EXISTING_FILE, help="Step token ids from a text file or a .npy int array."),
+        click.option("--hidden", "hidden_file", metavar="FILE",
+                     help="H [T, D] float32: FILE.npy, FILE.bin (raw little-endian) or FILE.h5:/dataset."),
+        click.option("--hidden-seed", type=INT, help="Synthetic H: standard normal rows from this seed."),
+        click.option("--main-model", is_flag=True, help="H from the checkpoint's main model (post-final-norm)."),
+        click.option("--first-token", type=AsciiIntRange(0, 2**63 - 1),
+                     help="With --main-model: x_0, the token before the first step token."),
+        click.option("--start-pos", type=INT, default=0, show_default=True, help="Position p_0 of step 0."),
+    ]
+
+    def apply(command):
+        for option in reversed(options):  # click lists options in decorator order, top first
+            command = option(command)
+        return command
+    return apply
+
+
 @cli.command(epilog="""\b
 Examples:
   mtp-oracle export fixtures/qwen3_5_tiny --out ref.h5 --tokens 17,42,3,255,100,7,511,64 --hidden-seed 0
@@ -53,15 +74,7 @@ Examples:
 """)
 @click.argument("checkpoint", type=CHECKPOINT)
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Trace file to write (HDF5).")
-@click.option("--tokens", help="Step token ids t_1..t_T, comma separated (already shifted: step i reads t_{i+1}).")
-@click.option("--tokens-file", type=EXISTING_FILE, help="Step token ids from a text file or a .npy int array.")
-@click.option("--hidden", "hidden_file", metavar="FILE",
-              help="H [T, D] float32: FILE.npy, FILE.bin (raw little-endian) or FILE.h5:/dataset.")
-@click.option("--hidden-seed", type=INT, help="Synthetic H: standard normal rows from this seed.")
-@click.option("--main-model", is_flag=True, help="H from the checkpoint's main model (post-final-norm).")
-@click.option("--first-token", type=AsciiIntRange(0, 2**63 - 1),
-              help="With --main-model: x_0, the token before the first step token.")
-@click.option("--start-pos", type=INT, default=0, show_default=True, help="Position p_0 of step 0.")
+@step_input_options("already shifted: step i reads t_{i+1}")
 @click.option("--norm-topk-prob/--no-norm-topk-prob", default=None,
               help="MoE heads: renormalise the top-k router weights to sum 1, or not [default: config.json's "
                    "norm_topk_prob; without the key, transformers' convention (Qwen3.5-MoE: on)]. Recorded in the "
@@ -165,15 +178,7 @@ Examples:
 """)
 @click.argument("checkpoint", type=CHECKPOINT)
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Profile to write (JSON).")
-@click.option("--tokens", help="Step token ids t_1..t_T, comma separated (the reference trace's, for its noise).")
-@click.option("--tokens-file", type=EXISTING_FILE, help="Step token ids from a text file or a .npy int array.")
-@click.option("--hidden", "hidden_file", metavar="FILE",
-              help="H [T, D] float32: FILE.npy, FILE.bin (raw little-endian) or FILE.h5:/dataset.")
-@click.option("--hidden-seed", type=INT, help="Synthetic H: standard normal rows from this seed.")
-@click.option("--main-model", is_flag=True, help="H from the checkpoint's main model (post-final-norm).")
-@click.option("--first-token", type=AsciiIntRange(0, 2**63 - 1),
-              help="With --main-model: x_0, the token before the first step token.")
-@click.option("--start-pos", type=INT, default=0, show_default=True, help="Position p_0 of step 0.")
+@step_input_options("the reference trace's, for its noise")
 @click.option("--margin", type=float, default=4.0, show_default=True,
               help="Tolerance = margin x the measured noise (>= 1).")
 @click.option("--paths", default="float32,bfloat16,float16", show_default=True,
