@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from oracle import gguf_source
 from oracle.errors import CheckpointError, InputError
+from oracle.experts_digest import experts_digest_of
 from oracle.families.registry import detect
 from oracle.families.spec import FamilySpec, HeadConfig, TensorLayout
 from oracle.fp8 import E4M3, decode_e4m3, dequantize
@@ -174,17 +176,21 @@ class Checkpoint:
         trace used are covered by `experts_digest`."""
         return self.digest(sorted(self.layout().dense))
 
-    def experts_digest(self, experts: list[int]) -> str:
-        """sha256 over the stored bytes of the given routed experts (gate, up, down: their slices of a fused tensor,
-        or their own tensors), in expert order. Read with os.pread into one reused buffer, not through the mapping:
-        it can run on a thread beside the head (hashlib and pread release the GIL) without growing the resident
-        set by the experts it hashes."""
+    def experts_digest(self, experts: list[int], known: dict[tuple[int, str], str] | None = None) -> str:
+        """`experts_digest_of` the given routed experts' stored bytes (gate, up, down: their slices of a fused
+        tensor, or their own tensors). Parts already hashed where the head read them (`known`, (expert, part) ->
+        `part_digest`, e.g. RoutedExperts.part_digests) are not read again; the others are read with os.pread into
+        one reused buffer, not through the mapping (the resident set does not grow by the experts it hashes)."""
         layout = self.layout().experts
-        digest = hashlib.sha256()
+        known = known or {}
+        parts = {}
         buffer = memoryview(bytearray(8 << 20))
         for e in sorted(set(int(x) for x in experts)):
             for name, (path, offset, nbytes) in self._expert_extents(layout, e):
-                digest.update(f"{e}|{name}|".encode())
+                if (e, name) in known:
+                    parts[(e, name)] = known[(e, name)]
+                    continue
+                digest = xxhash.xxh3_128()
                 with open(path, "rb", buffering=0) as f:
                     while nbytes:
                         got = os.preadv(f.fileno(), [buffer[:min(nbytes, len(buffer))]], offset)
@@ -192,7 +198,8 @@ class Checkpoint:
                             raise CheckpointError(f"{path} ended inside expert {e}; re-copy the shard.")
                         digest.update(buffer[:got])
                         offset, nbytes = offset + got, nbytes - got
-        return "sha256:" + digest.hexdigest()
+                parts[(e, name)] = digest.hexdigest()
+        return experts_digest_of(parts)
 
     def _expert_extents(self, layout, e: int) -> list[tuple[str, tuple[Path, int, int]]]:
         """(part, (file, byte offset, bytes)) of expert `e`'s gate, up and down as stored."""

@@ -106,7 +106,6 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     h = reads.hidden.result() if h is None else h
     inputs = TraceInputs(token_ids=token_ids, positions=positions, hidden=h, embed=embed)
     head, rotary = impl.build_head(cfg, impl.torch_weights(weights))
-    experts_hash = _ExpertsDigest(ckpt, head) if weights.layout is not None and weights.layout.experts else None
     log(f"running the head ({mode})")
     with reused_projections(head):  # the uniform-weights pass gets the real pass's q/k/v projections back
         with Progress(f"export ({mode})", total=len(token_ids)) as bar:  # one pass: no ETA before it ends
@@ -150,7 +149,8 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     if weights.layout is not None and weights.layout.experts is not None:
         # The head digest leaves the routed experts out (gigabytes); these are the ones this trace used.
         used = sorted(int(e) for e in np.unique(stages["topk_ids"]))
-        attrs["experts"] = {"layout": weights.layout.experts.kind, "used": used, "digest": experts_hash.of(used)}
+        attrs["experts"] = {"layout": weights.layout.experts.kind, "used": used,
+                            "digest": ckpt.experts_digest(used, _hashed_parts(head))}
         if "router_group_limited" in evidence:  # tokens whose choice the group limit changed
             attrs["experts"]["group_limited_tokens"] = int(evidence["router_group_limited"].sum())
     if embedding:
@@ -183,28 +183,11 @@ class _Prefetch:
         self.pool.shutdown(wait=True)
 
 
-class _ExpertsDigest:
-    """Hashes the routed experts on a thread while the head runs: started as soon as the batched pass has routed
-    (the experts' pre-forward), so the digest costs nothing beside the forward; computed afterwards otherwise."""
+def _hashed_parts(head) -> dict[tuple[int, str], str]:
+    """The expert parts the head hashed as it read them (RoutedExperts.part_digests): not read a second time."""
+    from oracle.families.moe_experts import routed_experts_of
 
-    def __init__(self, ckpt: Checkpoint, head) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        from oracle.families.moe_experts import routed_experts_of
-
-        self.ckpt, self.pool, self.started = ckpt, ThreadPoolExecutor(1, thread_name_prefix="experts-digest"), {}
-        for routed in routed_experts_of(head):
-            routed.on_route = self._start
-
-    def _start(self, used: list[int]) -> None:
-        self.started.setdefault(tuple(used), self.pool.submit(self.ckpt.experts_digest, used))
-
-    def of(self, used: list[int]) -> str:
-        future = self.started.get(tuple(used))
-        try:
-            return future.result() if future is not None else self.ckpt.experts_digest(used)
-        finally:
-            self.pool.shutdown(wait=False, cancel_futures=True)
+    return {k: v for routed in routed_experts_of(head) for k, v in routed.part_digests.items()}
 
 
 def _overridden(ckpt: Checkpoint, overrides: dict):

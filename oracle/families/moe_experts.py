@@ -7,7 +7,10 @@ indexing widens expert e's stored (mapped) checkpoint tensors into one reused fl
 `UpcastLinear` widens a dense weight block by block: the official forward runs unchanged, the result is
 bit-identical to a fully loaded float32 module (bf16 -> float32 is exact), and memory holds one expert in float32
 instead of all of them. Each expert's mapped pages are populated in one call and released once widened (only
-file-backed ranges), so the resident set does not keep the stored experts either.
+file-backed ranges), so the resident set does not keep the stored experts either. Each part is hashed
+(`part_digest`, xxh3-128) the first time it is read, while its pages are populated: the trace's experts digest
+then costs no second read of gigabytes of experts (it was a sha256 pass of its own, which doubled the export's
+time at Qwen3-Next scale).
 """
 
 import ctypes
@@ -16,6 +19,7 @@ import mmap
 import torch
 from torch import nn
 
+from oracle.experts_digest import part_digest
 from oracle.families.spec import ExpertLayout
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -31,7 +35,7 @@ class RoutedExperts:
             raise ValueError(f"expert tensors missing from the weights: {missing[:3]}")
         self._weights = {n: weights[n] for n in self._names}
         self.touched: set[int] = set()  # every expert widened so far (the trace's routed set)
-        self.on_route = None  # called with the sorted experts a forward routes to, before it reads them
+        self.part_digests: dict[tuple[int, str], str] = {}  # (expert, "gate"/"up"/"down") -> part_digest, once read
         self.activation_dtype = torch.float32  # of the forward in progress: a widened expert follows it (noise.py)
         i, d = layout.intermediate, layout.hidden
         self._gate_up = torch.empty(2 * i, d)  # allocated once: fresh buffers would fault in pages every time
@@ -65,14 +69,13 @@ class RoutedExperts:
 
     def _routed(self, module: nn.Module, args) -> None:
         self.activation_dtype = args[0].dtype
-        if self.on_route is not None:  # e.g. export starts hashing these experts on a thread beside the forward
-            self.on_route(sorted(int(e) for e in torch.unique(args[1]).tolist()))
 
     def widen(self, which: str, e: int) -> torch.Tensor:
         """Expert e's `gate_up` [2I, D] (gate rows first) or `down` [D, I] in float32, in the reused buffer."""
         gate, up, down = self.parts(e)
         if which == "gate_up":
             _populate(gate, self._file_backed), _populate(up, self._file_backed)
+            self.hash_part(e, "gate", gate), self.hash_part(e, "up", up)
             half = gate.shape[0]
             self._gate_up[:half].copy_(gate)
             self._gate_up[half:].copy_(up)
@@ -80,9 +83,17 @@ class RoutedExperts:
             self.touched.add(e)
             return self._gate_up
         _populate(down, self._file_backed)
+        self.hash_part(e, "down", down)
         self._down.copy_(down)
         _release(down, self._file_backed)
         return self._down
+
+
+    def hash_part(self, e: int, part: str, stored: torch.Tensor) -> None:
+        """Record `part_digest` of expert e's stored part (its bytes as the checkpoint holds them), once."""
+        if (e, part) not in self.part_digests:
+            raw = stored.contiguous().view(torch.uint8) if stored.dim() else stored.reshape(1).view(torch.uint8)
+            self.part_digests[(e, part)] = part_digest(raw.numpy())
 
 
 class _Widened:

@@ -312,11 +312,13 @@ class RoutedFp8Experts(RoutedExperts):
             return super().widen(which, e)
         buffer = self._gate_up if which == "gate_up" else self._down
         start = 0
-        for name in names:
+        parts = ("gate", "up") if which == "gate_up" else ("down",)
+        for name, part in zip(names, parts):
             stored = self.fp8.weights[name]
             rows = buffer[start:start + stored.shape[0]].numpy()
             scale = self.fp8.weights[name.removesuffix("weight") + _SCALE].numpy()
             _populate(stored, self._file_backed)
+            self.hash_part(e, part, stored)
             dequantize(stored.numpy(), scale, self.fp8.block, name, out=rows)
             _release(stored, self._file_backed)
             start += stored.shape[0]
