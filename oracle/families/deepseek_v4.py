@@ -220,6 +220,10 @@ class Fp8Weights:
             raise CheckpointError(f"FP8 weights without a .scale {unscaled[:3]}, or a .scale beside a weight that is "
                                   f"not F8_E4M3 {orphan[:3]}: the checkpoint is inconsistent.")
 
+    def scale(self, name: str) -> np.ndarray:
+        """The float32 block scales of the FP8 weight `name` (UE8M0 ones decoded by the checkpoint reader)."""
+        return np.ascontiguousarray(self.weights[scale_name(name)].float().numpy())
+
     def value(self, name: str) -> torch.Tensor:
         t = self.weights[name]
         if name not in self.fp8:
@@ -232,12 +236,7 @@ class RoutedV4Experts(RoutedExperts):
     """Routed experts (w1 gate, w3 up, w2 down) widened or dequantized one at a time, only where tokens route."""
 
     def __init__(self, layout, weights: dict, fp8: Fp8Weights):
-        super().__init__(layout, weights)
-        self.fp8 = fp8
-
-    def parts(self, e: int):
-        n = self.layout.names
-        return tuple(self.fp8.value(n[p].format(e=e)) for p in ("gate", "up", "down"))
+        super().__init__(layout, weights, fp8)
 
 
 def build_head(cfg: HeadConfig, weights: dict[str, torch.Tensor]) -> tuple[V4MtpHead, DeepseekV4RotaryEmbedding]:

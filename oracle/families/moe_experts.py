@@ -1,34 +1,58 @@
 """Routed experts for a MoE head, read and widened one at a time, only where the traced tokens route.
 
-A 512-expert MTP layer is gigabytes of bf16, and a short trace touches a fraction of it. The official experts
-module (transformers' eager experts forward) reads its weights only as `gate_up_proj[e]` and `down_proj[e]`, for
-each expert e its tokens route to. `RoutedExperts` gives it, in place of those two parameters, objects whose
-indexing widens expert e's stored (mapped) checkpoint tensors into one reused float32 buffer each, exactly as
-`UpcastLinear` widens a dense weight block by block: the official forward runs unchanged, the result is
-bit-identical to a fully loaded float32 module (bf16 -> float32 is exact), and memory holds one expert in float32
-instead of all of them. Each expert's mapped pages are populated in one call and released once widened (only
-file-backed ranges), so the resident set does not keep the stored experts either. Each part is hashed
-(`part_digest`, xxh3-128) the first time it is read, while its pages are populated: the trace's experts digest
-then costs no second read of gigabytes of experts (it was a sha256 pass of its own, which doubled the export's
-time at Qwen3-Next scale).
+A 512-expert MTP layer is gigabytes of bf16 (or FP8), and a short trace touches a fraction of it. The official
+experts module (transformers' eager experts forward) reads its weights only as `gate_up_proj[e]` and
+`down_proj[e]`, for each expert e its tokens route to, in ascending order, each used at once in F.linear.
+`RoutedExperts` gives it, in place of those two parameters, objects whose indexing returns expert e widened to
+float32 (bf16 -> float32 is exact; FP8 is dequantized with its block scales, oracle/fp8.py) in a reused buffer: the
+official forward runs unchanged, the result is bit-identical to a fully loaded float32 module, and memory holds two
+experts in float32 instead of all of them.
+
+Pipelined: the forward's pre-hook sees which experts it routes to (its `top_k_index`), so a thread reads, hashes and
+widens the next expert into a second buffer while the forward multiplies by the current one (reads, the hash, the
+FP8 kernel and the widening copy release the GIL). Reading, widening and the expert GEMMs then overlap instead of
+adding up: at Qwen3-Next and DeepSeek-V3 scale they are most of an export's time. An expert asked for out of that
+order (another forward, a patched module) is read on the spot.
+
+Reading: an expert whose stored bytes lie in a file mapping (a checkpoint shard, mapped by oracle/checkpoint.py)
+is read with os.preadv from that file into a reused staging buffer, not through the mapping: one copy from the page
+cache at the sequential read rate, no page faults, and the resident set never holds the stored experts. Anything
+else (tensors in ordinary memory) is read where it lies. Each part is hashed (`part_digest`, xxh3-128) the first
+time it is read: the trace's experts digest then costs no second read of gigabytes of experts.
 """
 
-import ctypes
-import mmap
+import os
+import queue
+import threading
+import weakref
 
+import numpy as np
 import torch
 from torch import nn
 
-from oracle.experts_digest import part_digest
+from oracle.errors import CheckpointError
+from oracle.experts_digest import EXPERT_PARTS, part_digest
 from oracle.families.spec import ExpertLayout
+from oracle.fp8 import dequantize
 
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_MADV_DONTNEED, _MADV_POPULATE_READ = 4, 22
+
+class _Slot:
+    """One expert in float32 (gate_up [2I, D], gate rows first; down [D, I]) and the staging bytes it is read into."""
+
+    def __init__(self, intermediate: int, hidden: int, part_bytes: int):
+        self.gate_up = torch.empty(2 * intermediate, hidden)  # allocated once: fresh buffers would fault every time
+        self.down = torch.empty(hidden, intermediate)
+        self.staging = torch.empty(part_bytes, dtype=torch.uint8)
+        self.expert: int | None = None
 
 
 class RoutedExperts:
-    def __init__(self, layout: ExpertLayout, weights: dict[str, torch.Tensor]):
+    """The routed experts of one MoE head. `fp8`: an object with `.fp8` (the names of FP8 weights), `.block` and
+    `.scale(name)` (float32 block scales), for checkpoints whose per-expert weights are FP8; None for bf16/f16/f32."""
+
+    def __init__(self, layout: ExpertLayout, weights: dict[str, torch.Tensor], fp8=None):
         self.layout = layout
+        self.fp8 = fp8
         self._names = set(layout.tensor_names())
         missing = sorted(self._names - set(weights))
         if missing:
@@ -37,10 +61,11 @@ class RoutedExperts:
         self.touched: set[int] = set()  # every expert widened so far (the trace's routed set)
         self.part_digests: dict[tuple[int, str], str] = {}  # (expert, "gate"/"up"/"down") -> part_digest, once read
         self.activation_dtype = torch.float32  # of the forward in progress: a widened expert follows it (noise.py)
-        i, d = layout.intermediate, layout.hidden
-        self._gate_up = torch.empty(2 * i, d)  # allocated once: fresh buffers would fault in pages every time
-        self._down = torch.empty(d, i)
-        self._file_backed = _file_mappings()
+        part_bytes = max(self._stored_part(0, p)[1].nbytes for p in EXPERT_PARTS)
+        self._slots = [_Slot(layout.intermediate, layout.hidden, part_bytes) for _ in range(2)]
+        self._files = _Files()
+        self._pipeline: _Pipeline | None = None
+        self._current: _Slot | None = None  # the slot whose buffer the forward holds now
 
     def owns(self, name: str) -> bool:
         return name in self._names
@@ -48,15 +73,6 @@ class RoutedExperts:
     @staticmethod
     def parameter_names(prefix: str) -> set[str]:
         return {prefix + "gate_up_proj", prefix + "down_proj"}
-
-    def parts(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Expert e's stored gate [I, D], up [I, D], down [D, I]."""
-        if self.layout.kind == "fused":
-            gate_up = self._weights[self.layout.names["gate_up"]][e]
-            half = gate_up.shape[0] // 2
-            return gate_up[:half], gate_up[half:], self._weights[self.layout.names["down"]][e]
-        n = self.layout.names
-        return tuple(self._weights[n[p].format(e=e)] for p in ("gate", "up", "down"))
 
     def attach(self, module: nn.Module) -> None:
         """Replace `module`'s gate_up_proj [E, 2I, D] and down_proj [E, D, I] by widening views."""
@@ -66,87 +82,203 @@ class RoutedExperts:
         object.__setattr__(module, "gate_up_proj", _Widened(self, "gate_up"))
         object.__setattr__(module, "down_proj", _Widened(self, "down"))
         module.register_forward_pre_hook(self._routed)
+        module.register_forward_hook(self._done)
 
     def _routed(self, module: nn.Module, args) -> None:
+        """Before the official forward: start reading the experts it routes to, in the order it will ask."""
         self.activation_dtype = args[0].dtype
+        self._stop()
+        order = sorted(int(e) for e in torch.unique(args[1]).tolist() if 0 <= int(e) < self.layout.num_experts)
+        if len(order) > 1:  # one expert: nothing to overlap with
+            self._pipeline = _Pipeline(self, order)
 
-    def widen(self, which: str, e: int) -> torch.Tensor:
-        """Expert e's `gate_up` [2I, D] (gate rows first) or `down` [D, I] in float32, in the reused buffer."""
-        gate, up, down = self.parts(e)
-        if which == "gate_up":
-            _populate(gate, self._file_backed), _populate(up, self._file_backed)
-            self.hash_part(e, "gate", gate), self.hash_part(e, "up", up)
-            half = gate.shape[0]
-            self._gate_up[:half].copy_(gate)
-            self._gate_up[half:].copy_(up)
-            _release(gate, self._file_backed), _release(up, self._file_backed)
-            self.touched.add(e)
-            return self._gate_up
-        _populate(down, self._file_backed)
-        self.hash_part(e, "down", down)
-        self._down.copy_(down)
-        _release(down, self._file_backed)
-        return self._down
+    def _done(self, module: nn.Module, args, output) -> None:
+        self._stop()
 
+    def _stop(self) -> None:
+        if self._pipeline is not None:
+            self._pipeline.stop()
+            self._pipeline = None
+        self._current = None
 
-    def hash_part(self, e: int, part: str, stored: torch.Tensor) -> None:
-        """Record `part_digest` of expert e's stored part (its bytes as the checkpoint holds them), once."""
-        if (e, part) not in self.part_digests:
-            raw = stored.contiguous().view(torch.uint8) if stored.dim() else stored.reshape(1).view(torch.uint8)
-            self.part_digests[(e, part)] = part_digest(raw.numpy())
+    def expert(self, which: str, e: int) -> torch.Tensor:
+        """Expert e's `gate_up` [2I, D] or `down` [D, I] in float32 (valid until the next expert is asked for)."""
+        if self._current is None or self._current.expert != e:
+            self._current = self._slot_with(e)
+        return self._current.gate_up if which == "gate_up" else self._current.down
+
+    def _slot_with(self, e: int) -> _Slot:
+        if self._pipeline is not None:
+            slot = self._pipeline.take(e, previous=self._current)
+            if slot is not None:
+                return slot
+            self._stop()  # asked out of order: read on the spot from here on
+        slot = self._slots[0]
+        self.fill(e, slot)
+        return slot
+
+    def fill(self, e: int, slot: _Slot) -> None:
+        """Read expert e's three parts, hash each the first time, and widen them into `slot`'s float32 buffers."""
+        rows = {"gate": slot.gate_up[:self.layout.intermediate], "up": slot.gate_up[self.layout.intermediate:],
+                "down": slot.down}
+        slot.expert = None  # half-filled until the end
+        for part in EXPERT_PARTS:
+            name, stored = self._stored_part(e, part)
+            stored = self._files.read(stored, slot.staging)
+            if (e, part) not in self.part_digests:
+                self.part_digests[(e, part)] = part_digest(_as_bytes(stored))
+            self._widen(name, stored, rows[part])
+        slot.expert = e
+        self.touched.add(e)
+
+    def _stored_part(self, e: int, part: str) -> tuple[str | None, torch.Tensor]:
+        """(its tensor name, or None for a slice of a fused tensor; expert e's stored `part`)."""
+        n = self.layout.names
+        if self.layout.kind == "fused":
+            if part == "down":
+                return None, self._weights[n["down"]][e]
+            gate_up = self._weights[n["gate_up"]][e]
+            half = gate_up.shape[0] // 2
+            return None, gate_up[:half] if part == "gate" else gate_up[half:]
+        name = n[part].format(e=e)
+        return name, self._weights[name]
+
+    def _widen(self, name: str | None, stored: torch.Tensor, out: torch.Tensor) -> None:
+        """Stored part -> float32 `out`: FP8 dequantized with its block scales, anything else widened (exact)."""
+        if self.fp8 is not None and name in self.fp8.fp8:
+            dequantize(stored.numpy(), self.fp8.scale(name), self.fp8.block, name, out=out.numpy())
+        else:
+            out.copy_(stored)
 
 
 class _Widened:
-    """Stands in for a fused experts parameter: `[e]` is expert e widened to float32 (valid until the next `[e]`;
-    the official eager forward uses each at once in F.linear)."""
+    """Stands in for a fused experts parameter: `[e]` is expert e widened to float32 (valid until another expert is
+    asked for; the official eager forward uses each at once in F.linear)."""
 
     def __init__(self, experts: RoutedExperts, which: str):
         self.experts, self.which = experts, which
 
     def __getitem__(self, index) -> torch.Tensor:
-        widened, dtype = self.experts.widen(self.which, int(index)), self.experts.activation_dtype
+        widened, dtype = self.experts.expert(self.which, int(index)), self.experts.activation_dtype
         return widened if widened.dtype == dtype else widened.to(dtype)
 
 
-def _file_mappings() -> list[tuple[int, int]]:
-    """Address ranges of this process's file-backed mappings (/proc/self/maps lines with a path)."""
-    ranges = []
+class _Pipeline:
+    """Fills the experts of `order` into the two slots on one thread, one expert ahead of the forward."""
+
+    def __init__(self, experts: RoutedExperts, order: list[int]):
+        self.order, self.next = order, 0
+        self.free: queue.Queue = queue.Queue()
+        self.ready: queue.Queue = queue.Queue()
+        for slot in experts._slots:
+            self.free.put(slot)
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, args=(experts,), name="routed-experts", daemon=True)
+        self.thread.start()
+
+    def _run(self, experts: RoutedExperts) -> None:
+        for e in self.order:
+            slot = self.free.get()
+            if self.stopping or slot is None:
+                return
+            try:
+                experts.fill(e, slot)
+            except BaseException as error:  # raised where the forward asks for this expert
+                self.ready.put((e, slot, error))
+                return
+            self.ready.put((e, slot, None))
+
+    def take(self, e: int, previous: _Slot | None) -> _Slot | None:
+        """The slot holding expert e, once filled; None when e is not the next in order. `previous` (the forward is
+        done with it) goes back to the thread."""
+        if self.next >= len(self.order) or self.order[self.next] != e:
+            return None
+        if previous is not None:
+            self.free.put(previous)
+        got, slot, error = self.ready.get()
+        self.next += 1
+        if error is not None:
+            raise error
+        assert got == e and slot.expert == e  # the thread fills in order
+        return slot
+
+    def stop(self) -> None:
+        """Let the thread finish the expert it is reading, and end it (no slot is filled after this returns)."""
+        self.stopping = True
+        self.free.put(None)
+        self.thread.join()
+
+
+class _Files:
+    """Reads a tensor that lies in a file mapping from the file itself (os.preadv into a staging buffer)."""
+
+    def __init__(self):
+        self._maps = _file_mappings()  # (start, end, file offset, path): the shards are mapped before the head
+        self._looked_again = False
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+        weakref.finalize(self, _close_all, self._fds)
+
+    def read(self, stored: torch.Tensor, staging: torch.Tensor) -> torch.Tensor:
+        """`stored`'s bytes read from its file into `staging`, viewed as `stored` (dtype, shape); `stored` itself
+        when it is not a contiguous tensor in a file mapping (ordinary memory: nothing to read)."""
+        nbytes = stored.numel() * stored.element_size()
+        where = self._extent(stored.data_ptr(), nbytes) if stored.is_contiguous() and nbytes else None
+        if where is None:
+            return stored
+        path, offset = where
+        fd = self._fd(path)
+        view, done = memoryview(staging.numpy())[:nbytes], 0
+        while done < nbytes:
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise CheckpointError(f"{path} ended inside a routed expert (byte {offset + done}); re-copy the "
+                                      f"shard.")
+            done += got
+        return staging[:nbytes].view(stored.dtype).view(stored.shape)
+
+    def _extent(self, start: int, nbytes: int) -> tuple[str, int] | None:
+        for lo, hi, offset, path in self._maps:
+            if lo <= start and start + nbytes <= hi:
+                return path, offset + (start - lo)
+        with self._lock:
+            if self._looked_again:  # tensors in ordinary memory: /proc/self/maps is not read for each of them
+                return None
+            self._looked_again, self._maps = True, _file_mappings()  # a shard mapped after the first look
+        return self._extent(start, nbytes)
+
+    def _fd(self, path: str) -> int:
+        with self._lock:
+            if path not in self._fds:
+                self._fds[path] = os.open(path, os.O_RDONLY)
+            return self._fds[path]
+
+
+def _close_all(fds: dict[str, int]) -> None:
+    for fd in fds.values():
+        os.close(fd)
+
+
+def _file_mappings() -> list[tuple[int, int, int, str]]:
+    """(start, end, file offset, path) of this process's mappings of regular files that still exist
+    (/proc/self/maps); none where it cannot be read: everything is then read through memory."""
+    found = []
     try:
         with open("/proc/self/maps") as f:
             for line in f:
                 fields = line.split(maxsplit=5)
-                if len(fields) == 6 and fields[5].startswith("/"):
+                if len(fields) == 6 and fields[5].startswith("/") and not fields[5].endswith("(deleted)\n"):
                     lo, hi = (int(x, 16) for x in fields[0].split("-"))
-                    ranges.append((lo, hi))
+                    found.append((lo, hi, int(fields[2], 16), fields[5].rstrip("\n")))
     except OSError:
-        return []  # unknown: never advise anything
-    return ranges
+        return []
+    return found
 
 
-def _pages(stored: torch.Tensor, file_backed: list[tuple[int, int]]) -> tuple[int, int] | None:
-    """The whole pages inside a tensor that lies in a file mapping (a checkpoint shard), else None."""
-    start, size = stored.data_ptr(), stored.numel() * stored.element_size()
-    if not any(lo <= start and start + size <= hi for lo, hi in file_backed):
-        return None
-    first = (start + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
-    last = (start + size) // mmap.PAGESIZE * mmap.PAGESIZE
-    return (first, last - first) if last > first else None
-
-
-def _populate(stored: torch.Tensor, file_backed) -> None:
-    """Map a stored expert's pages in one call (MADV_POPULATE_READ, Linux >= 5.14) instead of a fault per page.
-    Best effort: without it the copy faults them in."""
-    pages = _pages(stored, file_backed)
-    if pages:
-        _LIBC.madvise(ctypes.c_void_p(pages[0]), ctypes.c_size_t(pages[1]), _MADV_POPULATE_READ)
-
-
-def _release(stored: torch.Tensor, file_backed) -> None:
-    """Let the kernel drop a widened expert's mapped pages (re-read from the page cache if touched again). Only
-    file-backed ranges: on anonymous memory MADV_DONTNEED would zero the data."""
-    pages = _pages(stored, file_backed)
-    if pages:
-        _LIBC.madvise(ctypes.c_void_p(pages[0]), ctypes.c_size_t(pages[1]), _MADV_DONTNEED)
+def _as_bytes(stored: torch.Tensor) -> np.ndarray:
+    """A stored tensor's bytes (bf16 has no numpy dtype: viewed as uint8 first)."""
+    stored = stored.contiguous()
+    return stored.reshape(-1).view(torch.uint8).numpy()
 
 
 def routed_experts_of(module: nn.Module) -> list[RoutedExperts]:

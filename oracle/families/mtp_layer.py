@@ -27,7 +27,7 @@ from transformers import DynamicCache
 from oracle.attention_evidence import uniform_weights
 from oracle.checkpoint import Checkpoint, HeadWeights
 from oracle.errors import CheckpointError
-from oracle.families.moe_experts import RoutedExperts, _populate, _release
+from oracle.families.moe_experts import RoutedExperts
 from oracle.families.mtp_layer_main_model import MainLayout, run_main_model
 from oracle.families.mtp_layer_main_model import load_main_model as load_main
 from oracle.families.mtp_layer_layout import MtpLayerConfig, MtpLayerTensors
@@ -216,6 +216,10 @@ class Fp8Weights:
                                   f"weight that is not F8_E4M3 {orphan[:3]}: the checkpoint is inconsistent.")
         self.fp8 = fp8
 
+    def scale(self, name: str) -> np.ndarray:
+        """The float32 block scales of the FP8 weight `name`."""
+        return np.ascontiguousarray(self.weights[name.removesuffix("weight") + _SCALE].float().numpy())
+
     def value(self, name: str) -> torch.Tensor:
         """The weight the model means: FP8 dequantized to float32, anything else as stored."""
         t = self.weights[name]
@@ -292,39 +296,11 @@ class Fp8Linear(nn.Module):
 
 
 class RoutedFp8Experts(RoutedExperts):
-    """Routed experts widened (bf16) or dequantized (FP8), one expert at a time, only where tokens route."""
+    """Routed experts widened (bf16) or dequantized (FP8, with their weight_scale_inv), one expert at a time, only
+    where tokens route (oracle/families/moe_experts.py)."""
 
     def __init__(self, layout, weights: dict, fp8: Fp8Weights):
-        super().__init__(layout, weights)
-        self.fp8 = fp8
-
-    def parts(self, e: int):
-        n = self.layout.names
-        return tuple(self.fp8.value(n[p].format(e=e)) for p in ("gate", "up", "down"))
-
-    def widen(self, which: str, e: int) -> torch.Tensor:
-        """FP8 experts are dequantized straight into the reused float32 buffers (no intermediate copy); their mapped
-        pages are populated in one call and released once dequantized, as RoutedExperts does for bf16 (otherwise
-        every routed expert's stored bytes stay resident: 7.9 GB peak RSS at DeepSeek-V3 scale, T=32)."""
-        n = self.layout.names
-        names = [n[p].format(e=e) for p in (("gate", "up") if which == "gate_up" else ("down",))]
-        if not all(name in self.fp8.fp8 for name in names):
-            return super().widen(which, e)
-        buffer = self._gate_up if which == "gate_up" else self._down
-        start = 0
-        parts = ("gate", "up") if which == "gate_up" else ("down",)
-        for name, part in zip(names, parts):
-            stored = self.fp8.weights[name]
-            rows = buffer[start:start + stored.shape[0]].numpy()
-            scale = self.fp8.weights[name.removesuffix("weight") + _SCALE].numpy()
-            _populate(stored, self._file_backed)
-            self.hash_part(e, part, stored)
-            dequantize(stored.numpy(), scale, self.fp8.block, name, out=rows)
-            _release(stored, self._file_backed)
-            start += stored.shape[0]
-        if which == "gate_up":
-            self.touched.add(e)
-        return buffer
+        super().__init__(layout, weights, fp8)
 
 
 def state_name(name: str, prefix: str) -> str:

@@ -233,7 +233,7 @@ def test_routed_experts_are_read_only_where_tokens_route(tmp_path, references, m
     impl.run_batched(head, rotary, inputs)
     used = sorted(set(stages["topk_ids"].ravel().tolist()))
     assert sorted(routed.touched) == used and len(used) < checkpoint.config.num_experts
-    assert routed._gate_up.shape == (96, 64)  # one expert widened at a time
+    assert [tuple(slot.gate_up.shape) for slot in routed._slots] == [(96, 64)] * 2  # two experts widened at a time
 
 
 @pytest.mark.parametrize("skip, named", [(("ffn_up_exps",), "blk.4.ffn_up_exps.weight"),

@@ -1,0 +1,126 @@
+"""RoutedExperts (oracle/families/moe_experts.py): experts read from the shard files on a thread, one ahead of the
+official forward, give the same bits as experts in ordinary memory; an expert asked for out of order is read on the
+spot; a read that fails on the thread is raised where the forward asks for that expert (exit 2, naming the file)."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from oracle.checkpoint import Checkpoint
+from oracle.cli import cli as oracle_cli
+from oracle.errors import CheckpointError
+from oracle.families import moe_experts
+from oracle.families.registry import head_module
+from oracle.inputs import hidden_from_seed
+from oracle.trace import TraceInputs
+from tests.helpers import load_script, run_cli
+
+FIXTURES = load_script("make_fixtures")
+TOKENS = [5, 17, 3, 99, 200, 7, 42, 5, 300, 11]
+
+
+@pytest.fixture(scope="module", params=["fused", "per_expert"])
+def checkpoint(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"routed_{request.param}")
+    return FIXTURES.write_moe_checkpoint(root / "ckpt", "qwen3_next", request.param, main_model=False)
+
+
+def head_and_inputs(ckpt, in_memory=False, edit=None):
+    checkpoint = Checkpoint(ckpt)
+    impl = head_module(checkpoint.family)
+    weights = impl.torch_weights(checkpoint.read_head(widen=False))
+    if in_memory:  # ordinary memory: nothing for the experts to read from a file
+        weights = {n: t.clone() for n, t in weights.items()}
+    if edit:
+        edit(weights)
+    head, rotary = impl.build_head(checkpoint.config, weights)
+    ids = np.array(TOKENS, dtype=np.int64)
+    d = checkpoint.config.hidden_size
+    inputs = TraceInputs(token_ids=ids, positions=np.arange(len(ids), dtype=np.int64),
+                         hidden=hidden_from_seed(0, len(ids), d), embed=checkpoint.embedding_rows(ids))
+    return impl, head, rotary, inputs
+
+
+def routed_of(head) -> moe_experts.RoutedExperts:
+    (routed,) = moe_experts.routed_experts_of(head)
+    return routed
+
+
+def test_experts_read_from_the_files_on_a_thread_equal_experts_in_memory(checkpoint):
+    impl, head, rotary, inputs = head_and_inputs(checkpoint)
+    from_files = impl.run_batched(head, rotary, inputs)
+    assert routed_of(head)._files._fds  # the shard was opened: the experts were read from it, not the mapping
+    impl, head, rotary, inputs = head_and_inputs(checkpoint, in_memory=True)
+    in_memory = impl.run_batched(head, rotary, inputs)
+    assert not routed_of(head)._files._fds
+    for stage in from_files:
+        assert torch.equal(torch.from_numpy(from_files[stage]), torch.from_numpy(in_memory[stage])), stage
+
+
+def test_twin_one_changed_expert_weight_in_memory_changes_the_routed_output(checkpoint):
+    impl, head, rotary, inputs = head_and_inputs(checkpoint)
+    reference = impl.run_batched(head, rotary, inputs)
+    used = int(reference["topk_ids"][0, 0])
+    layout = Checkpoint(checkpoint).layout().experts
+
+    def edit(weights):
+        name = (layout.names["down"] if layout.kind == "fused" else layout.names["down"].format(e=used))
+        tensor = weights[name][used] if layout.kind == "fused" else weights[name]
+        tensor[0, 0] = tensor[0, 0] * 2 + 1
+
+    impl, head, rotary, inputs = head_and_inputs(checkpoint, in_memory=True, edit=edit)
+    changed = impl.run_batched(head, rotary, inputs)
+    assert not torch.equal(torch.from_numpy(changed["routed"]), torch.from_numpy(reference["routed"]))
+    assert torch.equal(torch.from_numpy(changed["router_logits"]), torch.from_numpy(reference["router_logits"]))
+
+
+def test_an_expert_asked_for_out_of_order_is_read_on_the_spot(checkpoint):
+    _, head, _, _ = head_and_inputs(checkpoint)
+    routed = routed_of(head)
+    module = head.layers[0].mlp.experts
+    layout = routed.layout
+    routed._routed(module, (torch.zeros(3, layout.hidden), torch.tensor([[1, 3], [5, 3], [1, 5]])))
+    assert routed._pipeline is not None and routed._pipeline.order == [1, 3, 5]
+    for e in (5, 1, 3, 3, 0):  # 5 first: out of the forward's order
+        gate, up, down = (routed._stored_part(e, p)[1].float() for p in ("gate", "up", "down"))
+        assert torch.equal(module.gate_up_proj[e], torch.cat([gate, up]))
+        assert torch.equal(module.down_proj[e], down)
+    assert routed._pipeline is None  # given up at the first request out of order
+    routed._done(module, (), None)
+
+
+def shard_cut_short(monkeypatch, tmp_path) -> None:
+    """The experts' reads see the shard ending early (as if cut after it was mapped): they get an empty file."""
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    monkeypatch.setattr(moe_experts._Files, "_fd", lambda self, path: os.open(empty, os.O_RDONLY))
+
+
+def test_a_read_that_fails_on_the_thread_is_raised_where_the_forward_asks(checkpoint, monkeypatch, tmp_path):
+    impl, head, rotary, inputs = head_and_inputs(checkpoint)
+    shard_cut_short(monkeypatch, tmp_path)
+    with pytest.raises(CheckpointError, match="ended inside a routed expert"):
+        impl.run_batched(head, rotary, inputs)
+    assert routed_of(head)._pipeline is not None  # the forward raised: the next forward stops it first
+    monkeypatch.undo()
+    impl.run_batched(head, rotary, inputs)  # and then runs
+    assert routed_of(head)._pipeline is None
+
+
+def test_the_export_cli_exits_2_naming_the_shard_when_an_expert_cannot_be_read(checkpoint, tmp_path, monkeypatch):
+    shard_cut_short(monkeypatch, tmp_path)
+    out = tmp_path / "t.h5"
+    result = run_cli(oracle_cli, ["export", checkpoint, "--out", out, "--tokens", ",".join(map(str, TOKENS)),
+                                  "--hidden-seed", "0", "-q"])
+    assert result.exit_code == 2 and "ended inside a routed expert" in result.output and "safetensors" in result.output
+    assert not out.exists()
+
+
+def test_twin_the_same_export_without_the_fault_succeeds(checkpoint, tmp_path):
+    out = tmp_path / "t.h5"
+    result = run_cli(oracle_cli, ["export", checkpoint, "--out", out, "--tokens", ",".join(map(str, TOKENS)),
+                                  "--hidden-seed", "0", "-q"])
+    assert result.exit_code == 0 and out.is_file(), result.output
+
