@@ -1,9 +1,13 @@
-"""`mtp-probe`: question an implementation of an MTP head against the oracle's reference trace."""
+"""`mtp-probe`: question an implementation of an MTP head against the oracle's reference trace.
+
+numpy, h5py and the diff load inside the commands, not here: `run --impl c:LIB` starts the library's worker process
+first (probe/adapters/cabi_process.py), so that its start-up overlaps the probe's own."""
 
 import functools
 import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -12,13 +16,13 @@ from oracle.output import check_writable, refuse_overwriting_inputs
 from oracle.progress import reporting, say
 from oracle.stages import KNOWN_STAGE_NAMES
 
-from probe.diff import DiffReport, diff_traces
+from probe.adapters.spec import SPEC_HELP, c_library
 from probe.errors import ToleranceError
-from probe.report import render_text, summary_line, write_json
-from probe.rowdiff import kernel_note
-from probe.run import SPEC_HELP, adapter_from_spec, checkpoint_for, reference_conventions, run_and_diff
 from probe.tolerance import (DEFAULT, PROFILES, Tol, measured_tol_table, profile_file_spec, reference_facts,
                              tol_table)
+
+if TYPE_CHECKING:
+    from probe.diff import DiffReport
 
 EXISTING_FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
 EXISTING_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
@@ -96,6 +100,8 @@ def diff(ctx, ref, candidate, checkpoint, profile, rtol, atol, stage_tol, json_p
     A (stage, token) row passes iff max_rel < rtol or max_abs < atol. Exit 0 pass, 1 diverged, 2 invalid or bad
     input, 3 inconclusive; the last line is a greppable summary.
     """
+    from probe.diff import diff_traces
+
     tols = _tols(ref, profile, rtol, atol, stage_tol, json_path, plot_path, html_path)
     refuse_overwriting_inputs({"--json": json_path, "--plot": plot_path, "--html": html_path},
                               {"REF": ref, "CANDIDATE": candidate})
@@ -104,6 +110,7 @@ def diff(ctx, ref, candidate, checkpoint, profile, rtol, atol, stage_tol, json_p
     explanation = None
     if explain:
         from probe.explain import explain_diff  # torch and transformers load only here
+        from probe.run import checkpoint_for
 
         explanation = explain_diff(report, ref, candidate, checkpoint_for(ref, checkpoint, log=say), tols)
     ctx.exit(_render(report, json_path, plot_path, verbose, html_path, explanation))
@@ -144,14 +151,21 @@ def run(ctx, ref, spec, checkpoint, out, profile, rtol, atol, stage_tol, json_pa
     The checkpoint is the one REF records (or one found beside it by its head digest) unless --checkpoint
     is given; its weights are checked against REF's digest.
     """
+    from probe.adapters.cabi_process import early_worker
+
+    library = c_library(spec)
+    # A C library's worker starts now, on the reference's inputs (killed if a check below fails): its start-up,
+    # mapping and steps overlap the imports and checks that follow.
+    early = ctx.with_resource(early_worker(library, checkpoint, ref))
+    from probe.run import adapter_from_spec, checkpoint_for, reference_conventions, run_and_diff
+
     tols = _tols(ref, profile, rtol, atol, stage_tol, json_path, plot_path, html_path)
     checkpoint = checkpoint_for(ref, checkpoint, log=lambda msg: click.echo(msg, err=True))
-    library = Path(spec.partition(":")[2]) if spec.startswith("c:") else None
     refuse_overwriting_inputs({"--out": out, "--json": json_path, "--plot": plot_path, "--html": html_path},
                               {"REF": ref, "checkpoint": checkpoint, "--impl library": library})
     if out:
         check_output(out, "--out")
-    adapter = adapter_from_spec(spec, checkpoint, reference_conventions(ref))
+    adapter = adapter_from_spec(spec, checkpoint, reference_conventions(ref), early)
     with reporting(enabled=not quiet):
         result = run_and_diff(ref, adapter, tols, out=out, fail_fast=fail_fast,
                               command=shlex.join(["mtp-probe", *sys.argv[1:]]))
@@ -263,8 +277,11 @@ def _stage_tol_stages_exist(ref: Path, stage_tol) -> None:
                                  f"{', '.join(stages)}); drop it or name one of those.")
 
 
-def _render(report: DiffReport, json_path: Path | None, plot_path: Path | None, verbose: bool,
+def _render(report: "DiffReport", json_path: Path | None, plot_path: Path | None, verbose: bool,
             html_path: Path | None = None, explanation=None) -> int:
+    from probe.report import render_text, summary_line, write_json
+    from probe.rowdiff import kernel_note
+
     if kernel_note():
         click.echo(kernel_note(), err=True)
     unwritten = []  # a report that cannot be written must not cost the verdict: printed first, then exit 2

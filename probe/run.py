@@ -18,23 +18,22 @@ from oracle.families.spec import CONVENTIONS
 from oracle.stages import STAGE_NAMES
 from oracle.trace import TraceInputs, read_trace, write_trace
 from probe.adapters.base import Adapter
+from probe.adapters.spec import SPEC_HELP
 from probe.adapters.trace_file import open_reference
 from probe.diff import DiffReport, diff_sources
 from probe.errors import AdapterError, ProbeError
 from probe.selfcheck import check_reference
 from probe.tolerance import Tol
 
-SPEC_HELP = "c:LIB.so | python:MODULE:FACTORY | torch[:cpu|cuda[:float32|bfloat16]]"
-
-
-def adapter_from_spec(spec: str, checkpoint: Path, conventions: dict | None = None) -> Adapter:
+def adapter_from_spec(spec: str, checkpoint: Path, conventions: dict | None = None, early=None) -> Adapter:
     """The adapter an `--impl` SPEC names (SPEC_HELP); `conventions` are the reference's convention fields
-    (oracle/families/spec.py CONVENTIONS), handed to the candidate in its config."""
+    (oracle/families/spec.py CONVENTIONS), handed to the candidate in its config. `early`: a C library's worker
+    already started on the reference (probe/adapters/cabi_process.py), which a `c:` adapter then waits for."""
     kind, _, rest = spec.partition(":")
     if kind == "c" and rest:
         from probe.adapters.cabi import CAbiAdapter
 
-        return CAbiAdapter(Path(rest), checkpoint, conventions or {})
+        return CAbiAdapter(Path(rest), checkpoint, conventions or {}, early)
     if kind == "python":
         from probe.adapters.python import PythonAdapter
 

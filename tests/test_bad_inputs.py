@@ -121,7 +121,7 @@ def test_uncaught_exceptions_never_exit_1(monkeypatch, exc, code):
 
 
 def test_probe_internal_error_exits_4(monkeypatch):
-    monkeypatch.setattr(probe.cli, "diff_traces", _raise(RuntimeError("a bug")))
+    monkeypatch.setattr("probe.diff.diff_traces", _raise(RuntimeError("a bug")))  # probe.cli imports it in `diff`
     result = run_cli(probe.cli.cli, ["diff", TINY_REF, TINY_REF])
     assert result.exit_code == 4 and "RuntimeError: a bug" in result.output and "internal error" in result.output
 

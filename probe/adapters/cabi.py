@@ -15,7 +15,6 @@ import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -24,9 +23,11 @@ import numpy as np
 from oracle.checkpoint import Checkpoint
 from oracle.output import removed_on_interrupt
 from oracle.progress import Progress
-from oracle.trace import TraceInputs
+from oracle.trace import TraceInputs, inputs_digest
 from probe.adapters import cabi_worker as worker
-from probe.errors import AdapterError, CandidateError
+from probe.adapters.cabi_process import (STDERR_FILE, STDOUT_FILE, EarlyWorker, start_worker, worker_command,
+                                         worker_output)
+from probe.errors import AdapterError, CandidateError, ProbeError
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding probe/ (and, in a checkout, fixtures/)
 HEADER_DIR = _PACKAGE_ROOT / "fixtures" / "candidates"  # mtp_probe.h, mtp_probe_v2.h
@@ -80,13 +81,16 @@ def build_library(source: Path, out_dir: Path, defines: tuple[str, ...] = ()) ->
 
 class CAbiAdapter:
     """Runs a library implementing mtp_probe.h or mtp_probe_v2.h step by step over the inputs, in a child process.
-    `conventions` (the reference's engine conventions, e.g. norm_topk_prob) go into a v2 library's config."""
+    `conventions` (the reference's engine conventions, e.g. norm_topk_prob) go into a v2 library's config.
+    `early`: a worker already started on the reference (probe/adapters/cabi_process.py early_worker); the first
+    run() waits for it instead of starting one, and checks it ran on the very inputs and conventions given."""
 
     deterministic = True
     weights_digest: str | None = None  # known once run() has loaded the weights
     capture_only: tuple[str, ...] | None = None  # set by --explain's observer check: capture at most these
 
-    def __init__(self, library: Path, checkpoint: Path, conventions: dict | None = None):
+    def __init__(self, library: Path, checkpoint: Path, conventions: dict | None = None,
+                 early: EarlyWorker | None = None):
         self.library = Path(library).resolve()
         if not self.library.is_file():
             raise AdapterError(f"C library {library} does not exist. Pass the path of a built .so (--impl c:PATH, "
@@ -98,12 +102,17 @@ class CAbiAdapter:
         self.hidden_width = ckpt.family.dims(ckpt.config).hc_mult * ckpt.config.hidden_size  # one `hidden` row
         self.conventions = dict(conventions or {})
         self.name = f"c:{self.library.name}"
+        self._early = early if early is not None and early.serves(self.library, self.checkpoint) else None
 
     def run(self, inputs: TraceInputs) -> dict[str, np.ndarray]:
         """Stage -> [T, width] for the stages the library captures, plus `out`: float32 (int64 for index sets
         such as topk_ids); rows it never wrote keep the poison pattern (-1). Stages its mtp_capture_mask /
         mtp2_capture excludes are absent, never filled in."""
         self._check_inputs(inputs)
+        early, self._early = self._early, None  # the first run only: --explain's reruns capture other stages
+        if early is not None and self.capture_only is None:
+            expected = inputs_digest(inputs)  # while the worker runs
+            return self._results(early.proc, early.work, inputs.num_tokens, (expected, self.conventions))
         with tempfile.TemporaryDirectory(prefix="mtp-cabi-") as tmp, removed_on_interrupt(Path(tmp)):
             work = Path(tmp)
             np.save(work / "embed.npy", np.ascontiguousarray(inputs.embed, dtype=np.float32))
@@ -112,16 +121,25 @@ class CAbiAdapter:
             if self.capture_only is not None:
                 (work / worker.CAPTURE_ONLY_FILE).write_text(",".join(self.capture_only))
             (work / worker.CONVENTIONS_FILE).write_text(json.dumps(self.conventions))
-            proc = _run_worker(self._worker_command(work), work / worker.PROGRESS_FILE, self.name, inputs.num_tokens)
-            if proc.returncode != 0:
-                raise self._failure(proc, work)
-            if not (work / worker.MANIFEST_FILE).is_file():  # e.g. the library called exit(0) inside a step
-                raise CandidateError(f"{self.name}: the process running it exited with status 0 "
-                                     f"{_phase_description(work)} without finishing the run "
-                                     f"(did the library call exit()?). Its stderr:\n{_tail(proc.stderr) or '(none)'}")
-            manifest = json.loads((work / worker.MANIFEST_FILE).read_text())
-            self.weights_digest = manifest["weights_digest"]  # of the weights the library was actually given
-            return {name: np.load(work / f"{name}.npy") for name in manifest["captured"]}
+            proc = start_worker(worker_command(self.library, self.checkpoint, work), work)
+            return self._results(proc, work, inputs.num_tokens)
+
+    def _results(self, proc: subprocess.Popen, work: Path, num_steps: int,
+                 from_reference: tuple[str, dict] | None = None) -> dict[str, np.ndarray]:
+        """Wait for the worker and read what it wrote; `from_reference`: (inputs digest, conventions) it must have
+        read from the reference itself."""
+        finished = _wait_worker(proc, work, self.name, num_steps)
+        if finished.returncode != 0:
+            raise self._failure(finished, work)
+        if not (work / worker.MANIFEST_FILE).is_file():  # e.g. the library called exit(0) inside a step
+            raise CandidateError(f"{self.name}: the process running it exited with status 0 "
+                                 f"{_phase_description(work)} without finishing the run "
+                                 f"(did the library call exit()?). Its stderr:\n{_tail(finished.stderr) or '(none)'}")
+        manifest = json.loads((work / worker.MANIFEST_FILE).read_text())
+        if from_reference is not None:
+            _check_same_inputs(manifest, *from_reference)
+        self.weights_digest = manifest["weights_digest"]  # of the weights the library was actually given
+        return {name: np.load(work / f"{name}.npy") for name in manifest["captured"]}
 
     def _check_inputs(self, inputs: TraceInputs) -> None:
         if inputs.hidden_size != self.hidden_width:
@@ -132,10 +150,6 @@ class CAbiAdapter:
         if positions.size and (positions.min() < 0 or positions.max() > _INT32_MAX):
             raise AdapterError(f"positions must fit 0..{_INT32_MAX} (C ABI v1's `int pos`; the oracle never exports "
                                f"past 2**24); the inputs hold {positions.min()}..{positions.max()}.")
-
-    def _worker_command(self, work: Path) -> list[str]:
-        return [sys.executable, "-m", "probe.adapters.cabi_worker", str(self.library), str(self.checkpoint),
-                str(work)]
 
     def _failure(self, proc: subprocess.CompletedProcess, work: Path) -> AdapterError:
         """Turn a failed worker into a message: its own diagnosis, the signal that killed it, or its stderr."""
@@ -153,25 +167,33 @@ class CAbiAdapter:
                             f"Its stderr:\n{stderr}")
 
 
-def _run_worker(command: list[str], progress_file: Path, name: str, num_steps: int) -> subprocess.CompletedProcess:
-    """Run the worker to the end; while progress is shown, its steps are read from the phases it appends to
+def _check_same_inputs(manifest: dict, expected_digest: str, conventions: dict) -> None:
+    """A worker started early read the reference itself: it must have read what the probe read."""
+    if manifest.get("inputs_digest") != expected_digest or manifest.get("conventions") != conventions:
+        raise ProbeError(f"the reference changed while the candidate ran: the worker read inputs "
+                         f"{manifest.get('inputs_digest')} with conventions {manifest.get('conventions')}, the probe "
+                         f"{expected_digest} with {conventions}. Run again once the reference is no longer written.")
+
+
+def _wait_worker(proc: subprocess.Popen, work: Path, name: str, num_steps: int) -> subprocess.CompletedProcess:
+    """Wait for the worker to end; while progress is shown, its steps are read from the phases it appends to
     progress.txt (the file a crash is located by) four times a second."""
     with Progress(f"candidate {name}", num_steps) as bar:
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_worker_env())
         try:
             while True:
                 try:
-                    out, err = proc.communicate(timeout=0.25 if bar.shown else None)
+                    proc.wait(timeout=0.25 if bar.shown else None)
                     break
                 except subprocess.TimeoutExpired:
-                    bar.update(max(0, _steps_done(progress_file, num_steps) - bar.done))
+                    bar.update(max(0, _steps_done(work / worker.PROGRESS_FILE, num_steps) - bar.done))
         except BaseException:
             proc.kill()
             proc.wait()
             raise
         if proc.returncode == 0:
             bar.update(num_steps - bar.done)
-    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, worker_output(work, STDOUT_FILE),
+                                       worker_output(work, STDERR_FILE))
 
 
 def _steps_done(progress: Path, num_steps: int) -> int:
@@ -184,13 +206,6 @@ def _steps_done(progress: Path, num_steps: int) -> int:
     except (OSError, ValueError, IndexError):  # a line being written
         return 0
     return num_steps if phase in ("destroy", "save") else 0
-
-
-def _worker_env() -> dict[str, str]:
-    """The parent's environment, with this package importable by `python -m` whatever the working directory."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
-    return env
 
 
 def _signal_name(number: int) -> str:

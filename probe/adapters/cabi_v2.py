@@ -143,24 +143,23 @@ def weight_table(tensors: dict[str, np.ndarray], dtypes: dict[str, str]) -> tupl
     return table, [rows, keep]
 
 
-def run_v2(lib: ctypes.CDLL, path: Path, ckpt: Checkpoint, work: Path, progress, capture_only: list[str] | None,
-           conventions: dict) -> dict[str, np.ndarray]:
-    """Create, step over the inputs in `work`, destroy; returns {stage: [T, width] buffer} of the captured stages
-    and `out`, rows the library never wrote still holding poison (float) or -1 (index sets)."""
+def run_v2(lib: ctypes.CDLL, path: Path, ckpt: Checkpoint, inputs, progress,
+           capture_only: list[str] | None) -> dict[str, np.ndarray]:
+    """Create, step over `inputs` (cabi_worker.StepInputs: rows, positions and the reference's conventions),
+    destroy; returns {stage: [T, width] buffer} of the captured stages and `out`, rows the library never wrote still
+    holding poison (float) or -1 (index sets)."""
     from probe.adapters.cabi_worker import return_code_message  # the worker imports this module
 
     declare(lib, path)
     family = ckpt.family
     fields = {f.name for f in dataclasses.fields(ckpt.config)}
     # the reference's conventions (e.g. norm_topk_prob), not config.json's, as the Python adapter does
-    cfg = dataclasses.replace(ckpt.config, **{k: v for k, v in conventions.items() if k in fields})
+    cfg = dataclasses.replace(ckpt.config, **{k: v for k, v in inputs.conventions.items() if k in fields})
     stages, dims = family.stages(cfg), family.dims(cfg)
     captured = captured_stages(lib, stages, family.name, path)
     if capture_only is not None:
         captured = [n for n in captured if n in capture_only]
-    embed = np.ascontiguousarray(np.load(work / "embed.npy"), dtype=np.float32)
-    hidden = np.ascontiguousarray(np.load(work / "hidden.npy"), dtype=np.float32)
-    positions = np.load(work / "positions.npy")
+    embed, hidden, positions = inputs.embed, inputs.hidden, inputs.positions
     num_steps, d = len(positions), cfg.hidden_size
     buffers = {n: np.full((num_steps, stages[n].width(dims)), -1, dtype=np.int64) if stages[n].kind == INDEX_SET
                else poison((num_steps, stages[n].width(dims))) for n in captured}

@@ -2,13 +2,16 @@
 the dense Qwen3.5 head) or v2 (mtp_probe_v2.h, any family; probe/adapters/cabi_v2.py), told apart by the exported
 symbols: a library that exports `mtp2_abi_version` is v2.
 
-`probe.adapters.cabi.CAbiAdapter` runs `python -m probe.adapters.cabi_worker LIB CHECKPOINT DIR`, so a segfault
-or abort in foreign code ends this process, never the probe. Everything passes through files in DIR:
+`probe.adapters.cabi.CAbiAdapter` runs `python -m probe.adapters.cabi_worker LIB CHECKPOINT DIR [REFERENCE]`, so a
+segfault or abort in foreign code ends this process, never the probe. Everything passes through files in DIR:
 
     in     embed.npy, hidden.npy (float32 [T, D] / [T, hidden_width]) and positions.npy (int64 [T]);
-           optional conventions.json (the reference's engine conventions, e.g. norm_topk_prob; v2 config)
+           optional conventions.json (the reference's engine conventions, e.g. norm_topk_prob; v2 config).
+           With REFERENCE (a worker started before the probe's checks: probe/adapters/cabi_process.py), the
+           inputs and conventions are read from that trace instead, and captured.json also records their
+           inputs_digest and the conventions, for the probe to check against what it read
     out    <stage>.npy ([T, width]: float32, int64 for index sets) for every captured stage and `out`;
-           captured.json lists them; abi.txt holds the ABI version detected (1 or 2)
+           captured.json lists them with the head's weights_digest; abi.txt holds the ABI version detected (1 or 2)
     progress.txt  the phase about to start, one line each, written unbuffered before it starts ("step 3"):
                   after a crash its last line says where the library died
     error.txt     a failure this worker diagnosed itself (bad library, error code); exit status EXIT_DIAGNOSED
@@ -19,19 +22,30 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from ctypes import POINTER, byref, c_double, c_int, c_int32, c_uint32, c_void_p
 from pathlib import Path
 
-import numpy as np
+# numpy's bundled OpenBLAS starts a thread per core when numpy is imported, and that thread spins for ~0.1 s waiting
+# for work: CPU taken from the library's steps and the probe beside them (import numpy 170 -> 85 ms on 2 busy
+# cores). The worker does no BLAS, so in the worker process numpy is imported with one thread, and the user's
+# setting is put back (main: restore_blas_setting) before the library under test is loaded, which may read it.
+BLAS_THREADS = "OPENBLAS_NUM_THREADS"
+_USER_BLAS_THREADS = os.environ.get(BLAS_THREADS)
+if __name__ == "__main__":
+    os.environ[BLAS_THREADS] = "1"
 
-from oracle.checkpoint import Checkpoint
-from oracle.errors import MtpError
-from oracle.families.qwen3_5_layout import HeadConfig
-from oracle.stages import STAGE_BY_NAME, TRACE_STAGE_NAMES
-from probe.adapters.cabi_v2 import run_v2
-from probe.errors import AdapterError
-from probe.poison import poison
+import numpy as np  # noqa: E402 (after the setting above)
+
+from oracle.checkpoint import Checkpoint  # noqa: E402
+from oracle.errors import MtpError  # noqa: E402
+from oracle.families.qwen3_5_layout import HeadConfig  # noqa: E402
+from oracle.stages import STAGE_BY_NAME, TRACE_STAGE_NAMES  # noqa: E402
+from probe.adapters import digest_cache  # noqa: E402
+from probe.adapters.cabi_v2 import run_v2  # noqa: E402
+from probe.errors import AdapterError  # noqa: E402
+from probe.poison import poison  # noqa: E402
 
 EXIT_DIAGNOSED = 3
 PROGRESS_FILE, ERROR_FILE, MANIFEST_FILE = "progress.txt", "error.txt", "captured.json"
@@ -149,10 +163,39 @@ class Progress:
         os.write(self._fd, f"{phase}\t{time.perf_counter() - self._start:.6f}\n".encode())
 
 
-def run_steps(lib: ctypes.CDLL, ctx: c_void_p, work: Path, buffers: dict[str, np.ndarray], progress: Progress):
+class StepInputs:
+    """What the library is stepped over: float32 rows (embed [T, D], hidden [T, hidden_width]), int64 positions, and
+    the reference's conventions; `digest` (oracle/trace.py inputs_digest) when read from the reference."""
+
+    def __init__(self, embed, hidden, positions, conventions: dict, digest: str | None = None):
+        self.embed = np.ascontiguousarray(embed, dtype=np.float32)
+        self.hidden = np.ascontiguousarray(hidden, dtype=np.float32)
+        self.positions = np.asarray(positions, dtype=np.int64)
+        self.conventions, self.digest = conventions, digest
+
+
+def directory_inputs(work: Path) -> StepInputs:
+    """The inputs the adapter wrote into DIR."""
+    conventions = (json.loads((work / CONVENTIONS_FILE).read_text()) if (work / CONVENTIONS_FILE).is_file() else {})
+    return StepInputs(*(np.load(work / f"{n}.npy") for n in ("embed", "hidden", "positions")), conventions)
+
+
+def reference_inputs(reference: Path) -> StepInputs:
+    """The inputs and conventions of the reference trace, as the probe reads them (probe/run.py run_and_diff,
+    reference_conventions), with their digest."""
+    from oracle.families.spec import CONVENTIONS
+    from oracle.trace import inputs_digest, read_trace  # h5py: only a worker started on the reference needs it
+
+    with read_trace(reference) as ref:
+        inputs, config = ref.inputs(), ref.attrs.get("config") or {}
+    conventions = {k: config[k] for k in CONVENTIONS if k in config}
+    return StepInputs(inputs.embed, inputs.hidden, inputs.positions, conventions, inputs_digest(inputs))
+
+
+def run_steps(lib: ctypes.CDLL, ctx: c_void_p, inputs: StepInputs, buffers: dict[str, np.ndarray],
+              progress: Progress):
     """Step t gets row t of every buffer (trace struct fields left NULL for stages not captured)."""
-    embed, hidden = (np.ascontiguousarray(np.load(work / f"{n}.npy"), dtype=np.float32) for n in ("embed", "hidden"))
-    positions = np.load(work / "positions.npy")
+    embed, hidden, positions = inputs.embed, inputs.hidden, inputs.positions
     for t, pos in enumerate(positions.tolist()):
         progress(f"step {t}")
         rows = {name: buf[t].ctypes.data for name, buf in buffers.items()}  # [T, w] row-major: row t's address
@@ -162,7 +205,7 @@ def run_steps(lib: ctypes.CDLL, ctx: c_void_p, work: Path, buffers: dict[str, np
             raise AdapterError(return_code_message("mtp_step", code, f"at step {t} (token row {t}, position {pos})"))
 
 
-def run_v1(lib: ctypes.CDLL, path: Path, ckpt: Checkpoint, work: Path, progress: Progress,
+def run_v1(lib: ctypes.CDLL, path: Path, ckpt: Checkpoint, inputs: StepInputs, progress: Progress,
            capture_only: list[str] | None) -> dict[str, np.ndarray]:
     """ABI v1: the 15 head tensors widened to float32 into mtp_weights, the ten-pointer trace struct."""
     load_library(path, lib)
@@ -173,7 +216,7 @@ def run_v1(lib: ctypes.CDLL, path: Path, ckpt: Checkpoint, work: Path, progress:
                            f"or dump its stages with fixtures/candidates/mtp_trace_writer.h and use mtp-probe diff.")
     tensors = ckpt.read_head(digest=False).tensors
     weights = {field: np.ascontiguousarray(tensors[name], dtype=np.float32) for field, name in WEIGHT_TENSORS}
-    num_steps, d = int(np.load(work / "positions.npy").shape[0]), ckpt.config.hidden_size
+    num_steps, d = len(inputs.positions), ckpt.config.hidden_size
     mask = capture_mask(lib)
     if capture_only is not None:
         mask &= sum(1 << i for i, n in enumerate(TRACE_STAGE_NAMES) if n in capture_only)
@@ -188,41 +231,62 @@ def run_v1(lib: ctypes.CDLL, path: Path, ckpt: Checkpoint, work: Path, progress:
     if code != 0:
         raise AdapterError(return_code_message("mtp_create", code, f"for the config of {ckpt.path}"))
     try:
-        run_steps(lib, ctx, work, buffers, progress)
+        run_steps(lib, ctx, inputs, buffers, progress)
     finally:
         progress("destroy")
         lib.mtp_destroy(ctx)
     return buffers
 
 
-def run_library(lib_path: Path, checkpoint: Path, work: Path) -> None:
+def run_library(lib_path: Path, checkpoint: Path, work: Path, reference: Path | None = None) -> None:
     progress = Progress(work / PROGRESS_FILE)
     progress("load")
     lib = open_library(lib_path)
     abi = abi_version(lib)
     (work / ABI_FILE).write_text(str(abi))  # so the parent names the right functions (mtp_step / mtp2_step)
     ckpt = Checkpoint(checkpoint)
-    digest = ThreadPoolExecutor(max_workers=1).submit(ckpt.head_digest)  # on the core the C step leaves idle
+    digest = head_digest_soon(ckpt)
     only = (work / CAPTURE_ONLY_FILE).read_text().split(",") if (work / CAPTURE_ONLY_FILE).is_file() else None
+    inputs = reference_inputs(reference) if reference is not None else directory_inputs(work)
     if abi == 2:
-        conventions = (json.loads((work / CONVENTIONS_FILE).read_text()) if (work / CONVENTIONS_FILE).is_file()
-                       else {})
-        buffers = run_v2(lib, lib_path, ckpt, work, progress, only, conventions)
+        buffers = run_v2(lib, lib_path, ckpt, inputs, progress, only)
     else:
-        buffers = run_v1(lib, lib_path, ckpt, work, progress, only)
+        buffers = run_v1(lib, lib_path, ckpt, inputs, progress, only)
     progress("save")
     for name, buf in buffers.items():
         np.save(work / f"{name}.npy", buf)
-    (work / MANIFEST_FILE).write_text(json.dumps({"captured": list(buffers), "weights_digest": digest.result(),
-                                                  "abi": abi}))
+    manifest = {"captured": list(buffers), "weights_digest": digest(), "abi": abi}
+    if reference is not None:
+        manifest.update(inputs_digest=inputs.digest, conventions=inputs.conventions)
+    (work / MANIFEST_FILE).write_text(json.dumps(manifest))
+
+
+def head_digest_soon(ckpt: Checkpoint) -> Callable[[], str]:
+    """The head digest, when asked for: remembered from an earlier run of these exact bytes
+    (probe/adapters/digest_cache.py), or else hashed on a thread, on the core the single-threaded step leaves idle."""
+    remembered = digest_cache.remembered_digest(ckpt)
+    if remembered is not None:
+        return lambda: remembered
+    return ThreadPoolExecutor(max_workers=1).submit(digest_cache.head_digest, ckpt).result
+
+
+def restore_blas_setting() -> None:
+    """OPENBLAS_NUM_THREADS as the user had it (numpy was imported with 1; see the top of this module)."""
+    if _USER_BLAS_THREADS is None:
+        os.environ.pop(BLAS_THREADS, None)
+    else:
+        os.environ[BLAS_THREADS] = _USER_BLAS_THREADS
 
 
 def main(argv: list[str]) -> None:
-    """LIB CHECKPOINT DIR: run every step of DIR's inputs through LIB, writing results into DIR."""
+    """LIB CHECKPOINT DIR [REFERENCE]: run every step of DIR's (or REFERENCE's) inputs through LIB, writing results
+    into DIR."""
+    restore_blas_setting()
     lib_path, checkpoint, work = Path(argv[0]), Path(argv[1]), Path(argv[2])
+    reference = Path(argv[3]) if len(argv) > 3 else None
     try:
-        run_library(lib_path, checkpoint, work)
-    except MtpError as err:  # AdapterError and CheckpointError: the parent re-raises the message
+        run_library(lib_path, checkpoint, work, reference)
+    except MtpError as err:  # AdapterError, CheckpointError, TraceFormatError: the parent re-raises the message
         (work / ERROR_FILE).write_text(str(err))
         sys.exit(EXIT_DIAGNOSED)
 

@@ -1,0 +1,93 @@
+"""Starting the C-ABI worker process (probe/adapters/cabi_worker.py), with the standard library only, so that
+`mtp-probe run --impl c:LIB --checkpoint DIR` can start it before the probe itself imports numpy and h5py.
+
+Started early (`early_worker`), the worker reads the reference's inputs and conventions itself. While it starts up,
+maps the checkpoint and steps the library, the probe imports what it needs and reads and checks the reference and
+its options; `CAbiAdapter.run` then waits for it and checks that it ran on exactly the inputs the probe read (their
+digest) with the same conventions. An error before that kills the worker, so the user sees what a start after the
+checks would have shown (the library has merely been loaded and run; it writes nothing the probe keeps).
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from oracle.output import removed_on_interrupt
+
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding probe/ (and, in a checkout, fixtures/)
+STDOUT_FILE, STDERR_FILE = "stdout.txt", "stderr.txt"  # the worker's own output, read once it has ended
+
+
+def worker_command(library: Path, checkpoint: Path, work: Path, reference: Path | None = None) -> list[str]:
+    """`python -m probe.adapters.cabi_worker LIB CHECKPOINT DIR [REFERENCE]`: with REFERENCE, the worker reads its
+    inputs from it; without, from DIR (embed.npy, hidden.npy, positions.npy, conventions.json)."""
+    return [sys.executable, "-m", "probe.adapters.cabi_worker", str(library), str(checkpoint), str(work),
+            *([str(reference)] if reference is not None else [])]
+
+
+def worker_env() -> dict[str, str]:
+    """The parent's environment, with this package importable by `python -m` whatever the working directory."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def start_worker(command: list[str], work: Path) -> subprocess.Popen:
+    """Start the worker with its stdout and stderr in files in `work`: a pipe that nobody reads yet (the probe is
+    busy with its own checks) would stall a chatty library once it filled up."""
+    with open(work / STDOUT_FILE, "wb") as out, open(work / STDERR_FILE, "wb") as err:
+        return subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=worker_env())
+
+
+def worker_output(work: Path, name: str) -> str:
+    try:
+        return (work / name).read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+@dataclass
+class EarlyWorker:
+    """A worker started before the probe's checks, on the reference's own inputs, in its own scratch folder."""
+
+    library: Path  # resolved
+    checkpoint: Path
+    reference: Path
+    work: Path
+    proc: subprocess.Popen
+
+    def serves(self, library: Path, checkpoint: Path) -> bool:
+        return self.library == Path(library).resolve() and Path(self.checkpoint) == Path(checkpoint)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@contextmanager
+def early_worker(library: Path | None, checkpoint: Path | None, reference: Path) -> Iterator[EarlyWorker | None]:
+    """Within the block, the worker for `library` on `checkpoint` runs on `reference`'s inputs (None when there is
+    no library file or no checkpoint to start it with: the adapter then starts its worker after the checks, and
+    says what is wrong with them). On leaving, a worker still running is killed and its folder removed."""
+    if library is None or checkpoint is None or not Path(library).is_file():
+        yield None
+        return
+    work = Path(tempfile.mkdtemp(prefix="mtp-cabi-"))
+    early = None
+    with removed_on_interrupt(work):
+        try:
+            library = Path(library).resolve()
+            early = EarlyWorker(library, Path(checkpoint), Path(reference), work,
+                                start_worker(worker_command(library, checkpoint, work, reference), work))
+            yield early
+        finally:
+            if early is not None:
+                early.stop()
+            shutil.rmtree(work, ignore_errors=True)
