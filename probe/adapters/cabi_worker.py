@@ -23,7 +23,6 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from ctypes import POINTER, byref, c_double, c_int, c_int32, c_uint32, c_void_p
 from pathlib import Path
 
@@ -267,6 +266,8 @@ def head_digest_soon(ckpt: Checkpoint) -> Callable[[], str]:
     remembered = digest_cache.remembered_digest(ckpt)
     if remembered is not None:
         return lambda: remembered
+    from concurrent.futures import ThreadPoolExecutor  # 8 ms of imports that a remembered digest does not need
+
     return ThreadPoolExecutor(max_workers=1).submit(digest_cache.head_digest, ckpt).result
 
 
