@@ -71,12 +71,22 @@ class EarlyWorker:
         self.proc.wait()
 
 
+def plain_safetensors(checkpoint: Path) -> bool:
+    """A checkpoint folder in the HF safetensors layout (oracle/checkpoint.py's SINGLE_NAME / INDEX_NAME). A GGUF
+    one is dequantized into a cache folder on first use (oracle/gguf_source.py), which the probe's own checks and an
+    early worker would then both write: its worker starts after the checks, as before."""
+    checkpoint = Path(checkpoint)
+    return (checkpoint / "config.json").is_file() and any(
+        (checkpoint / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json"))
+
+
 @contextmanager
 def early_worker(library: Path | None, checkpoint: Path | None, reference: Path) -> Iterator[EarlyWorker | None]:
     """Within the block, the worker for `library` on `checkpoint` runs on `reference`'s inputs (None when there is
-    no library file or no checkpoint to start it with: the adapter then starts its worker after the checks, and
-    says what is wrong with them). On leaving, a worker still running is killed and its folder removed."""
-    if library is None or checkpoint is None or not Path(library).is_file():
+    no library file or no plain safetensors checkpoint to start it with: the adapter then starts its worker after
+    the checks, and says what is wrong with them). On leaving, a worker still running is killed and its folder
+    removed."""
+    if library is None or checkpoint is None or not Path(library).is_file() or not plain_safetensors(checkpoint):
         yield None
         return
     work = Path(tempfile.mkdtemp(prefix="mtp-cabi-"))

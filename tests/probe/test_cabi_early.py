@@ -107,6 +107,20 @@ def test_a_worker_that_read_other_inputs_is_refused(libs, tmp_path):
         assert "out" in CAbiAdapter(libs["v2"], TINY, {}, early).run(inputs)
 
 
+def test_no_early_start_without_a_library_file_or_a_safetensors_checkpoint(libs, tmp_path):
+    """A GGUF checkpoint is dequantized into a cache on first use: the probe's checks and an early worker would both
+    write it, so its worker starts after the checks (as without --checkpoint)."""
+    gguf_dir = tmp_path / "gguf"
+    gguf_dir.mkdir()
+    (gguf_dir / "head.gguf").write_bytes(b"GGUF")
+    with early_worker(libs["v2"], gguf_dir, TINY_REF) as early:
+        assert early is None
+    with early_worker(tmp_path / "missing.so", TINY, TINY_REF) as early:
+        assert early is None
+    with early_worker(libs["v2"], TINY, TINY_REF) as early:  # twin: both present
+        assert early is not None and early.proc.wait(timeout=60) == 0
+
+
 def test_leaving_the_block_kills_a_running_early_worker_and_removes_its_folder(libs, tmp_path, monkeypatch):
     record = tmp_path / "record.txt"
     monkeypatch.setenv("MTP2_RECORD", str(record))
