@@ -144,11 +144,10 @@ def weight_table(tensors: dict[str, np.ndarray], dtypes: dict[str, str]) -> tupl
 
 
 def run_v2(lib: ctypes.CDLL, path: Path, ckpt: Checkpoint, inputs, progress,
-           capture_only: list[str] | None, stored_head=None) -> dict[str, np.ndarray]:
+           capture_only: list[str] | None) -> dict[str, np.ndarray]:
     """Create, step over `inputs` (cabi_worker.StepInputs: rows, positions and the reference's conventions),
     destroy; returns {stage: [T, width] buffer} of the captured stages and `out`, rows the library never wrote still
-    holding poison (float) or -1 (index sets). `stored_head`: the head as stored, mapped earlier
-    (cabi_worker.StoredHead: its pages are being faulted in on a thread); else mapped here."""
+    holding poison (float) or -1 (index sets)."""
     from probe.adapters.cabi_worker import return_code_message  # the worker imports this module
 
     declare(lib, path)
@@ -166,8 +165,7 @@ def run_v2(lib: ctypes.CDLL, path: Path, ckpt: Checkpoint, inputs, progress,
                else poison((num_steps, stages[n].width(dims))) for n in captured}
     buffers["out"] = poison((num_steps, stages["out"].width(dims) if "out" in stages.names else d))
     # Locals, so the tables and the arrays they point at outlive the context (a library may keep pointers).
-    # as stored: bf16 stays bf16, experts stay mapped; an error reading it is raised here either way
-    head = stored_head.get() if stored_head is not None else ckpt.read_head(widen=False, digest=False)
+    head = ckpt.read_head(widen=False, digest=False)  # as stored: bf16 stays bf16, experts stay mapped
     weights, weights_alive = weight_table(head.tensors, head.dtypes)
     config, config_alive = config_table(cfg.to_dict(), family.name, num_steps, dims.hc_mult * d)
     names = [n.encode() for n in captured]

@@ -21,7 +21,6 @@ import ctypes
 import json
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable
 from ctypes import POINTER, byref, c_double, c_int, c_int32, c_uint32, c_void_p
@@ -245,12 +244,11 @@ def run_library(lib_path: Path, checkpoint: Path, work: Path, reference: Path | 
     abi = abi_version(lib)
     (work / ABI_FILE).write_text(str(abi))  # so the parent names the right functions (mtp_step / mtp2_step)
     ckpt = Checkpoint(checkpoint)
-    stored = StoredHead(ckpt) if abi == 2 else None  # mapped now; its dense pages faulted in while inputs are read
     digest = head_digest_soon(ckpt)
     only = (work / CAPTURE_ONLY_FILE).read_text().split(",") if (work / CAPTURE_ONLY_FILE).is_file() else None
     inputs = reference_inputs(reference) if reference is not None else directory_inputs(work)
     if abi == 2:
-        buffers = run_v2(lib, lib_path, ckpt, inputs, progress, only, stored)
+        buffers = run_v2(lib, lib_path, ckpt, inputs, progress, only)
     else:
         buffers = run_v1(lib, lib_path, ckpt, inputs, progress, only)
     progress("save")
@@ -260,46 +258,6 @@ def run_library(lib_path: Path, checkpoint: Path, work: Path, reference: Path | 
     if reference is not None:
         manifest.update(inputs_digest=inputs.digest, conventions=inputs.conventions)
     (work / MANIFEST_FILE).write_text(json.dumps(manifest))
-
-
-class StoredHead:
-    """The head as stored (ckpt.read_head(widen=False): views of the mapped shards), mapped as soon as the worker has
-    the checkpoint, with its dense tensors' pages faulted in on a thread (`prefault`) while the worker reads its
-    inputs and builds the tables: otherwise the library's first step takes every page fault (~0.12 s for 850 MB
-    here) on the critical path. Routed experts stay untouched. An error reading the head is kept and raised where
-    run_v2 asks for it (`get`), so errors come in the order they always did."""
-
-    def __init__(self, ckpt: Checkpoint):
-        try:
-            self._head, self._error = ckpt.read_head(widen=False, digest=False), None
-        except MtpError as err:
-            self._head, self._error = None, err
-            return
-        dense = [self._head.tensors[n] for n in sorted(ckpt.layout().dense) if n in self._head.tensors]
-        threading.Thread(target=prefault, args=(dense,), name="prefault", daemon=True).start()
-
-    def get(self):
-        if self._error is not None:
-            raise self._error
-        return self._head
-
-
-MADV_POPULATE_READ = 22  # Linux 5.14+: fault pages in as reads would (no copy on a private mapping)
-
-
-def prefault(arrays: list[np.ndarray]) -> None:
-    """Fault in the pages of mapped `arrays` with madvise(MADV_POPULATE_READ), which runs without the GIL (ctypes
-    releases it). Best effort: an older kernel's EINVAL (or anything else) just leaves the faults to the library."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes, libc.madvise.restype = [c_void_p, ctypes.c_size_t, c_int], c_int
-        page = os.sysconf("SC_PAGE_SIZE")
-        for arr in arrays:
-            start = arr.ctypes.data // page * page
-            if libc.madvise(start, arr.ctypes.data + arr.nbytes - start, MADV_POPULATE_READ) != 0:
-                return
-    except (OSError, AttributeError, ValueError):
-        return
 
 
 def head_digest_soon(ckpt: Checkpoint) -> Callable[[], str]:

@@ -3,12 +3,8 @@ checks (probe/adapters/cabi_process.py): the worker reads the reference's inputs
 those of a worker started after the checks, a worker that read other inputs is refused, a failing check kills it,
 and the worker process never imports torch or transformers, nor runs numpy's BLAS threads into the library."""
 
-import json
-import mmap
 import os
 import re
-import resource
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -17,10 +13,8 @@ import time
 import numpy as np
 import pytest
 
-from oracle.checkpoint import Checkpoint
-from oracle.errors import CheckpointError
 from oracle.trace import read_trace
-from probe.adapters import cabi, cabi_process, cabi_worker
+from probe.adapters import cabi, cabi_process
 from probe.adapters.cabi import CAbiAdapter, build_library
 from probe.adapters.cabi_process import early_worker, worker_env
 from probe.cli import cli
@@ -154,46 +148,6 @@ def test_a_check_failing_after_the_early_start_ends_the_command_at_once(libs, tm
     assert result.exit_code == 2 and "has no stage 'topk_ids'" in result.output, result.output
     assert time.monotonic() - start < 30  # not the 60 s the library sleeps
     assert list(scratch.iterdir()) == []  # the worker's folder removed
-
-
-def minor_faults_touching(arr: np.ndarray) -> int:
-    """Minor page faults this process takes reading one byte of every page of `arr`."""
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    int(arr[::4096].sum())
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-
-
-def test_prefault_leaves_the_library_no_page_faults_to_take(tmp_path):
-    path = tmp_path / "weights.bin"
-    path.write_bytes(os.urandom(16 << 20))
-    maps = []
-    for _ in range(2):
-        with open(path, "rb") as f:
-            maps.append(mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE))
-    warm, cold = (np.frombuffer(m, dtype=np.uint8) for m in maps)
-    cabi_worker.prefault([warm])
-    assert minor_faults_touching(warm) < minor_faults_touching(cold) / 4  # twin: the same bytes, not prefaulted
-
-
-def add_tensor(shard, name: str, value: np.ndarray) -> None:
-    """Append a float32 tensor to a safetensors file (header entry + bytes at the end of its data)."""
-    raw = shard.read_bytes()
-    size = int.from_bytes(raw[:8], "little")
-    header, data = json.loads(raw[8:8 + size]), raw[8 + size:]
-    header[name] = {"dtype": "F32", "shape": list(value.shape), "data_offsets": [len(data), len(data) + value.nbytes]}
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    shard.write_bytes(len(text).to_bytes(8, "little") + text + data + value.tobytes())
-
-
-def test_a_head_that_cannot_be_read_is_refused_where_it_always_was(tmp_path):
-    """StoredHead maps the head early but keeps its error for run_v2: the library's own errors come first."""
-    bad = shutil.copytree(TINY, tmp_path / "ckpt")
-    add_tensor(bad / "model.safetensors", "mtp.layers.0.extra.weight", np.zeros(4, dtype=np.float32))
-    stored = cabi_worker.StoredHead(Checkpoint(bad))  # no error yet
-    with pytest.raises(CheckpointError, match="does not use: mtp.layers.0.extra.weight"):
-        stored.get()
-    assert cabi_worker.StoredHead(Checkpoint(TINY)).get().tensors  # twin: a good head
 
 
 def imported_modules(argv: list[str], **kwargs) -> set[str]:
