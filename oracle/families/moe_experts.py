@@ -21,6 +21,7 @@ else (tensors in ordinary memory) is read where it lies. Each part is hashed (`p
 time it is read: the trace's experts digest then costs no second read of gigabytes of experts.
 """
 
+import math
 import os
 import queue
 import threading
@@ -28,7 +29,9 @@ import weakref
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from oracle.errors import CheckpointError
 from oracle.experts_digest import EXPERT_PARTS, part_digest
@@ -36,13 +39,20 @@ from oracle.families.spec import ExpertLayout
 from oracle.fp8 import dequantize
 
 
+ALIGN = 64  # output-row alignment of blocks (see output_row_blocks)
+BLOCK_ROWS = 256  # output rows widened at a time for a matrix too large to widen whole in cache
+BLOCKWISE_ABOVE = 32 << 20  # float32 bytes above which an expert matrix is widened a block at a time
+
+
 class _Slot:
     """One expert in float32 (gate_up [2I, D], gate rows first; down [D, I]) and the staging bytes it is read into."""
 
-    def __init__(self, intermediate: int, hidden: int, part_bytes: int):
+    def __init__(self, intermediate: int, hidden: int, staging_bytes: int):
         self.gate_up = torch.empty(2 * intermediate, hidden)  # allocated once: fresh buffers would fault every time
-        self.down = torch.empty(hidden, intermediate)
-        self.staging = torch.empty(part_bytes, dtype=torch.uint8)
+        self.down = torch.empty(hidden, intermediate)  # (pages of a buffer never widened into are never touched)
+        self.staging = torch.empty(staging_bytes, dtype=torch.uint8)
+        self.staged: dict[str, tuple[str | None, torch.Tensor]] = {}  # part -> (name, stored bytes as read)
+        self.widened: set[str] = set()  # "gate_up" / "down" when whole in the float32 buffers
         self.expert: int | None = None
 
 
@@ -61,8 +71,13 @@ class RoutedExperts:
         self.touched: set[int] = set()  # every expert widened so far (the trace's routed set)
         self.part_digests: dict[tuple[int, str], str] = {}  # (expert, "gate"/"up"/"down") -> part_digest, once read
         self.activation_dtype = torch.float32  # of the forward in progress: a widened expert follows it (noise.py)
-        part_bytes = max(self._stored_part(0, p)[1].nbytes for p in EXPERT_PARTS)
-        self._slots = [_Slot(layout.intermediate, layout.hidden, part_bytes) for _ in range(2)]
+        self._part_bytes = {p: self._stored_part(0, p)[1].nbytes for p in EXPERT_PARTS}
+        self._slots = [_Slot(layout.intermediate, layout.hidden, sum(self._part_bytes.values())) for _ in range(2)]
+        self._chunks = {which: self._chunk_plan(which) for which in ("gate_up", "down")}
+        widest = max((stop - start) * (layout.hidden if which == "gate_up" else layout.intermediate)
+                     for which, plan in self._chunks.items() if plan for start, stop in plan) if any(
+            self._chunks.values()) else 0
+        self._chunk = torch.empty(widest)  # one block of widened rows, reused (main thread only)
         self._files = _Files()
         self._pipeline: _Pipeline | None = None
         self._current: _Slot | None = None  # the slot whose buffer the forward holds now
@@ -102,10 +117,17 @@ class RoutedExperts:
         self._current = None
 
     def expert(self, which: str, e: int) -> torch.Tensor:
-        """Expert e's `gate_up` [2I, D] or `down` [D, I] in float32 (valid until the next expert is asked for)."""
+        """Expert e's `gate_up` [2I, D] or `down` [D, I] as float32 (valid until another expert is asked for): the
+        float32 buffer, widened whole, or for a matrix too large for the cache a `_Blockwise` view that F.linear
+        widens a block of rows at a time."""
         if self._current is None or self._current.expert != e:
             self._current = self._slot_with(e)
-        return self._current.gate_up if which == "gate_up" else self._current.down
+        slot = self._current
+        if self._chunks[which] is not None and self.activation_dtype == torch.float32:
+            view = (slot.gate_up if which == "gate_up" else slot.down).as_subclass(_Blockwise)
+            view._source = (self, slot, which, e)
+            return view
+        return self.whole(slot, which)
 
     def _slot_with(self, e: int) -> _Slot:
         if self._pipeline is not None:
@@ -118,18 +140,71 @@ class RoutedExperts:
         return slot
 
     def fill(self, e: int, slot: _Slot) -> None:
-        """Read expert e's three parts, hash each the first time, and widen them into `slot`'s float32 buffers."""
-        rows = {"gate": slot.gate_up[:self.layout.intermediate], "up": slot.gate_up[self.layout.intermediate:],
-                "down": slot.down}
-        slot.expert = None  # half-filled until the end
+        """Read expert e's three parts (hashing each the first time) into `slot`, and widen into its float32 buffers
+        the matrices that are used whole (the others are widened a block at a time by `linear`)."""
+        slot.expert, slot.widened, slot.staged, offset = None, set(), {}, 0  # half-filled until the end
         for part in EXPERT_PARTS:
             name, stored = self._stored_part(e, part)
-            stored = self._files.read(stored, slot.staging)
+            stored = self._files.read(stored, slot.staging[offset:offset + self._part_bytes[part]])
+            offset += self._part_bytes[part]
             if (e, part) not in self.part_digests:
                 self.part_digests[(e, part)] = part_digest(_as_bytes(stored))
-            self._widen(name, stored, rows[part])
+            slot.staged[part] = (name, stored)
+        for which in ("gate_up", "down"):
+            if self._chunks[which] is None:
+                self._widen_rows(slot, which, 0, self._rows(which), self._buffer(slot, which))
+                slot.widened.add(which)
         slot.expert = e
         self.touched.add(e)
+
+    def whole(self, slot: _Slot, which: str) -> torch.Tensor:
+        """`which` of the slot's expert widened whole into its float32 buffer (once)."""
+        if which not in slot.widened:
+            self._widen_rows(slot, which, 0, self._rows(which), self._buffer(slot, which))
+            slot.widened.add(which)
+        return self._buffer(slot, which)
+
+    def linear(self, slot: _Slot, which: str, x: torch.Tensor) -> torch.Tensor:
+        """F.linear(x, `which` of the slot's expert), widening a block of output rows at a time into one reused
+        buffer that stays in cache, instead of writing the whole float32 matrix to memory and reading it back (at
+        DeepSeek-V3 scale 176 MB per expert, three times the bytes of its FP8). The same bits: blocks are split as
+        Fp8Linear's (ALIGN-aligned output rows, where the CPU GEMM is bit-stable)."""
+        width = self.layout.hidden if which == "gate_up" else self.layout.intermediate
+        out = x.new_empty(*x.shape[:-1], self._rows(which))
+        for start, stop in self._chunks[which]:
+            rows = self._chunk[: (stop - start) * width].view(stop - start, width)
+            self._widen_rows(slot, which, start, stop, rows)
+            out[..., start:stop] = F.linear(x, rows)
+        return out
+
+    def _rows(self, which: str) -> int:
+        return 2 * self.layout.intermediate if which == "gate_up" else self.layout.hidden
+
+    @staticmethod
+    def _buffer(slot: _Slot, which: str) -> torch.Tensor:
+        return slot.gate_up if which == "gate_up" else slot.down
+
+    def _widen_rows(self, slot: _Slot, which: str, start: int, stop: int, out: torch.Tensor) -> None:
+        """Rows start..stop of `which` (gate_up: the gate part's rows, then the up part's) into `out`."""
+        parts = ((("gate", 0), ("up", self.layout.intermediate)) if which == "gate_up" else (("down", 0),))
+        for part, first in parts:
+            name, stored = slot.staged[part]
+            lo, hi = max(start, first) - first, min(stop, first + stored.shape[0]) - first
+            if lo < hi:
+                self._widen(name, stored, lo, hi, out[lo + first - start: hi + first - start])
+
+    def _chunk_plan(self, which: str) -> list[tuple[int, int]] | None:
+        """The blocks of output rows `linear` widens at a time, or None where the matrix is widened whole: when its
+        float32 fits in cache (BLOCKWISE_ABOVE bytes; the reading thread widens it then, beside the forward), or
+        when an FP8 scale block would straddle the gate/up boundary."""
+        width = self.layout.hidden if which == "gate_up" else self.layout.intermediate
+        if self._rows(which) * width * 4 <= BLOCKWISE_ABOVE:
+            return None
+        block_rows = self.fp8.block[0] if self.fp8 is not None and self.fp8.fp8 else 1
+        if which == "gate_up" and self.layout.intermediate % block_rows:
+            return None
+        step = math.lcm(block_rows, ALIGN)  # blocks start on a scale block's first row, and aligned
+        return output_row_blocks(self._rows(which), max(step, BLOCK_ROWS // step * step))
 
     def _stored_part(self, e: int, part: str) -> tuple[str | None, torch.Tensor]:
         """(its tensor name, or None for a slice of a fused tensor; expert e's stored `part`)."""
@@ -143,17 +218,61 @@ class RoutedExperts:
         name = n[part].format(e=e)
         return name, self._weights[name]
 
-    def _widen(self, name: str | None, stored: torch.Tensor, out: torch.Tensor) -> None:
-        """Stored part -> float32 `out`: FP8 dequantized with its block scales, anything else widened (exact)."""
+    def _widen(self, name: str | None, stored: torch.Tensor, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Rows lo..hi of a stored part -> float32 `out`: FP8 dequantized with its block scales (lo on a block's
+        first row), anything else widened (exact)."""
         if self.fp8 is not None and name in self.fp8.fp8:
-            dequantize(stored.numpy(), self.fp8.scale(name), self.fp8.block, name, out=out.numpy())
+            bo = self.fp8.block[0]
+            dequantize(stored.numpy()[lo:hi], self.fp8.scale(name)[lo // bo: -(-hi // bo)], self.fp8.block, name,
+                       out=out.numpy())
         elif stored.dtype == torch.bfloat16:  # the float32 with these 16 high bits: exact
-            bits = stored.view(torch.int16).numpy().view(np.uint16)
+            bits = stored[lo:hi].view(torch.int16).numpy().view(np.uint16)
             np.left_shift(bits, 16, out=out.numpy().view(np.uint32), dtype=np.uint32)
         else:  # f16, f32: exact
-            np.copyto(out.numpy(), stored.numpy(), casting="safe")
+            np.copyto(out.numpy(), stored[lo:hi].numpy(), casting="safe")
         # numpy, not torch's copy_: on the reading thread torch would start a second OpenMP team beside the
         # forward's (2 cores: 10x slower under load, measured); numpy widens on this thread alone.
+
+
+def output_row_blocks(rows: int, block: int) -> list[tuple[int, int]]:
+    """[start, stop) blocks of `block` output rows (a multiple of ALIGN) covering `rows`; a tail narrower than ALIGN
+    joins the block before it. Blocks start on multiples of ALIGN and are at least ALIGN wide because the CPU GEMM
+    is bit-stable under an output-row split only then: measured on this torch, a block 1-11 rows wide, or (one
+    token) starting off a multiple of 4, reduces in another order."""
+    blocks = [(start, min(start + block, rows)) for start in range(0, rows, block)]
+    if len(blocks) > 1 and blocks[-1][1] - blocks[-1][0] < ALIGN:
+        blocks[-2:] = [(blocks[-2][0], rows)]
+    return blocks
+
+
+class _Blockwise(torch.Tensor):
+    """An expert matrix as the official forward receives it, when it is too large to widen whole in cache: F.linear
+    on it widens it a block of rows at a time (`RoutedExperts.linear`); any other use widens it whole first. Only
+    valid until another expert is asked for (as the widened buffers always were); a use after that is a bug here,
+    refused rather than computed on another expert's bytes."""
+
+    _source: tuple
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func is F.linear and len(args) == 2 and not kwargs and type(args[1]) is cls
+                and type(args[0]) is not cls and args[0].dtype == torch.float32):
+            experts, slot, which, _ = args[1]._checked()
+            return experts.linear(slot, which, args[0])
+        args, kwargs = tree_map(lambda a: a._whole() if type(a) is cls else a, (args, kwargs))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    def _checked(self) -> tuple:
+        experts, slot, which, e = self._source
+        if slot.expert != e:
+            raise RuntimeError(f"routed expert {e}'s {which} used after another expert was read into its buffer")
+        return self._source
+
+    def _whole(self) -> torch.Tensor:
+        experts, slot, which, _ = self._checked()
+        return experts.whole(slot, which)
 
 
 class _Widened:
@@ -165,7 +284,7 @@ class _Widened:
 
     def __getitem__(self, index) -> torch.Tensor:
         widened, dtype = self.experts.expert(self.which, int(index)), self.experts.activation_dtype
-        return widened if widened.dtype == dtype else widened.to(dtype)
+        return widened if type(widened) is _Blockwise or widened.dtype == dtype else widened.to(dtype)
 
 
 class _Pipeline:

@@ -124,3 +124,74 @@ def test_twin_the_same_export_without_the_fault_succeeds(checkpoint, tmp_path):
                                   "--hidden-seed", "0", "-q"])
     assert result.exit_code == 0 and out.is_file(), result.output
 
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# blockwise: an expert matrix too large for the cache is widened a block of output rows at a time inside F.linear
+
+BLOCKWISE_CASES = {
+    # gate_up 192 rows: blocks [0,64) [64,128) [128,192), the gate/up boundary (96) inside one; down 160 rows:
+    # [0,64) [64,160) (a tail under 64 rows joins the block before it)
+    "qwen3_next_fused": lambda root: FIXTURES.write_moe_checkpoint(
+        root, "qwen3_next", "fused", dims=FIXTURES.MOE_TINY | {"hidden_size": 160, "moe_intermediate_size": 96},
+        main_model=False),
+    "qwen3_5_moe_per_expert": lambda root: FIXTURES.write_moe_checkpoint(
+        root, "qwen3_5_moe", "per_expert", dims=FIXTURES.MOE_TINY | {"hidden_size": 160, "moe_intermediate_size": 96},
+        main_model=False),
+    "deepseek_v3_fp8": lambda root: FIXTURES.write_mtp_layer_checkpoint(
+        root, "deepseek_v3", dims=FIXTURES.DEEPSEEK_TINY | {"hidden_size": 160, "moe_intermediate_size": 96},
+        fp8_block=[16, 32]),
+    # I = 40 is not a multiple of the 16-row scale block: gate_up is widened whole, down blockwise
+    "deepseek_v3_fp8_odd": lambda root: FIXTURES.write_mtp_layer_checkpoint(
+        root, "deepseek_v3", dims=FIXTURES.DEEPSEEK_TINY | {"hidden_size": 160, "moe_intermediate_size": 40},
+        fp8_block=[16, 32]),
+}
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    root = tmp_path_factory.mktemp("blockwise")
+    return {name: make(root / name) for name, make in BLOCKWISE_CASES.items()}
+
+
+def blockwise(monkeypatch) -> list:
+    """Every expert matrix widened blockwise, 64 rows at a time; returns the log of RoutedExperts.linear calls."""
+    monkeypatch.setattr(moe_experts, "BLOCKWISE_ABOVE", 0)
+    monkeypatch.setattr(moe_experts, "BLOCK_ROWS", 64)
+    calls, linear = [], moe_experts.RoutedExperts.linear
+
+    def logged(self, slot, which, x):
+        calls.append((which, self._chunks[which]))
+        return linear(self, slot, which, x)
+
+    monkeypatch.setattr(moe_experts.RoutedExperts, "linear", logged)
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["run_batched", "run_stepwise"])
+@pytest.mark.parametrize("name", list(BLOCKWISE_CASES))
+def test_blockwise_widening_gives_the_same_bits_as_whole_matrices(wide, name, mode, monkeypatch):
+    impl, head, rotary, inputs = head_and_inputs(wide[name])
+    whole = getattr(impl, mode)(head, rotary, inputs)
+    calls = blockwise(monkeypatch)
+    impl, head, rotary, inputs = head_and_inputs(wide[name])
+    blocks = getattr(impl, mode)(head, rotary, inputs)
+    plans = dict(calls)
+    assert plans["down"] == [(0, 64), (64, 160)]
+    assert plans.get("gate_up") == (None if name.endswith("odd") else [(0, 64), (64, 128), (128, 192)])
+    for stage in whole:
+        assert torch.equal(torch.from_numpy(whole[stage]), torch.from_numpy(blocks[stage])), stage
+
+
+def test_twin_a_blockwise_matrix_used_after_its_buffer_was_reused_is_refused(wide, monkeypatch):
+    blockwise(monkeypatch)
+    _, head, _, _ = head_and_inputs(wide["qwen3_next_fused"])
+    routed, module = routed_of(head), head.layers[0].mlp.experts
+    held = module.gate_up_proj[0]
+    assert type(held) is moe_experts._Blockwise
+    x = torch.randn(2, routed.layout.hidden)
+    expected = torch.nn.functional.linear(x, held)  # used at once: fine
+    assert torch.equal(expected, torch.nn.functional.linear(x, held.clone()))  # any other use widens it whole
+    module.gate_up_proj[1], module.gate_up_proj[2]  # the slot is refilled (read on the spot: one slot)
+    with pytest.raises(RuntimeError, match="used after another expert"):
+        torch.nn.functional.linear(x, held)
