@@ -263,7 +263,10 @@ def run_library(lib_path: Path, checkpoint: Path, work: Path, reference: Path | 
 def head_digest_soon(ckpt: Checkpoint) -> Callable[[], str]:
     """The head digest, when asked for: remembered from an earlier run of these exact bytes
     (probe/adapters/digest_cache.py), or else hashed on a thread, on the core the single-threaded step leaves idle."""
-    remembered = digest_cache.remembered_digest(ckpt)
+    try:
+        remembered = digest_cache.remembered_digest(ckpt)
+    except (MtpError, OSError):  # e.g. a missing shard: reported where it always was (read_head, or the digest)
+        remembered = None
     if remembered is not None:
         return lambda: remembered
     from concurrent.futures import ThreadPoolExecutor  # 8 ms of imports that a remembered digest does not need
