@@ -239,6 +239,33 @@ def test_upcast_linear_equals_a_float32_linear_bit_for_bit(rows, out_features, i
     assert torch.equal(qwen3_5.UpcastLinear(weight)(x), expected)
 
 
+@pytest.mark.parametrize("x_rows", [3, 70])  # below and above LARGE_FROM: the small and the large block budget
+def test_upcast_linear_blocks_of_several_units_write_their_own_columns_bit_for_bit(monkeypatch, x_rows):
+    # Tiny budgets: blocks of 2 and 3 UNITs of 8 rows and a short last block, as a real head's 256-row units
+    monkeypatch.setattr(qwen3_5.UpcastLinear, "UNIT", 8)
+    monkeypatch.setattr(qwen3_5.UpcastLinear, "SMALL_BLOCK", 16 * 40)
+    monkeypatch.setattr(qwen3_5.UpcastLinear, "LARGE_BLOCK", 24 * 40)
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(61, 40, generator=gen).to(torch.bfloat16)
+    linear = qwen3_5.UpcastLinear(weight)
+    assert linear.block_rows(x_rows) == (16 if x_rows < linear.LARGE_FROM else 24)
+    x = torch.randn(1, x_rows, 40, generator=gen)
+    assert torch.equal(linear(x), torch.nn.functional.linear(x, weight.float()))
+    assert torch.equal(linear(x.double()), torch.nn.functional.linear(x.double(), weight.double()))
+
+
+def test_upcast_linear_block_comparison_sees_a_change_in_the_last_block(monkeypatch):
+    # the twin: the comparison above reaches every block (a weight changed in the short last one is seen)
+    monkeypatch.setattr(qwen3_5.UpcastLinear, "UNIT", 8)
+    monkeypatch.setattr(qwen3_5.UpcastLinear, "SMALL_BLOCK", 16 * 40)
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(61, 40, generator=gen).to(torch.bfloat16)
+    x = torch.randn(1, 3, 40, generator=gen)
+    changed = weight.clone()
+    changed[60, 0] += 1
+    assert not torch.equal(qwen3_5.UpcastLinear(changed)(x), torch.nn.functional.linear(x, weight.float()))
+
+
 def test_float32_and_bf16_stored_weights_give_the_same_trace():
     ckpt, head, rotary = built()
     widened = qwen3_5.build_head(ckpt.config, as_torch(ckpt.read_head().tensors))[0]
