@@ -17,6 +17,7 @@ from oracle.checkpoint import Checkpoint, check_token_ids
 from oracle.errors import InputError
 from oracle.families.registry import head_module
 from oracle.finite import check_finite_reference
+from oracle.heap import ReservedHeap, forward_bytes
 from oracle.inputs import hidden_from_file, hidden_from_seed, positions_from_start, token_ids_from_array
 from oracle.limits import check_export_limits
 from oracle.output import check_writable
@@ -90,11 +91,13 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     resolve = functools.partial(_resolve_hidden, ckpt, hidden, token_ids, start_pos, log)
     h = None if hidden.seed is not None else resolve()
     weights = ckpt.read_head(widen=False, digest=False)  # mapped; bf16 stays bf16: half the memory
-    reads = _Prefetch(ckpt, token_ids, hidden=resolve if h is None else None)
+    heap = ReservedHeap(forward_bytes(family.stages(cfg), family.dims(cfg), len(token_ids)))  # oracle/heap.py
+    reads = _Prefetch(ckpt, token_ids, hidden=resolve if h is None else None, touch=heap.touch)
     try:
         impl = head_module(family)  # torch and the family's transformers modules, while the thread reads
     finally:
         reads.join()  # from here on only this thread touches the checkpoint
+        heap.release()  # its pages, faulted on the thread, serve the forward's tensors
     from oracle.attention_evidence import qk_blind_tokens, qk_warning, reused_projections  # torch: loaded already
 
     # a family whose head has its own embedding copy (DeepSeek/GLM) reads it, and says which table it used
@@ -115,6 +118,7 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
             else:
                 stages = impl.run_stepwise(head, rotary, inputs, on_step=lambda t: bar.update())
         uniform = impl.attention_with_uniform_weights(head, rotary, inputs, stages["ah"])
+    heap.close()
     stage_list = family.stages(cfg)
     recorded = {k: stages.pop(k) for k in list(stages) if k in EVIDENCE_DOCS}  # e.g. topk_margin: evidence
     if set(stages) != set(stage_list.names):  # a bug in the family's head, never the user's input
@@ -164,13 +168,14 @@ class _Prefetch:
     """What the export reads before it needs torch, on one thread while the heavy imports run: synthetic H (when
     `hidden` is given), the shared embedding's rows, the head digest (a pass over the mapped head; hashlib and page
     faults run without the GIL, and the pages are then resident for the forward), the producer version and git
-    commit (a subprocess).
+    commit (a subprocess); last, it faults in the memory the forward will use (`touch`, oracle/heap.py).
 
     `join` waits for all of it, so the checkpoint is never used by two threads at once. A result is read only
     where it is needed: the rows of a family that reads its own embedding copy are a page-cache warm-up, and an
     error there (no shared table) is never raised."""
 
-    def __init__(self, ckpt: Checkpoint, token_ids: np.ndarray, hidden: Callable[[], np.ndarray] | None) -> None:
+    def __init__(self, ckpt: Checkpoint, token_ids: np.ndarray, hidden: Callable[[], np.ndarray] | None,
+                 touch: Callable[[], None] = lambda: None) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="export-prefetch")
@@ -178,6 +183,7 @@ class _Prefetch:
         self.rows = self.pool.submit(ckpt.embedding_rows, token_ids)
         self.digest = self.pool.submit(ckpt.head_digest)
         self.producer, self.commit = self.pool.submit(_producer), self.pool.submit(_git_commit)
+        self.pool.submit(touch)  # last: memory for the forward (oracle/heap.py)
 
     def join(self) -> None:
         self.pool.shutdown(wait=True)
