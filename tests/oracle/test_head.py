@@ -239,16 +239,16 @@ def test_upcast_linear_equals_a_float32_linear_bit_for_bit(rows, out_features, i
     assert torch.equal(qwen3_5.UpcastLinear(weight)(x), expected)
 
 
-@pytest.mark.parametrize("x_rows", [3, 70])  # below and above LARGE_FROM: the small and the large block budget
+@pytest.mark.parametrize("x_rows", [3, 70])  # below and above LARGE_FROM: one unit, or the large block budget
 def test_upcast_linear_blocks_of_several_units_write_their_own_columns_bit_for_bit(monkeypatch, x_rows):
-    # Tiny budgets: blocks of 2 and 3 UNITs of 8 rows and a short last block, as a real head's 256-row units
+    # Tiny sizes: blocks of 1 and 3 UNITs of 8 rows and a short last block, as a real head's 256-row units
     monkeypatch.setattr(qwen3_5.UpcastLinear, "UNIT", 8)
-    monkeypatch.setattr(qwen3_5.UpcastLinear, "SMALL_BLOCK", 16 * 40)
     monkeypatch.setattr(qwen3_5.UpcastLinear, "LARGE_BLOCK", 24 * 40)
+    monkeypatch.setattr(qwen3_5.UpcastLinear, "LARGE_FROM", 64)
     gen = torch.Generator().manual_seed(1)
     weight = torch.randn(61, 40, generator=gen).to(torch.bfloat16)
     linear = qwen3_5.UpcastLinear(weight)
-    assert linear.block_rows(x_rows) == (16 if x_rows < linear.LARGE_FROM else 24)
+    assert linear.block_rows(x_rows) == (8 if x_rows < linear.LARGE_FROM else 24)
     x = torch.randn(1, x_rows, 40, generator=gen)
     assert torch.equal(linear(x), torch.nn.functional.linear(x, weight.float()))
     assert torch.equal(linear(x.double()), torch.nn.functional.linear(x.double(), weight.double()))
@@ -257,7 +257,8 @@ def test_upcast_linear_blocks_of_several_units_write_their_own_columns_bit_for_b
 def test_upcast_linear_block_comparison_sees_a_change_in_the_last_block(monkeypatch):
     # the twin: the comparison above reaches every block (a weight changed in the short last one is seen)
     monkeypatch.setattr(qwen3_5.UpcastLinear, "UNIT", 8)
-    monkeypatch.setattr(qwen3_5.UpcastLinear, "SMALL_BLOCK", 16 * 40)
+    monkeypatch.setattr(qwen3_5.UpcastLinear, "LARGE_BLOCK", 24 * 40)
+    monkeypatch.setattr(qwen3_5.UpcastLinear, "LARGE_FROM", 2)
     gen = torch.Generator().manual_seed(1)
     weight = torch.randn(61, 40, generator=gen).to(torch.bfloat16)
     x = torch.randn(1, 3, 40, generator=gen)
