@@ -71,7 +71,9 @@ class RoutedExperts:
         self.touched: set[int] = set()  # every expert widened so far (the trace's routed set)
         self.part_digests: dict[tuple[int, str], str] = {}  # (expert, "gate"/"up"/"down") -> part_digest, once read
         self.activation_dtype = torch.float32  # of the forward in progress: a widened expert follows it (noise.py)
-        self._part_bytes = {p: self._stored_part(0, p)[1].nbytes for p in EXPERT_PARTS}
+        # the largest of each part over all experts (a checkpoint may store experts in different dtypes)
+        self._part_bytes = {p: max(self._stored_part(e, p)[1].nbytes for e in range(layout.num_experts))
+                            for p in EXPERT_PARTS}
         self._slots = [_Slot(layout.intermediate, layout.hidden, sum(self._part_bytes.values())) for _ in range(2)]
         self._chunks = {which: self._chunk_plan(which) for which in ("gate_up", "down")}
         widest = max((stop - start) * (layout.hidden if which == "gate_up" else layout.intermediate)
@@ -97,7 +99,7 @@ class RoutedExperts:
         object.__setattr__(module, "gate_up_proj", _Widened(self, "gate_up"))
         object.__setattr__(module, "down_proj", _Widened(self, "down"))
         module.register_forward_pre_hook(self._routed)
-        module.register_forward_hook(self._done)
+        module.register_forward_hook(self._done, always_call=True)  # also when the forward raises
 
     def _routed(self, module: nn.Module, args) -> None:
         """Before the official forward: start reading the experts it routes to, in the order it will ask."""
@@ -337,7 +339,7 @@ class _Files:
     """Reads a tensor that lies in a file mapping from the file itself (os.preadv into a staging buffer)."""
 
     def __init__(self):
-        self._maps = _file_mappings()  # (start, end, file offset, path): the shards are mapped before the head
+        self._maps = _file_mappings()  # (start, end, file offset, path, device, inode): shards are mapped before the head
         self._looked_again = False
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -350,11 +352,17 @@ class _Files:
         where = self._extent(stored.data_ptr(), nbytes) if stored.is_contiguous() and nbytes else None
         if where is None:
             return stored
-        path, offset = where
-        fd = self._fd(path)
+        path, offset, device, inode = where
+        fd = self._fd(path, device, inode)
+        if fd is None:  # that path is no longer the mapped file (replaced, deleted, an escaped name): use the mapping
+            return stored
         view, done = memoryview(staging.numpy())[:nbytes], 0
         while done < nbytes:
-            got = os.preadv(fd, [view[done:]], offset + done)
+            try:
+                got = os.preadv(fd, [view[done:]], offset + done)
+            except OSError as error:
+                raise CheckpointError(f"{path}: reading a routed expert failed ({error.strerror}); check the "
+                                      f"disk and re-copy the shard.") from None
             if got <= 0:
                 raise CheckpointError(f"{path} ended inside a routed expert (byte {offset + done}); re-copy the "
                                       f"shard.")
@@ -362,29 +370,40 @@ class _Files:
         return staging[:nbytes].view(stored.dtype).view(stored.shape)
 
     def _extent(self, start: int, nbytes: int) -> tuple[str, int] | None:
-        for lo, hi, offset, path in self._maps:
+        for lo, hi, offset, path, device, inode in self._maps:
             if lo <= start and start + nbytes <= hi:
-                return path, offset + (start - lo)
+                return path, offset + (start - lo), device, inode
         with self._lock:
             if self._looked_again:  # tensors in ordinary memory: /proc/self/maps is not read for each of them
                 return None
             self._looked_again, self._maps = True, _file_mappings()  # a shard mapped after the first look
         return self._extent(start, nbytes)
 
-    def _fd(self, path: str) -> int:
+    def _fd(self, path: str, device: tuple[int, int], inode: int) -> int | None:
+        """An open descriptor of `path` if it is still the mapped file (same device and inode), else None."""
         with self._lock:
             if path not in self._fds:
-                self._fds[path] = os.open(path, os.O_RDONLY)
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except OSError:
+                    fd = None
+                if fd is not None:
+                    st = os.fstat(fd)
+                    if (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) != (*device, inode):
+                        os.close(fd)
+                        fd = None
+                self._fds[path] = fd
             return self._fds[path]
 
 
 def _close_all(fds: dict[str, int]) -> None:
     for fd in fds.values():
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
 
 
 def _file_mappings() -> list[tuple[int, int, int, str]]:
-    """(start, end, file offset, path) of this process's mappings of regular files that still exist
+    """(start, end, file offset, path, (major, minor), inode) of this process's mappings of regular files that still exist
     (/proc/self/maps); none where it cannot be read: everything is then read through memory."""
     found = []
     try:
@@ -393,7 +412,8 @@ def _file_mappings() -> list[tuple[int, int, int, str]]:
                 fields = line.split(maxsplit=5)
                 if len(fields) == 6 and fields[5].startswith("/") and not fields[5].endswith("(deleted)\n"):
                     lo, hi = (int(x, 16) for x in fields[0].split("-"))
-                    found.append((lo, hi, int(fields[2], 16), fields[5].rstrip("\n")))
+                    major, minor = (int(x, 16) for x in fields[3].split(":"))
+                    found.append((lo, hi, int(fields[2], 16), fields[5].rstrip("\n"), (major, minor), int(fields[4])))
     except OSError:
         return []
     return found

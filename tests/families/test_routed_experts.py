@@ -3,6 +3,7 @@ official forward, give the same bits as experts in ordinary memory; an expert as
 spot; a read that fails on the thread is raised where the forward asks for that expert (exit 2, naming the file)."""
 
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -95,7 +96,7 @@ def shard_cut_short(monkeypatch, tmp_path) -> None:
     """The experts' reads see the shard ending early (as if cut after it was mapped): they get an empty file."""
     empty = tmp_path / "empty"
     empty.write_bytes(b"")
-    monkeypatch.setattr(moe_experts._Files, "_fd", lambda self, path: os.open(empty, os.O_RDONLY))
+    monkeypatch.setattr(moe_experts._Files, "_fd", lambda self, *where: os.open(empty, os.O_RDONLY))
 
 
 def test_a_read_that_fails_on_the_thread_is_raised_where_the_forward_asks(checkpoint, monkeypatch, tmp_path):
@@ -103,7 +104,7 @@ def test_a_read_that_fails_on_the_thread_is_raised_where_the_forward_asks(checkp
     shard_cut_short(monkeypatch, tmp_path)
     with pytest.raises(CheckpointError, match="ended inside a routed expert"):
         impl.run_batched(head, rotary, inputs)
-    assert routed_of(head)._pipeline is not None  # the forward raised: the next forward stops it first
+    assert routed_of(head)._pipeline is None  # stopped although the forward raised (no thread left blocked)
     monkeypatch.undo()
     impl.run_batched(head, rotary, inputs)  # and then runs
     assert routed_of(head)._pipeline is None
@@ -195,3 +196,21 @@ def test_twin_a_blockwise_matrix_used_after_its_buffer_was_reused_is_refused(wid
     module.gate_up_proj[1], module.gate_up_proj[2]  # the slot is refilled (read on the spot: one slot)
     with pytest.raises(RuntimeError, match="used after another expert"):
         torch.nn.functional.linear(x, held)
+
+
+def test_a_shard_replaced_after_it_was_mapped_is_read_through_the_mapping(checkpoint, tmp_path):
+    """Red team: a shard renamed over by another checkpoint's after the head was built; the experts must still be
+    the mapped (original) file's, as every other tensor is. Twin: the replacement's own export differs."""
+    ckpt = shutil.copytree(checkpoint, tmp_path / "ckpt")
+    other = FIXTURES.write_moe_checkpoint(tmp_path / "other", "qwen3_next", Checkpoint(checkpoint).layout().experts.kind,
+                                          seed=1, main_model=False)
+    impl, head, rotary, inputs = head_and_inputs(ckpt)
+    for shard in sorted(other.glob("*.safetensors")):
+        os.replace(shutil.copy(shard, ckpt / (shard.name + ".new")), ckpt / shard.name)
+    replaced = impl.run_batched(head, rotary, inputs)
+    impl, head, rotary, inputs = head_and_inputs(checkpoint)
+    original = impl.run_batched(head, rotary, inputs)
+    impl, head, rotary, inputs = head_and_inputs(other)
+    theirs = impl.run_batched(head, rotary, inputs)
+    assert torch.equal(torch.from_numpy(replaced["routed"]), torch.from_numpy(original["routed"]))
+    assert not torch.equal(torch.from_numpy(theirs["routed"]), torch.from_numpy(original["routed"]))
