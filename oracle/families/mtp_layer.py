@@ -27,7 +27,7 @@ from transformers import DynamicCache
 from oracle.attention_evidence import uniform_weights
 from oracle.checkpoint import Checkpoint, HeadWeights
 from oracle.errors import CheckpointError
-from oracle.families.moe_experts import RoutedExperts
+from oracle.families.moe_experts import ALIGN, RoutedExperts, output_row_blocks
 from oracle.families.mtp_layer_main_model import MainLayout, run_main_model
 from oracle.families.mtp_layer_main_model import load_main_model as load_main
 from oracle.families.mtp_layer_layout import MtpLayerConfig, MtpLayerTensors
@@ -250,7 +250,7 @@ class Fp8Linear(nn.Module):
     # Every chunk starts on a multiple of ALIGN output rows and is at least ALIGN wide (a narrower tail joins the
     # chunk before it), because the CPU GEMM is bit-stable under an output-row split only then: measured on this
     # torch, a chunk 1-11 rows wide, or (one token) starting off a multiple of 4, reduces in another order.
-    ALIGN = 64
+    ALIGN = ALIGN
 
     def __init__(self, stored: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                  bias: torch.Tensor | None = None, name: str = "weight"):
@@ -272,10 +272,7 @@ class Fp8Linear(nn.Module):
                                   dtype=torch.float32)
 
     def _chunks(self, out_features: int) -> list[tuple[int, int]]:
-        chunks = [(start, min(start + self.rows, out_features)) for start in range(0, out_features, self.rows)]
-        if len(chunks) > 1 and chunks[-1][1] - chunks[-1][0] < self.ALIGN:
-            chunks[-2:] = [(chunks[-2][0], out_features)]
-        return chunks
+        return output_row_blocks(out_features, self.rows)  # the routed experts' blocks: the same alignment rule
 
     def value(self) -> torch.Tensor:
         """The whole float32 weight the model means (for a variant that rewrites it; never in the forward)."""
