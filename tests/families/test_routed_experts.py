@@ -102,9 +102,11 @@ def shard_cut_short(monkeypatch, tmp_path) -> None:
 def test_a_read_that_fails_on_the_thread_is_raised_where_the_forward_asks(checkpoint, monkeypatch, tmp_path):
     impl, head, rotary, inputs = head_and_inputs(checkpoint)
     shard_cut_short(monkeypatch, tmp_path)
+    threads = torch.get_num_threads()
     with pytest.raises(CheckpointError, match="ended inside a routed expert"):
         impl.run_batched(head, rotary, inputs)
     assert routed_of(head)._pipeline is None  # stopped although the forward raised (no thread left blocked)
+    assert torch.get_num_threads() == threads  # and torch's thread count given back
     monkeypatch.undo()
     impl.run_batched(head, rotary, inputs)  # and then runs
     assert routed_of(head)._pipeline is None
@@ -214,3 +216,18 @@ def test_a_shard_replaced_after_it_was_mapped_is_read_through_the_mapping(checkp
     theirs = impl.run_batched(head, rotary, inputs)
     assert torch.equal(torch.from_numpy(replaced["routed"]), torch.from_numpy(original["routed"]))
     assert not torch.equal(torch.from_numpy(theirs["routed"]), torch.from_numpy(original["routed"]))
+
+
+def test_the_forward_leaves_the_reading_thread_a_core_and_gives_it_back(checkpoint):
+    """While the pipeline reads, torch computes on one thread fewer (its second OpenMP thread had taken the reading
+    thread's core: reads at half speed at Qwen3-Next scale); after the forward the thread count is as before."""
+    impl, head, rotary, inputs = head_and_inputs(checkpoint)
+    module = head.layers[0].mlp.experts
+    threads, seen = torch.get_num_threads(), []
+    hook = module.register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+    try:  # registered after the pipeline's own pre-hook: sees the forward's thread count
+        impl.run_batched(head, rotary, inputs)
+    finally:
+        hook.remove()
+    assert seen == [max(1, threads - 1)]
+    assert torch.get_num_threads() == threads
