@@ -21,7 +21,7 @@ import xxhash
 
 from oracle import gguf_source
 from oracle.errors import CheckpointError, InputError
-from oracle.experts_digest import experts_digest_of
+from oracle.experts_digest import EXPERT_PARTS, TYPED, experts_digest_of
 from oracle.families.registry import detect
 from oracle.families.spec import FamilySpec, HeadConfig, TensorLayout
 from oracle.fp8 import E4M3, decode_e4m3, dequantize
@@ -176,16 +176,19 @@ class Checkpoint:
         trace used are covered by `experts_digest`."""
         return self.digest(sorted(self.layout().dense))
 
-    def experts_digest(self, experts: list[int], known: dict[tuple[int, str], str] | None = None) -> str:
-        """`experts_digest_of` the given routed experts' stored bytes (gate, up, down: their slices of a fused
-        tensor, or their own tensors). Parts already hashed where the head read them (`known`, (expert, part) ->
-        `part_digest`, e.g. RoutedExperts.part_digests) are not read again; the others are read with os.pread into
-        one reused buffer, not through the mapping (the resident set does not grow by the experts it hashes)."""
+    def experts_digest(self, experts: list[int], known: dict[tuple[int, str], str] | None = None,
+                       scheme: str = TYPED) -> str:
+        """`experts_digest_of` the given routed experts' stored parts (gate, up, down: their slices of a fused
+        tensor, or their own tensors; dtype, shape and bytes). Parts already hashed where the head read them (`known`,
+        (expert, part) -> `part_digest`, e.g. RoutedExperts.part_digests) are not read again; the others are read
+        with os.pread into one reused buffer, not through the mapping (the resident set does not grow by the experts
+        it hashes). `scheme`: the digest's scheme (oracle/experts_digest.py; a recorded digest's own, to check it)."""
         layout = self.layout().experts
         known = known or {}
         parts = {}
         buffer = memoryview(bytearray(8 << 20))
         for e in sorted(set(int(x) for x in experts)):
+            types = self._expert_part_types(layout, e)
             for name, (path, offset, nbytes) in self._expert_extents(layout, e):
                 if (e, name) in known:
                     parts[(e, name)] = known[(e, name)]
@@ -198,8 +201,18 @@ class Checkpoint:
                             raise CheckpointError(f"{path} ended inside expert {e}; re-copy the shard.")
                         digest.update(buffer[:got])
                         offset, nbytes = offset + got, nbytes - got
-                parts[(e, name)] = digest.hexdigest()
-        return experts_digest_of(parts)
+                dtype, shape = types[name]
+                parts[(e, name)] = f"{dtype}|{'x'.join(map(str, shape))}|{digest.hexdigest()}"  # as part_digest
+        return experts_digest_of(parts, scheme)
+
+    def _expert_part_types(self, layout, e: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """part -> (stored dtype, shape) of expert `e`'s gate [I, D], up [I, D] and down [D, I]."""
+        if layout.kind == "fused":
+            gate_up, down = self.entry(layout.names["gate_up"]), self.entry(layout.names["down"])
+            half = (gate_up.shape[1] // 2, *gate_up.shape[2:])
+            return {"gate": (gate_up.dtype, half), "up": (gate_up.dtype, half), "down": (down.dtype, down.shape[1:])}
+        entries = {p: self.entry(layout.names[p].format(e=e)) for p in EXPERT_PARTS}
+        return {p: (x.dtype, x.shape) for p, x in entries.items()}
 
     def _expert_extents(self, layout, e: int) -> list[tuple[str, tuple[Path, int, int]]]:
         """(part, (file, byte offset, bytes)) of expert `e`'s gate, up and down as stored."""

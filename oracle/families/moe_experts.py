@@ -157,7 +157,7 @@ class RoutedExperts:
             stored = self._files.read(stored, slot.staging[offset:offset + self._part_bytes[part]])
             offset += self._part_bytes[part]
             if (e, part) not in self.part_digests:
-                self.part_digests[(e, part)] = part_digest(_as_bytes(stored))
+                self.part_digests[(e, part)] = part_digest(_as_bytes(stored), _STORED_DTYPE[stored.dtype], stored.shape)
             slot.staged[part] = (name, stored)
         for which in ("gate_up", "down"):
             if self._chunks[which] is None:
@@ -430,6 +430,10 @@ def _file_mappings() -> list[tuple[int, int, int, str]]:
     except OSError:
         return []
     return found
+
+
+# a stored part's safetensors dtype, as Checkpoint.experts_digest reads it from the header (FP8 bytes are uint8 here)
+_STORED_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.uint8: "F8_E4M3"}
 
 
 def _as_bytes(stored: torch.Tensor) -> np.ndarray:

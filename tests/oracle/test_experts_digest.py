@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from oracle.checkpoint import Checkpoint
-from oracle.experts_digest import EXPERT_PARTS, experts_digest_of, part_digest
+from oracle.experts_digest import BYTES_ONLY, EXPERT_PARTS, TYPED, experts_digest_of, part_digest, scheme_of
 from oracle.export import HiddenSource, export_trace
 from oracle.trace import read_trace
 from tests.helpers import ROOT, load_script
@@ -60,7 +60,7 @@ def flip_byte(ckpt, expert: int, part: str) -> None:
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_digest_hashed_while_reading_equals_the_files_digest(checkpoints, tmp_path, name, mode):
     used, digest = exported(checkpoints[name], tmp_path / "t.h5", mode)
-    assert digest.startswith("xxh3-128:")
+    assert digest.startswith("xxh3-128/typed:") and scheme_of(digest) == TYPED
     assert digest == Checkpoint(checkpoints[name]).experts_digest(used)  # every part read back from the files
 
 
@@ -81,9 +81,54 @@ def test_twin_one_flipped_byte_in_a_used_expert_changes_the_digest(checkpoints, 
 def test_parts_already_hashed_are_taken_as_given_and_the_rest_read(checkpoints):
     checkpoint = Checkpoint(checkpoints["qwen3_next_fused"])
     full = checkpoint.experts_digest([0, 1])
-    known = {(0, p): part_digest(checkpoint.expert_parts(checkpoint.layout().experts, 0)[i][1].copy())
-             for i, p in enumerate(EXPERT_PARTS)}
+    stored = dict(checkpoint.expert_parts(checkpoint.layout().experts, 0))
+    known = {(0, p): part_digest(stored[p].copy(), "BF16", stored[p].shape) for p in EXPERT_PARTS}
     assert checkpoint.experts_digest([0, 1], known) == full
     wrong = known | {(0, "down"): "0" * 32}  # a part given wrongly is taken as given: the caller's word
     assert checkpoint.experts_digest([0, 1], wrong) != full
     assert experts_digest_of({(1, "up"): "a", (0, "down"): "b"}) == experts_digest_of({(0, "down"): "b", (1, "up"): "a"})
+
+
+def relabel(ckpt, tensor: str, dtype: str) -> None:
+    """Rewrite one tensor's dtype in its shard's safetensors header, in place (same header length, bytes unchanged)."""
+    import json
+    import struct
+
+    entry = Checkpoint(ckpt).entry(tensor)
+    with open(entry.file, "r+b") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+        header[tensor]["dtype"] = dtype
+        text = json.dumps(header, separators=(",", ":")).encode()
+        assert len(text) <= length
+        f.seek(8)
+        f.write(text.ljust(length))
+
+
+def test_twin_a_header_relabelled_bf16_to_f16_changes_the_digest(checkpoints, tmp_path):
+    """The same bytes read as another dtype are other weights: the typed digest sees the label, as the dense head
+    digest does (the bytes-only scheme could not)."""
+    used, digest = exported(checkpoints["qwen3_5_moe_per_expert"], tmp_path / "before.h5", tokens=TOKENS[:1])
+    copy = shutil.copytree(checkpoints["qwen3_5_moe_per_expert"], tmp_path / "relabelled")
+    layout = Checkpoint(copy).layout().experts
+    relabel(copy, layout.names["down"].format(e=used[0]), "F16")
+    after = Checkpoint(copy).experts_digest(used)
+    assert after != digest
+    assert Checkpoint(copy).experts_digest(used, scheme=BYTES_ONLY) == Checkpoint(
+        checkpoints["qwen3_5_moe_per_expert"]).experts_digest(used, scheme=BYTES_ONLY)  # blind to it, as it was
+
+
+def test_a_digest_written_before_the_typed_scheme_is_recomputed_in_its_own_scheme(checkpoints):
+    """Traces written before record `xxh3-128:` over `{expert}|{part}|{hex}` lines: still computed, so they can
+    still be checked; the scheme is read from the recorded prefix."""
+    import xxhash
+
+    checkpoint = Checkpoint(checkpoints["qwen3_next_fused"])
+    stored = dict(checkpoint.expert_parts(checkpoint.layout().experts, 2))
+    lines = "".join(f"2|{p}|{xxhash.xxh3_128(stored[p].copy()).hexdigest()}\n" for p in EXPERT_PARTS)
+    legacy = "xxh3-128:" + xxhash.xxh3_128(lines.encode()).hexdigest()  # the definition before the typed scheme
+    assert checkpoint.experts_digest([2], scheme=scheme_of(legacy)) == legacy
+    assert scheme_of(legacy) == BYTES_ONLY and scheme_of("sha256:" + "0" * 64) is None
+    assert checkpoint.experts_digest([2]) != legacy
+    with pytest.raises(ValueError):
+        experts_digest_of({}, "md5")
