@@ -46,6 +46,8 @@ def render_inspection(path: Path) -> str:
         for key in ("producer", "checkpoint_digest", "inputs_digest"):
             if key in attrs:
                 lines.append(f"  {key:<18} {attrs[key]}")
+        if "experts" in attrs:
+            lines.append(f"  {'experts':<18} {_experts(attrs['experts'], reader.dims.num_experts)}")
         for key in ("versions", "config", "provenance"):
             if key in attrs:
                 lines.append(f"  {key:<18} {json.dumps(attrs[key], sort_keys=True)}")
@@ -77,6 +79,23 @@ def stage_meanings(stage_list) -> list[str]:
         kind = "  [compared as a set]" if stage.kind != "rows" else ""
         lines.append(f"    {stage.name:<{w}}  {stage.shape:<7} {stage.doc}{kind}")
     return lines
+
+
+_EXPERT_IDS = 8  # used expert ids shown
+
+
+def _experts(experts: dict, num_experts: int) -> str:
+    """The routed experts a MoE trace used (its `experts` attribute, oracle/export.py): layout, how many of the
+    head's, the first ids, their digest; as stored (JSON) when it is not in that form."""
+    used, digest = experts.get("used"), experts.get("digest")
+    if not isinstance(used, list) or not all(isinstance(e, int) and not isinstance(e, bool) for e in used):
+        return json.dumps(experts, sort_keys=True)
+    of = f" of {num_experts}" if num_experts else ""
+    first = ",".join(map(str, used[:_EXPERT_IDS])) + (",…" if len(used) > _EXPERT_IDS else "")
+    text = f"layout {experts.get('layout', '?')}, {len(used)}{of} used ({first}), digest {digest}"
+    if "group_limited_tokens" in experts:
+        text += f", group_limited_tokens {experts['group_limited_tokens']}"
+    return text
 
 
 def _preview(arr: np.ndarray, limit: int = 12) -> str:

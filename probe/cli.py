@@ -149,7 +149,8 @@ def run(ctx, ref, spec, checkpoint, out, profile, rtol, atol, stage_tol, json_pa
       torch[:cpu|cuda[:float32|bfloat16]]   the built-in transcription from raw tensor ops.
 
     The checkpoint is the one REF records (or one found beside it by its head digest) unless --checkpoint
-    is given; its weights are checked against REF's digest.
+    is given; its weights are checked against REF's digests (the head's and, for MoE, the routed experts REF
+    used).
     """
     from probe.adapters.cabi_process import early_worker
 

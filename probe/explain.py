@@ -1,7 +1,8 @@
 """`mtp-probe diff|run --explain`: why the candidate diverges, not only where.
 
 Four measurements, each on the reference's own inputs and checkpoint (the one the reference records, or
---checkpoint; its head digest must be the reference's):
+--checkpoint; its head digest must be the reference's, and so must the digest of the routed experts a MoE reference
+records it used, `experts`):
 
 1. Local vs inherited error. Every stage is recomputed with the oracle's operator from the candidate's OWN previous
    stages (attention from its own `ah` rows of every token up to t). `local_max_rel` (candidate vs that
@@ -39,6 +40,7 @@ from probe.adapters.trace_file import open_candidate, open_reference
 from probe.diff import DiffReport
 from probe.evidence import Verdict
 from probe.rule import RULE
+from probe.run import check_experts, recorded_experts
 from probe.selfcheck import Issue
 from probe.tolerance import Tol
 
@@ -170,6 +172,8 @@ def explain_stages(report: DiffReport, ref_path: Path, cand: dict[str, np.ndarra
     family = FAMILIES.get(attrs.get("family", LEGACY_FAMILY))
     conventions = {k: v for k, v in (attrs.get("config") or {}).items() if k in CONVENTIONS}
     explainer = Explainer(checkpoint, inputs, conventions, attrs.get("checkpoint_digest"), reference=ref)
+    # The head digest leaves routed experts out: the experts the reference used are checked by their own digest.
+    check_experts(checkpoint, recorded_experts(ref_path), ref_path)
     order = tuple(report.stage_names)
     explanation = Explanation([], [], [], None, {}, descriptions={v.name: v.description for v in family.variants}
                               if family else {}, num_stages=len(order))

@@ -6,6 +6,7 @@ comparison and verdict as a trace file given to `mtp-probe diff`.
 """
 
 import itertools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ import numpy as np
 
 from oracle.checkpoint import Checkpoint
 from oracle.errors import MtpError
+from oracle.experts_digest import SCHEMES, scheme_of
 from oracle.families.spec import CONVENTIONS
 from oracle.stages import STAGE_NAMES
 from oracle.trace import TraceInputs, read_trace, write_trace
@@ -21,7 +23,7 @@ from probe.adapters.base import Adapter
 from probe.adapters.spec import SPEC_HELP
 from probe.adapters.trace_file import open_reference
 from probe.diff import DiffReport, diff_sources
-from probe.errors import AdapterError, ProbeError
+from probe.errors import AdapterError, ProbeError, ReferenceTraceError
 from probe.selfcheck import check_reference
 from probe.tolerance import Tol
 
@@ -48,29 +50,48 @@ def adapter_from_spec(spec: str, checkpoint: Path, conventions: dict | None = No
 
 def checkpoint_for(ref_path: Path, given: Path | None, log: Callable[[str], None] = lambda msg: None) -> Path:
     """--checkpoint, or the checkpoint recorded in the reference's provenance if it is here, or else one found
-    nearby by its head digest (`find_checkpoint`); its head config must be the one the reference records."""
+    nearby by its head digest (`find_checkpoint`); its head config must be the one the reference records, and
+    where the reference records the routed experts it used (`experts`), their digest too (`check_experts`)."""
     with read_trace(ref_path) as ref:
         recorded = ref.attrs.get("provenance", {}).get("checkpoint")
         ref_config, digest = ref.attrs.get("config"), ref.attrs.get("checkpoint_digest")
+    experts = recorded_experts(ref_path)
     path = Path(given) if given is not None else Path(recorded) if recorded and Path(recorded).is_dir() else None
+    rejected: list[tuple[Path, str]] = []  # same head digest, other routed experts
     if path is None and digest:
-        path = find_checkpoint(ref_path, recorded, ref_config, digest)
+        path = find_checkpoint(ref_path, recorded, ref_config, digest, experts, rejected)
         if path is not None:
             log(f"using checkpoint {path}: {ref_path} records {recorded}, which is not a directory here; {path} "
-                f"holds the same head weights (digest {digest[:19]}…).")
+                f"holds the same head weights (digest {digest[:19]}…)"
+                + (" and the same routed experts." if experts else "."))
+            return path  # its config and experts were checked where it was found
     if path is not None:
         check_config(Checkpoint(path).config.to_dict(), ref_config, ref_path)
+        check_experts(path, experts, ref_path)
         return path
+    if rejected:
+        folder, got = rejected[0]
+        others = f" (and {len(rejected) - 1} more such folder(s))" if len(rejected) > 1 else ""
+        raise ProbeError(f"{ref_path} was exported from checkpoint {recorded or '(not recorded)'}, which is not a "
+                         f"directory here; {folder}{others} holds the same head weights (digest {digest[:19]}…), but "
+                         f"its routed experts differ from those the reference was exported from "
+                         f"({_experts_mismatch(experts, got)}). Pass --checkpoint DIR: the checkpoint the reference "
+                         f"was exported from (its head and routed experts are checked by digest).")
     looked = (f"; no checkpoint with its head digest ({digest[:19]}…) is beside the reference or under the current "
               f"directory" if digest else "")
     raise ProbeError(f"{ref_path} was exported from checkpoint {recorded or '(not recorded)'}, which is not a "
                      f"directory here{looked}. Pass --checkpoint DIR (the same weights: their digest is checked).")
 
 
-def find_checkpoint(ref_path: Path, recorded: str | None, ref_config: dict | None, digest: str) -> Path | None:
+def find_checkpoint(ref_path: Path, recorded: str | None, ref_config: dict | None, digest: str,
+                    experts: dict | None = None, rejected: list | None = None) -> Path | None:
     """A directory near the reference whose head digest is `digest`: the recorded path read from the reference's
     folder and its parents, then the reference's sibling folders and the current directory's (two levels). Only
-    folders whose config.json gives the reference's head config are hashed; at most _MAX_CHECKPOINTS of them."""
+    folders whose config.json gives the reference's head config are hashed; at most _MAX_CHECKPOINTS of them.
+
+    `experts` (`recorded_experts`): the routed experts the reference used; a folder with the same head digest whose
+    digest of those experts differs is not the reference's checkpoint either: it is skipped, and (folder, its
+    experts digest) appended to `rejected` when given."""
     hashed = 0
     for folder in _nearby_folders(Path(ref_path).resolve().parent, recorded):
         try:
@@ -81,7 +102,11 @@ def find_checkpoint(ref_path: Path, recorded: str | None, ref_config: dict | Non
         hashed += 1
         try:
             if ckpt.head_digest() == digest:
-                return folder
+                got = _verified_experts_digest(ckpt, experts) if experts else None
+                if got is None or got == experts["digest"]:
+                    return folder
+                if rejected is not None:
+                    rejected.append((folder, got))
         except MtpError:
             pass
         if hashed >= _MAX_CHECKPOINTS:
@@ -123,6 +148,101 @@ def _subfolders(root: Path, depth: int):
     if depth > 1:
         for child in children:
             yield from _subfolders(child, depth - 1)
+
+
+def recorded_experts(ref_path: Path) -> dict | None:
+    """The reference's `experts` attribute ({layout, used, digest, …}: the routed experts its head read and their
+    digest, oracle/export.py), checked; None for a reference without one (a dense head, or a trace written before)."""
+    with read_trace(ref_path) as ref:
+        experts = ref.attrs.get("experts")
+    if experts is None:
+        return None
+    used, digest = experts.get("used"), experts.get("digest")
+
+    def bad(what: str) -> ReferenceTraceError:
+        return ReferenceTraceError(f"{ref_path}: root attribute 'experts' {what}; export writes {{\"layout\", "
+                                   f"\"used\": [expert ids], \"digest\": \"<scheme>:<hex>\"}} (oracle/export.py). "
+                                   f"Re-export the reference.")
+
+    if not isinstance(used, list) or not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in used):
+        raise bad(f"has 'used' {_short_repr(used)}, not a list of expert ids (integers >= 0)")
+    if not isinstance(digest, str) or scheme_of(digest) is None:
+        raise bad(f"has 'digest' {_short_repr(digest)}, not a digest of a known scheme ({', '.join(SCHEMES)})")
+    return experts
+
+
+def experts_digest_of_checkpoint(ckpt: Checkpoint, experts: dict) -> str:
+    """The checkpoint's digest of the experts `experts["used"]`, in the scheme of the recorded digest."""
+    layout = ckpt.layout().experts
+    if layout is None:
+        raise ProbeError(f"checkpoint {ckpt.path} has no routed experts, but the reference records the "
+                         f"{len(experts['used'])} it used; pass the reference's checkpoint.")
+    outside = [e for e in experts["used"] if e >= layout.num_experts]
+    if outside:
+        raise ProbeError(f"the reference used routed experts {_preview_ids(outside)}, but checkpoint {ckpt.path} has "
+                         f"{layout.num_experts} (ids 0..{layout.num_experts - 1}); pass the reference's checkpoint.")
+    return ckpt.experts_digest(experts["used"], scheme=scheme_of(experts["digest"]))
+
+
+def check_experts(checkpoint: Path, experts: dict | None, ref_path: Path) -> None:
+    """The routed experts the reference used (`recorded_experts`) must be the checkpoint's: the head digest leaves
+    routed experts out, so the same dense head with other experts would blame a correct candidate for `routed`.
+    Nothing to check for a reference that records no experts."""
+    if not experts:
+        return
+    ckpt = Checkpoint(checkpoint)
+    got = _verified_experts_digest(ckpt, experts)
+    if got != experts["digest"]:
+        raise ProbeError(f"checkpoint {ckpt.path}: its routed experts differ from those {ref_path} was exported from "
+                         f"({_experts_mismatch(experts, got)}; the head digest does not cover routed experts). Pass "
+                         f"the reference's checkpoint (--checkpoint DIR), the one it was exported from.")
+
+
+def _verified_experts_digest(ckpt: Checkpoint, experts: dict) -> str:
+    """`experts_digest_of_checkpoint`, remembered in this process once it matched the recorded digest, while the
+    files it read are unchanged: `run --explain` checks the same checkpoint twice (run, then explain)."""
+    key = _experts_key(ckpt, experts)
+    if key is not None and key in _EXPERTS_VERIFIED:
+        return experts["digest"]
+    got = experts_digest_of_checkpoint(ckpt, experts)
+    if got == experts["digest"] and key is not None:
+        _EXPERTS_VERIFIED.add(key)
+    return got
+
+
+_EXPERTS_VERIFIED: set[tuple] = set()
+
+
+def _experts_key(ckpt: Checkpoint, experts: dict) -> tuple | None:
+    """What a checked experts digest depends on: the checkpoint, the recorded experts, where their tensors lie and
+    their files' identity and times (a rewrite in place changes the ctime). None when any of it is unreadable."""
+    try:
+        layout = ckpt.layout().experts
+        names = (layout.tensor_names() if layout.kind == "fused" else
+                 [layout.names[p].format(e=e) for e in experts["used"] for p in ("gate", "up", "down")])
+        entries = [ckpt.entry(name) for name in names]
+        files = sorted({str(entry.file) for entry in entries})
+        stats = tuple((f, s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns)
+                      for f, s in ((f, os.stat(f)) for f in files))
+    except (OSError, MtpError, AttributeError, KeyError):  # no experts, another layout: hashed every time
+        return None
+    return (str(Path(ckpt.path).resolve()), experts["digest"], tuple(experts["used"]),
+            tuple((e.name, e.dtype, e.shape, str(e.file), e.offset, e.nbytes) for e in entries), stats)
+
+
+def _experts_mismatch(experts: dict, got: str) -> str:
+    used = experts["used"]
+    return (f"the {len(used)} routed expert(s) the reference used ({_preview_ids(used)}) have digest {got} here, "
+            f"{experts['digest']} in the reference")
+
+
+def _preview_ids(ids: list[int], limit: int = 8) -> str:
+    return ", ".join(map(str, ids[:limit])) + (f" … ({len(ids)} in all)" if len(ids) > limit else "")
+
+
+def _short_repr(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 @dataclass(frozen=True)
