@@ -369,6 +369,8 @@ class _Files:
         fd = self._fd(path, device, inode)
         if fd is None:  # that path is no longer the mapped file (replaced, deleted, an escaped name): use the mapping
             return stored
+        if _written_in_place(stored.data_ptr(), nbytes):  # a caller edited the mapped weights: the file lacks it
+            return stored
         view, done = memoryview(staging.numpy())[:nbytes], 0
         while done < nbytes:
             try:
@@ -407,6 +409,36 @@ class _Files:
                         fd = None
                 self._fds[path] = fd
             return self._fds[path]
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_PRESENT, _SWAPPED, _FILE_PAGE = 1 << 63, 1 << 62, 1 << 61  # /proc/self/pagemap entry bits (Documentation/admin-guide/mm/pagemap.rst)
+
+
+def _written_in_place(start: int, nbytes: int) -> bool:
+    """Whether any page of [start, start + nbytes), part of a private file mapping, was written in this process.
+
+    Shards are mapped copy-on-write, so a library caller may edit a weight in place (its tensors share the
+    mapping); the written page is then this process's own (anonymous: present without the file-page bit, or
+    swapped out), and the file no longer holds what the head is asked to compute with. Reading the file would
+    silently drop the edit, so such a part is read through memory. /proc/self/pagemap gives these flags to any
+    process about itself (only the frame numbers need privileges); where it cannot be read, the file is read, as
+    before."""
+    first, last = start // _PAGE, (start + nbytes - 1) // _PAGE
+    try:
+        fd = os.open("/proc/self/pagemap", os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        entries = os.pread(fd, 8 * (last - first + 1), 8 * first)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    flags = np.frombuffer(entries, dtype=np.uint64)
+    present = (flags & np.uint64(_PRESENT)) != 0
+    anonymous = present & ((flags & np.uint64(_FILE_PAGE)) == 0)
+    return bool(anonymous.any() or ((flags & np.uint64(_SWAPPED)) != 0).any())
 
 
 def _close_all(fds: dict[str, int]) -> None:

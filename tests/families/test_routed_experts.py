@@ -231,3 +231,39 @@ def test_the_forward_leaves_the_reading_thread_a_core_and_gives_it_back(checkpoi
         hook.remove()
     assert seen == [max(1, threads - 1)]
     assert torch.get_num_threads() == threads
+
+
+def test_an_expert_edited_in_place_in_the_mapped_weights_is_computed_with_the_edit(checkpoint):
+    """A library caller's tensors share the shard's copy-on-write mapping; an expert weight edited there in place is
+    no longer what the file holds, so it is read through memory (its written pages are this process's own), never
+    from the file, which would silently drop the edit."""
+    layout = Checkpoint(checkpoint).layout().experts
+    _, _, _, inputs = head_and_inputs(checkpoint)
+    used = None
+
+    def edit(weights):
+        name = layout.names["down"] if layout.kind == "fused" else layout.names["down"].format(e=used)
+        tensor = weights[name][used] if layout.kind == "fused" else weights[name]
+        tensor[0, 0] = tensor[0, 0] * 2 + 1
+
+    impl, head, rotary, _ = head_and_inputs(checkpoint)
+    reference = impl.run_batched(head, rotary, inputs)
+    used = int(reference["topk_ids"][0, 0])
+    impl, head, rotary, _ = head_and_inputs(checkpoint, in_memory=True, edit=edit)
+    expected = impl.run_batched(head, rotary, inputs)  # the edit, in ordinary memory
+    impl, head, rotary, _ = head_and_inputs(checkpoint, edit=edit)  # the same edit, in the mapping
+    edited = impl.run_batched(head, rotary, inputs)
+    assert not torch.equal(torch.from_numpy(expected["routed"]), torch.from_numpy(reference["routed"]))
+    for stage in expected:
+        assert torch.equal(torch.from_numpy(edited[stage]), torch.from_numpy(expected[stage])), stage
+
+
+def test_twin_pages_only_read_are_not_taken_for_written_ones(checkpoint):
+    """Untouched and read-only-touched mapped pages are the file's: the experts are still read from the file."""
+    impl, head, rotary, inputs = head_and_inputs(checkpoint)
+    routed = routed_of(head)
+    name, stored = routed._stored_part(0, "down")
+    float(stored.float().sum())  # read every page of it through the mapping
+    assert not moe_experts._written_in_place(stored.data_ptr(), stored.numel() * stored.element_size())
+    impl.run_batched(head, rotary, inputs)
+    assert routed._files._fds  # read from the shard
