@@ -50,6 +50,7 @@ may omit /inputs. Files are written under a temporary name beside the target and
 interrupted write never leaves a file that looks finished.
 """
 
+import functools
 import hashlib
 import json
 import os
@@ -66,6 +67,7 @@ from oracle.stages import KINDS, ROWS, SHAPES, STAGE_BY_NAME, STAGE_NAMES, STAGE
 
 SCHEMA = "mtp-trace/1"
 INPUT_NAMES = ("token_ids", "positions", "hidden", "embed")
+HASH_BLOCK_BYTES = 4 << 20  # rows of /inputs and /evidence hashed at a time when a reader verifies their digests
 # Per-token evidence records, [T, D] float32 like a stage, with the one-line meaning stored as the dataset's `doc`.
 EVIDENCE_DOCS = {
     "attn_uniform": "attn recomputed from the same ah rows with uniform attention weights over the visible keys: "
@@ -104,15 +106,28 @@ class TraceInputs:
         return int(self.embed.shape[1])  # D (the hidden is hc·D wide for a hyper-connection head)
 
 
-def inputs_digest(inputs: TraceInputs) -> str:
-    """sha256 over name, dtype, shape and little-endian bytes of each input array, in INPUT_NAMES order."""
+def inputs_digest(inputs) -> str:
+    """sha256 over name, dtype, shape and little-endian bytes of each input array, in INPUT_NAMES order. `inputs`:
+    a TraceInputs, or {name: callable returning (dtype, shape, row blocks)} to hash rows as a reader streams them
+    (TraceReader.inputs_digest: the same value, memory flat in T)."""
     digest = hashlib.sha256()
     for name in INPUT_NAMES:
-        arr = np.ascontiguousarray(getattr(inputs, name))
-        arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
-        digest.update(f"{name}|{arr.dtype.str}|{list(arr.shape)}|".encode())
-        digest.update(arr.tobytes())
+        _hash_array(digest, name, inputs[name] if isinstance(inputs, dict) else getattr(inputs, name))
     return "sha256:" + digest.hexdigest()
+
+
+def _hash_array(digest, name: str, arr) -> None:
+    """`{name}|{little-endian dtype}|{shape}|` then the array's little-endian bytes, into `digest`. `arr`: an array,
+    or a callable giving (dtype, shape, row blocks in order), hashed block by block without holding the whole."""
+    if callable(arr):
+        dtype, shape, blocks = arr()
+    else:
+        arr = np.ascontiguousarray(arr)
+        dtype, shape, blocks = arr.dtype, arr.shape, (arr,)
+    little = np.dtype(dtype).newbyteorder("<")
+    digest.update(f"{name}|{little.str}|{list(shape)}|".encode())
+    for block in blocks:
+        digest.update(memoryview(np.ascontiguousarray(block, little).reshape(-1)).cast("B"))  # in place: no copy
 
 
 def stage_checksums(stages: dict[str, np.ndarray]) -> dict[str, str]:
@@ -130,10 +145,7 @@ def evidence_digest(rules: dict | None, evidence: dict[str, np.ndarray]) -> str:
     otherwise turn blind rows into evidence (a false pass)."""
     digest = hashlib.sha256(json.dumps(rules or {}, sort_keys=True).encode())
     for name in sorted(evidence):
-        arr = np.ascontiguousarray(evidence[name])
-        arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
-        digest.update(f"{name}|{arr.dtype.str}|{list(arr.shape)}|".encode())
-        digest.update(arr.tobytes())
+        _hash_array(digest, name, evidence[name])  # an array, or (dtype, shape, blocks) as a reader streams it
     return "sha256:" + digest.hexdigest()
 
 
@@ -362,8 +374,23 @@ class TraceReader:
         recorded = self.attrs.get("evidence_digest")
         if recorded is None:
             return None
-        arrays = {n: self.evidence_rows(n) for n in self.evidence_names()}
+        arrays = {n: functools.partial(self._blocks, "evidence", n, self.evidence_rows) for n in self.evidence_names()}
         return evidence_digest(self.attrs.get("evidence_rules"), arrays) == recorded
+
+    def inputs_digest(self) -> str:
+        """`inputs_digest` of /inputs as stored, hashed a block of rows at a time (every input must be there)."""
+        return inputs_digest({n: functools.partial(self._blocks, "inputs", n, self.input_rows) for n in INPUT_NAMES})
+
+    def _blocks(self, group: str, name: str, read):
+        """(dtype, shape, row blocks) of /<group>/<name>, the blocks (~4 MiB each) read one at a time by `read`
+        (name, start, stop): hashing keeps memory flat in T (a [T, D] dataset read whole, then copied to bytes,
+        was most of the diff's peak: 327 MB at T=4096, D=5120)."""
+        dtype, shape = self._guard(f"/{group}/{name}", lambda: (self._file[group][name].dtype,
+                                                                 self._file[group][name].shape))
+        if not shape:  # a scalar is hashed as the writer's ascontiguousarray saw it: shape [1]
+            return dtype, (1,), (np.reshape(read(name), (1,)),)
+        rows = max(1, HASH_BLOCK_BYTES // max(1, int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize))
+        return dtype, shape, (read(name, start, min(start + rows, shape[0])) for start in range(0, shape[0], rows))
 
     def evidence_rows(self, name: str, start: int = 0, stop: int | None = None,
                       out: np.ndarray | None = None) -> np.ndarray:

@@ -66,10 +66,15 @@ def _stale_digest(source: TraceSource) -> str | None:
     """What is wrong when the source's recorded inputs_digest does not match its /inputs; None when it matches or
     cannot be checked (no digest, or not every input recorded)."""
     recorded = getattr(source, "attrs", {}).get("inputs_digest")
-    inputs = source.all_inputs() if recorded is not None and hasattr(source, "all_inputs") else None
-    if inputs is None:
+    if recorded is None:
         return None
-    actual = inputs_digest(inputs)
+    if hasattr(source, "recorded_inputs_digest"):  # a trace file: hashed as it is read, never held whole
+        actual = source.recorded_inputs_digest()
+    else:
+        inputs = source.all_inputs() if hasattr(source, "all_inputs") else None
+        actual = None if inputs is None else inputs_digest(inputs)
+    if actual is None:
+        return None
     if actual == recorded:
         return None
     return (f"{source.path}: its /inputs hash to {actual[:19]}…, but its inputs_digest attribute says "

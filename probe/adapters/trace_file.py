@@ -145,6 +145,11 @@ class Hdf5Trace(_Closing):
         """Every /inputs dataset (TraceInputs), or None when the file does not record all four."""
         return self._reader.inputs() if set(self._reader.input_names()) == set(INPUT_NAMES) else None
 
+    def recorded_inputs_digest(self) -> str | None:
+        """`inputs_digest` of the file's /inputs, streamed a block of rows at a time (memory flat in T), or None
+        when the file does not record all four."""
+        return self._reader.inputs_digest() if set(self._reader.input_names()) == set(INPUT_NAMES) else None
+
     def describe(self, name: str) -> str:
         return f"{self.path}:/stages/{name}"
 

@@ -98,3 +98,29 @@ def test_out_must_fit_the_rows(tmp_path):
     write(tmp_path / "t.h5", chunks=(3, D))
     with read_trace(tmp_path / "t.h5") as tr, pytest.raises(ValueError, match="C-contiguous"):
         tr.stage_rows("e", 0, 3, out=np.empty((2, D), dtype=np.float32))
+
+
+@pytest.mark.parametrize("block_bytes", [4 << 20, 100, 1])
+def test_digests_hashed_a_block_of_rows_at_a_time_equal_the_whole_arrays(block_bytes, monkeypatch, tmp_path):
+    """The reader hashes /inputs and /evidence a few rows at a time (memory flat in T: whole [T, D] arrays copied
+    to bytes were most of the diff's peak), with the value the writer computed over whole arrays; at 1 byte every
+    row is its own block."""
+    import shutil
+
+    import oracle.trace as trace
+    from oracle.trace import evidence_digest, inputs_digest
+    from tests.helpers import TINY_REF
+
+    monkeypatch.setattr(trace, "HASH_BLOCK_BYTES", block_bytes)
+    with read_trace(TINY_REF) as reader:
+        assert reader.inputs_digest() == inputs_digest(reader.inputs()) == reader.attrs["inputs_digest"]
+        assert reader.evidence_verified() is True
+        whole = {n: reader.evidence_rows(n) for n in reader.evidence_names()}
+        assert evidence_digest(reader.attrs.get("evidence_rules"), whole) == reader.attrs["evidence_digest"]
+    edited = shutil.copy(TINY_REF, tmp_path / "edited.h5")  # twin: one element of the last row changed
+    with h5py.File(edited, "r+") as f:
+        f["inputs/hidden"][-1, -1] += 1
+        f["evidence/attn_uniform"][-1, -1] += 1
+    with read_trace(edited) as reader:
+        assert reader.inputs_digest() != reader.attrs["inputs_digest"]
+        assert reader.evidence_verified() is False
