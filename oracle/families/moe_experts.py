@@ -109,11 +109,7 @@ class RoutedExperts:
         order = sorted(int(e) for e in torch.unique(args[1]).tolist() if 0 <= int(e) < self.layout.num_experts)
         if len(order) > 1:  # one expert: nothing to overlap with
             self._pipeline = _Pipeline(self, order)
-            self._threads = torch.get_num_threads()
-            # The reading thread needs a core of its own: with torch's default of one OpenMP thread per core the
-            # forward's second thread (busy, then spinning between parallel regions) took it, and the reads ran at
-            # half speed (Qwen3-Next scale, T=16: the forward waited 0.21 s for experts; with one thread, 0.01 s)
-            torch.set_num_threads(max(1, self._threads - 1))
+            _ONE_CORE_FOR_READING.enter()
 
     def _done(self, module: nn.Module, args, output) -> None:
         self._stop()
@@ -122,7 +118,7 @@ class RoutedExperts:
         if self._pipeline is not None:
             self._pipeline.stop()
             self._pipeline = None
-            torch.set_num_threads(self._threads)
+            _ONE_CORE_FOR_READING.leave()
         self._current = None
 
     def expert(self, which: str, e: int) -> torch.Tensor:
@@ -300,6 +296,34 @@ class _Widened:
     def __getitem__(self, index) -> torch.Tensor:
         widened, dtype = self.experts.expert(self.which, int(index)), self.experts.activation_dtype
         return widened if type(widened) is _Blockwise or widened.dtype == dtype else widened.to(dtype)
+
+
+class _FewerTorchThreads:
+    """torch computes on one thread fewer while any pipeline reads, and gets its thread count back when the last
+    one stops. The reading thread needs a core of its own: with torch's default of one OpenMP thread per core the
+    forward's second thread (busy, then spinning between parallel regions) took it, and the reads ran at half speed
+    (Qwen3-Next scale, T=16: the forward waited 0.21 s for experts; with one thread fewer, 0.01 s). The count is
+    process-wide, so pipelines of heads running at once (threads of a library caller) share one saved value: each
+    restoring its own would leave the process at the reduced count."""
+
+    def __init__(self):
+        self._lock, self._active, self._saved = threading.Lock(), 0, None
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._active == 0:
+                self._saved = torch.get_num_threads()
+                torch.set_num_threads(max(1, self._saved - 1))
+            self._active += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                torch.set_num_threads(self._saved)
+
+
+_ONE_CORE_FOR_READING = _FewerTorchThreads()
 
 
 class _Pipeline:

@@ -267,3 +267,17 @@ def test_twin_pages_only_read_are_not_taken_for_written_ones(checkpoint):
     assert not moe_experts._written_in_place(stored.data_ptr(), stored.numel() * stored.element_size())
     impl.run_batched(head, rotary, inputs)
     assert routed._files._fds  # read from the shard
+
+
+def test_overlapping_pipelines_give_the_thread_count_back_once_the_last_stops():
+    """Two heads' pipelines at once (a library caller's threads) share the saved count: the first to stop does not
+    restore it under the other, and the last does (each restoring its own value would leave the process reduced)."""
+    threads = torch.get_num_threads()
+    fewer = moe_experts._FewerTorchThreads()
+    fewer.enter()
+    fewer.enter()
+    assert torch.get_num_threads() == max(1, threads - 1)
+    fewer.leave()
+    assert torch.get_num_threads() == max(1, threads - 1)
+    fewer.leave()
+    assert torch.get_num_threads() == threads
