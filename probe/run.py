@@ -155,6 +155,8 @@ def recorded_experts(ref_path: Path) -> dict | None:
     digest, oracle/export.py), checked; None for a reference without one (a dense head, or a trace written before)."""
     with read_trace(ref_path) as ref:
         experts = ref.attrs.get("experts")
+        routed = (sorted(int(e) for e in np.unique(ref.stage_rows("topk_ids")))
+                  if experts is not None and "topk_ids" in ref.stages else None)
     if experts is None:
         return None
     used, digest = experts.get("used"), experts.get("digest")
@@ -168,6 +170,10 @@ def recorded_experts(ref_path: Path) -> dict | None:
         raise bad(f"has 'used' {_short_repr(used)}, not a list of expert ids (integers >= 0)")
     if not isinstance(digest, str) or scheme_of(digest) is None:
         raise bad(f"has 'digest' {_short_repr(digest)}, not a digest of a known scheme ({', '.join(SCHEMES)})")
+    if routed is not None and routed != sorted(used):  # export records exactly the experts its topk_ids select
+        raise bad(f"lists {len(used)} used experts, but its own topk_ids select {len(routed)} "
+                  f"({_preview_ids(sorted(set(routed) ^ set(used)))} differ): the digest would cover other experts "
+                  f"than the ones the trace used")
     return experts
 
 

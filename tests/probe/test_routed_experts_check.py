@@ -184,7 +184,7 @@ def test_twin_the_folder_with_the_same_used_experts_is_picked_past_the_decoy(moe
     ({"layout": "per_expert", "used": [1, -2], "digest": "xxh3-128/typed:00"}, "has 'used' [1, -2], not a list"),
     ({"layout": "per_expert", "used": [1], "digest": "md5:00"}, "has 'digest' 'md5:00', not a digest of a known"),
     ({"layout": "per_expert", "used": [1], "digest": None}, "has 'digest' None"),
-    ({"layout": "per_expert", "used": [999], "digest": "xxh3-128/typed:00"}, "the reference used routed experts 999"),
+    ({"layout": "per_expert", "used": [999], "digest": "xxh3-128/typed:00"}, "but its own topk_ids select"),
 ])
 def test_a_malformed_experts_attribute_exits_2_with_a_message(moe, tmp_path, on_path, experts, message):
     ref, orig, _, _ = moe
@@ -217,3 +217,19 @@ def test_a_reference_with_an_older_digest_scheme_is_checked_in_its_own_scheme(mo
     assert scheme_of(experts["digest"]) == BYTES_ONLY
     _passed(run_cli(probe_cli, ["run", old, "--impl", IMPL, "--checkpoint", orig]))
     _refused(run_cli(probe_cli, ["run", old, "--impl", IMPL, "--checkpoint", changed]), changed)
+
+
+def test_a_used_list_that_leaves_out_a_changed_expert_is_refused(moe, tmp_path, on_path):
+    """`used` edited to drop the changed expert, its digest recomputed over the rest from the changed checkpoint:
+    the experts check alone would then pass that checkpoint, so `used` must be what the reference's own topk_ids
+    select (a careless edit, or a trace spliced from another export)."""
+    ref, orig, changed, _ = moe
+    experts = recorded_experts(ref)
+    kept = experts["used"][1:]  # the fixture changed used[0]
+    spliced = shutil.copy(ref, tmp_path / "spliced.h5")
+    with h5py.File(spliced, "r+") as f:
+        f.attrs["experts"] = json.dumps(experts | {"used": kept,
+                                                   "digest": Checkpoint(changed).experts_digest(kept)})
+    result = run_cli(probe_cli, ["run", spliced, "--impl", IMPL, "--checkpoint", changed])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert "but its own topk_ids select" in result.output
