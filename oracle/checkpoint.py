@@ -98,7 +98,7 @@ class Checkpoint:
         if shard is None:
             raise CheckpointError(f"tensor {name} is missing from checkpoint {self.path} "
                                   f"(not in {INDEX_NAME if (self.path / INDEX_NAME).is_file() else SINGLE_NAME}).")
-        if not (self.path / shard).is_file():
+        if shard not in self._headers and not (self.path / shard).is_file():  # (a header read: it was there)
             raise CheckpointError(f"shard {shard} is missing from {self.path}: {INDEX_NAME} lists tensor {name} "
                                   f"in it. Copy the complete checkpoint (every shard the index names).")
         entry = self._header(shard).get(name)
