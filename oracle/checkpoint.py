@@ -194,13 +194,17 @@ class Checkpoint:
                     parts[(e, name)] = known[(e, name)]
                     continue
                 digest = xxhash.xxh3_128()
-                with open(path, "rb", buffering=0) as f:
-                    while nbytes:
-                        got = os.preadv(f.fileno(), [buffer[:min(nbytes, len(buffer))]], offset)
-                        if got <= 0:
-                            raise CheckpointError(f"{path} ended inside expert {e}; re-copy the shard.")
-                        digest.update(buffer[:got])
-                        offset, nbytes = offset + got, nbytes - got
+                try:
+                    with open(path, "rb", buffering=0) as f:
+                        while nbytes:
+                            got = os.preadv(f.fileno(), [buffer[:min(nbytes, len(buffer))]], offset)
+                            if got <= 0:
+                                raise CheckpointError(f"{path} ended inside expert {e}; re-copy the shard.")
+                            digest.update(buffer[:got])
+                            offset, nbytes = offset + got, nbytes - got
+                except OSError as error:  # unreadable, removed meanwhile, an I/O error: the user's to fix
+                    raise CheckpointError(f"{path}: reading routed expert {e} failed ({error.strerror or error}); "
+                                          f"check the file's permissions and the disk, or re-copy the shard.") from None
                 dtype, shape = types[name]
                 parts[(e, name)] = f"{dtype}|{'x'.join(map(str, shape))}|{digest.hexdigest()}"  # as part_digest
         return experts_digest_of(parts, scheme)

@@ -3,6 +3,7 @@ the same experts read back from the files, and changed by one flipped byte in an
 there: an expert no token routes to is not in it)."""
 
 import shutil
+from pathlib import Path
 import sys
 
 import numpy as np
@@ -132,3 +133,18 @@ def test_a_digest_written_before_the_typed_scheme_is_recomputed_in_its_own_schem
     assert checkpoint.experts_digest([2]) != legacy
     with pytest.raises(ValueError):
         experts_digest_of({}, "md5")
+
+
+def test_an_unreadable_shard_is_a_checkpoint_error_naming_it(checkpoints, tmp_path):
+    """Hashing experts from the files (run's experts check): a shard that cannot be opened is exit-2 material, named;
+    never an OSError traceback."""
+    from oracle.errors import CheckpointError
+
+    copy = shutil.copytree(checkpoints["qwen3_5_moe_per_expert"], tmp_path / "ckpt")
+    checkpoint = Checkpoint(copy)
+    path = Path(checkpoint._expert_extents(checkpoint.layout().experts, 0)[0][1][0])
+    checkpoint.layout()  # headers read while the file is there
+    path.unlink()
+    path.mkdir()  # cannot be opened as a file (IsADirectoryError), even by root (a mode-000 file could)
+    with pytest.raises(CheckpointError, match=f"{path.name}: reading routed expert 0 failed"):
+        checkpoint.experts_digest([0])
