@@ -21,7 +21,7 @@ import xxhash
 
 from oracle import gguf_source
 from oracle.errors import CheckpointError, InputError
-from oracle.experts_digest import EXPERT_PARTS, TYPED, experts_digest_of
+from oracle.experts_digest import EXPERT_PARTS, TYPED, experts_digest_of, part_record
 from oracle.families.registry import detect
 from oracle.families.spec import FamilySpec, HeadConfig, TensorLayout
 from oracle.fp8 import E4M3, decode_e4m3, dequantize
@@ -206,7 +206,7 @@ class Checkpoint:
                     raise CheckpointError(f"{path}: reading routed expert {e} failed ({error.strerror or error}); "
                                           f"check the file's permissions and the disk, or re-copy the shard.") from None
                 dtype, shape = types[name]
-                parts[(e, name)] = f"{dtype}|{'x'.join(map(str, shape))}|{digest.hexdigest()}"  # as part_digest
+                parts[(e, name)] = part_record(dtype, shape, digest.hexdigest())
         return experts_digest_of(parts, scheme)
 
     def _expert_part_types(self, layout, e: int) -> dict[str, tuple[str, tuple[int, ...]]]:
