@@ -56,6 +56,7 @@ CHUNK_ROWS = 8192  # lm_head rows per screen GEMM (80 MiB of the mapped bf16 sha
 # measured idle at real scale, 32768-row chunks run the bf16 GEMM only ~3% faster
 PAIR_BLOCK = 1024  # (row, id) candidates rescored at a time: 1024 x D float64 products (40 MiB at D=5120)
 U32, BF16_REL = 2.0**-24, 2.0**-8
+COLMAX_BLOCK_ROWS = 64  # rows per pass of the column maximum (measured: 64 beat 256 and 1024)
 FLUSH = 2.0**-126  # the smallest normal float32: a flushed subnormal loses less than this
 MARGIN = 2.0**-40  # of each float64 comparison's operands: far above their rounding (2^-52), far below any bound
 
@@ -112,11 +113,7 @@ class LmHead:
         """M[c, i] = max_v |w[v, i]| of this chunk as float32, from the stored bits, computed once per chunk."""
         if start not in self._column_max:
             if w.dtype == torch.bfloat16:
-                bits = w.view(torch.int16).numpy()  # (n, D) sign | exponent | mantissa
-                positive = np.maximum(bits.max(axis=0), 0).astype(np.uint16)  # largest positive pattern
-                negative = bits.view(np.uint16).max(axis=0)  # 0x8000 | largest negative magnitude, if any negative
-                magnitude = np.maximum(positive, np.where(negative >= 0x8000, negative & 0x7FFF, 0))
-                colmax = (magnitude.astype(np.uint32) << 16).view(np.float32)  # bf16 is the top half of a float32
+                colmax = _bf16_column_max(w.view(torch.int16).numpy())
             else:
                 colmax = w.abs().amax(dim=0).numpy().astype(np.float32)
             if not np.isfinite(colmax).all():
@@ -221,6 +218,22 @@ def _screen_operand(x: np.ndarray, bf16: bool) -> tuple[torch.Tensor, torch.Tens
     weight = torch.from_numpy(weight)
     phi = FLUSH * (3 * d + 2 + np.abs(kept).astype(np.float64).sum(axis=1))
     return operand, weight, phi, BF16_REL if bf16 else 0.0
+
+
+def _bf16_column_max(bits: np.ndarray, block: int = COLMAX_BLOCK_ROWS) -> np.ndarray:
+    """max_v |w[v, i]| as float32 for bf16 bit patterns [n, D] (int16: sign | exponent | mantissa).
+
+    Clearing the sign bit gives |w|'s pattern, and for non-negative bf16 the pattern's order is the value's order
+    (NaN patterns sort above Inf, so a NaN column stays NaN). Done `block` rows at a time into a buffer that stays
+    in cache: one pass over the stored rows instead of two (the signed and the unsigned maximum), 0.59 -> 0.35 s
+    over a 248320 x 5120 lm_head here (bench: `scripts/bench.py --only accept`)."""
+    magnitude = np.zeros(bits.shape[1], dtype=np.int16)
+    scratch = np.empty((min(block, len(bits)), bits.shape[1]), dtype=np.int16)
+    for start in range(0, len(bits), block):
+        rows = scratch[: min(block, len(bits) - start)]
+        np.bitwise_and(bits[start:start + block], 0x7FFF, out=rows)
+        np.maximum(magnitude, rows.max(axis=0), out=magnitude)
+    return (magnitude.astype(np.uint32) << 16).view(np.float32)  # bf16 is the top half of a float32
 
 
 def _down(value: np.ndarray, scale: np.ndarray) -> np.ndarray:

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from oracle import lm_head as lm_head_module
 from oracle.checkpoint import Checkpoint
-from oracle.errors import InputError
+from oracle.errors import CheckpointError, InputError
 from oracle.lm_head import lm_head_of
 from tests.helpers import FIXTURES
 
@@ -194,3 +194,28 @@ def test_rows_with_nan_or_inf_are_refused(tmp_path, trained_w):
     with pytest.raises(InputError, match="NaN or Inf"):
         lm_head_of(checkpoint_with(tmp_path, trained_w)).argmax(rows)
     assert lm_head_of(checkpoint_with(tmp_path, trained_w)).argmax(rows[:0]).shape == (0,)
+
+
+@pytest.mark.parametrize("block", [1, 3, 64, 1000])
+def test_the_column_maximum_is_max_abs_of_the_stored_bf16(block):
+    """The screen's bound rests on M[c, i] >= |w[v, i]|: the blocked bit-pattern maximum must equal max |w| exactly,
+    with negative columns, -0, subnormals and a tail block shorter than the others."""
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(131, 40, generator=g) * torch.logspace(-40, 3, 40)).bfloat16()
+    w[:, 0] = -w[:, 0].abs()  # an all-negative column: its maximum is a negative pattern's magnitude
+    w[:, 1] = -0.0
+    w[5, 2] = torch.tensor(-1e-39).bfloat16()  # subnormal, the column's only nonzero
+    w[np.arange(131) != 5, 2] = 0.0
+    got = lm_head_module._bf16_column_max(w.view(torch.int16).numpy(), block=block)
+    np.testing.assert_array_equal(got, w.abs().amax(dim=0).float().numpy())
+    assert got[0] > 0 and got[1] == 0 and got[2] > 0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf"), float("inf")])
+def test_a_nan_or_inf_weight_is_refused_not_screened(tmp_path, trained_w, bad):
+    """Twin of the test above: a column maximum that is not finite would make every bound meaningless."""
+    w = trained_w.clone()
+    w[7, 3] = bad
+    rows = np.ones((2, w.shape[1]), dtype=np.float32)
+    with pytest.raises(CheckpointError, match="NaN or Inf"):
+        lm_head_of(checkpoint_with(tmp_path, w)).argmax(rows)
