@@ -50,8 +50,16 @@ def head_config_from_json(raw: dict, source: str) -> HeadConfig:
     common.require(raw, "attention_bias", False, source)
     q_lora = raw.get("q_lora_rank")
     q_lora = None if q_lora is None else common.positive_int(raw, "q_lora_rank", source)
+    fields = common.common_fields(raw, source, MODEL_TYPES, FAMILY, DEFAULTS)
+    if fields["num_key_value_heads"] != fields["num_attention_heads"]:
+        # MLA's kv_b_proj makes keys and values for every attention head; transformers' DeepseekV3Attention would
+        # still repeat them num_attention_heads / num_key_value_heads times and fail on the shapes
+        raise CheckpointError(f"{source}: num_key_value_heads {fields['num_key_value_heads']} differs from "
+                              f"num_attention_heads {fields['num_attention_heads']}; DeepSeek-V3's attention (MLA) "
+                              f"has keys and values per attention head (V3 sets both to 128). Set "
+                              f"num_key_value_heads to num_attention_heads.")
     return HeadConfig(
-        **common.common_fields(raw, source, MODEL_TYPES, FAMILY, DEFAULTS),
+        **fields,
         rope_parameters=common.rope_parameters(raw, source, ("default", "yarn"), None),
         **common.moe_fields(raw, source, DEFAULTS),
         q_lora_rank=q_lora,

@@ -20,7 +20,7 @@ MODEL_TYPES = ("glm4_moe",)
 # transformers' Glm4MoeConfig defaults for fields a config.json may omit
 DEFAULTS = {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "n_routed_experts": 128,
             "num_experts_per_tok": 8, "moe_intermediate_size": 1408, "n_shared_experts": 1, "n_group": 1,
-            "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True}
+            "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True, "num_key_value_heads": 8}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -203,11 +203,13 @@ def common_fields(raw: dict, source: str, model_types: tuple[str, ...], family: 
     if layers != 1 or not is_int(layers):
         raise CheckpointError(f"{source}: num_nextn_predict_layers = {layers!r}; this oracle supports one MTP layer.")
     heads = positive_int(raw, "num_attention_heads", source)
-    kv_heads = raw.get("num_key_value_heads")
-    kv_heads = heads if kv_heads is None else positive_int(raw, "num_key_value_heads", source)
+    # absent: the family's config class default (GLM: 8), or, where it has none that fits (DeepSeek-V3's 128 is
+    # V3's head count; MLA keeps keys and values per attention head), the head count
+    kv_heads = positive_int(raw, "num_key_value_heads", source, defaults.get("num_key_value_heads", heads))
     if heads % kv_heads:
+        given = "" if "num_key_value_heads" in raw else f" ({family}'s default: config.json does not set it)"
         raise CheckpointError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
-                              f"{kv_heads}.")
+                              f"{kv_heads}{given}.")
     return {"family": family, "hidden_size": positive_int(raw, "hidden_size", source),
             "vocab_size": positive_int(raw, "vocab_size", source),
             "max_position_embeddings": positive_int(raw, "max_position_embeddings", source,

@@ -473,3 +473,51 @@ def test_accept_uses_shared_head(checkpoints, tmp_path):
     # without the copy, the main lm_head
     result = measure_acceptance(checkpoints["ds_odd_fp8"], seq, HiddenSource(seed=0), k=2)
     assert result.source["lm_head"] == "lm_head.weight"
+
+
+def _config_edited(ckpt: Path, dest: Path, edit) -> Path:
+    """A copy of `ckpt` (its safetensors linked, not copied) whose config.json went through `edit(dict)`."""
+    dest.mkdir()
+    for f in ckpt.iterdir():
+        if f.name != "config.json":
+            (dest / f.name).symlink_to(f.resolve())
+    config = json.loads((ckpt / "config.json").read_text())
+    edit(config)
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
+
+
+def test_glm_without_num_key_value_heads_takes_the_config_class_default(tmp_path):
+    """Glm4MoeConfig's num_key_value_heads defaults to 8, not to the head count: a config.json that leaves it out
+    builds the official module with 8 key/value heads, and so must the oracle (it had refused valid weights)."""
+    from make_fixtures import GLM_TINY
+    from transformers import Glm4MoeConfig
+
+    assert Glm4MoeConfig(num_attention_heads=16).num_key_value_heads == 8  # the default the layout copies
+    ckpt = write_mtp_layer_checkpoint(tmp_path / "glm16", "glm4_moe",
+                                      dims=dict(GLM_TINY, num_attention_heads=16, num_key_value_heads=8, head_dim=8))
+    implicit = _config_edited(ckpt, tmp_path / "implicit", lambda c: c.pop("num_key_value_heads"))
+    with_key, _, _ = export(ckpt, tmp_path / "a.h5")
+    without, _, _ = export(implicit, tmp_path / "b.h5")
+    assert with_key.keys() == without.keys()
+    for name in with_key:
+        np.testing.assert_array_equal(with_key[name], without[name], err_msg=name)
+    # twin: 4 heads (2 key/value heads stored) without the key is 4 heads over the default 8: refused, saying so
+    small = _config_edited(write_mtp_layer_checkpoint(tmp_path / "glm4", "glm4_moe"), tmp_path / "small",
+                           lambda c: c.pop("num_key_value_heads"))
+    with pytest.raises(CheckpointError, match=r"num_key_value_heads 8 \(glm4_moe's default"):
+        export_trace(small, tmp_path / "c.h5", TOKENS, HiddenSource(seed=0))
+
+
+def test_deepseek_key_value_heads_other_than_the_heads_are_refused(tmp_path):
+    """MLA makes keys and values per attention head; transformers' DeepseekV3Attention would repeat them
+    heads / num_key_value_heads times and fail on the shapes (exit 4 before): refused by name instead."""
+    from make_fixtures import DEEPSEEK_TINY
+
+    ckpt = write_mtp_layer_checkpoint(tmp_path / "ds", "deepseek_v3", dims=dict(DEEPSEEK_TINY, num_key_value_heads=2))
+    with pytest.raises(CheckpointError, match="num_key_value_heads 2 differs from num_attention_heads 4"):
+        export_trace(ckpt, tmp_path / "a.h5", TOKENS, HiddenSource(seed=0))
+    fixed = _config_edited(ckpt, tmp_path / "fixed", lambda c: c.update(num_key_value_heads=4))
+    export_trace(fixed, tmp_path / "b.h5", TOKENS, HiddenSource(seed=0))  # twin: equal counts export
+    absent = _config_edited(ckpt, tmp_path / "absent", lambda c: c.pop("num_key_value_heads"))
+    export_trace(absent, tmp_path / "c.h5", TOKENS, HiddenSource(seed=0))  # absent: the head count
