@@ -580,8 +580,12 @@ def main() -> None:
                         help="Run one part (floors always run).")
     parser.add_argument("--abi", type=int, choices=(1, 2), action="append",
                         help="C ABI version(s) the cabi part measures (repeatable; default: 2, then 1).")
+    parser.add_argument("--cabi-steps", type=int, action="append",
+                        help="Trace lengths T the cabi part measures (repeatable; default: 4, where the fixed "
+                             "start-up weighs most against the steps).")
     args = parser.parse_args()
     args.abi = args.abi or [2, 1]
+    args.cabi_steps = args.cabi_steps or [4]
     if not (args.checkpoint / "model.safetensors.index.json").is_file():
         subprocess.run([PY, str(ROOT / "scripts" / "make_realscale_checkpoint.py"), str(args.checkpoint)], check=True)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -596,7 +600,8 @@ def main() -> None:
         bench_diff(args.work, rows)
     if args.only in (None, "cabi"):
         for abi in args.abi:
-            bench_cabi(args.checkpoint, args.work, rows, abi=abi)
+            for t in args.cabi_steps:
+                bench_cabi(args.checkpoint, args.work, rows, t=t, abi=abi)
     if args.only in (None, "accept"):
         bench_accept(args.checkpoint, rows)
     if args.only in (None, "moe"):  # the Qwen3-Next-shaped MoE layer (scripts/bench_moe.py)
