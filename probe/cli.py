@@ -103,8 +103,9 @@ def diff(ctx, ref, candidate, checkpoint, profile, rtol, atol, stage_tol, json_p
     from probe.diff import diff_traces
 
     tols = _tols(ref, profile, rtol, atol, stage_tol, json_path, plot_path, html_path)
-    refuse_overwriting_inputs({"--json": json_path, "--plot": plot_path, "--html": html_path},
-                              {"REF": ref, "CANDIDATE": candidate})
+    outputs = {"--json": json_path, "--plot": plot_path, "--html": html_path}
+    inputs = {"REF": ref, "CANDIDATE": candidate, "checkpoint": checkpoint if explain else None}
+    refuse_overwriting_inputs(outputs, inputs)
     with reporting(enabled=not quiet):
         report = diff_traces(ref, candidate, tols, fail_fast=fail_fast)
     explanation = None
@@ -112,7 +113,11 @@ def diff(ctx, ref, candidate, checkpoint, profile, rtol, atol, stage_tol, json_p
         from probe.explain import explain_diff  # torch and transformers load only here
         from probe.run import checkpoint_for
 
-        explanation = explain_diff(report, ref, candidate, checkpoint_for(ref, checkpoint, log=say), tols)
+        # the checkpoint --explain reads may be the recorded one or one found by digest: known only now, and it is
+        # an input too (a report written over its config.json or a shard destroyed it, exit 0)
+        used = checkpoint_for(ref, checkpoint, log=say)
+        refuse_overwriting_inputs(outputs, inputs | {"checkpoint": used})
+        explanation = explain_diff(report, ref, candidate, used, tols)
     ctx.exit(_render(report, json_path, plot_path, verbose, html_path, explanation))
 
 

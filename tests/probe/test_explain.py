@@ -284,3 +284,27 @@ def test_moe_operators_reproduce_the_reference(moe):
             assert (np.sort(got, 1) == np.sort(rows, 1)).all()
         else:
             assert np.abs(got - rows).max() <= 1e-6 * max(1.0, np.abs(rows).max()), name
+
+
+def test_diff_explain_refuses_a_report_over_the_checkpoint_it_reads(tmp_path):
+    """`diff --explain` reads the reference's checkpoint: a --json/--html/--plot path inside it (given with
+    --checkpoint, or the one the reference records) is an input and is refused before anything is written (it had
+    been overwritten, exit 0)."""
+    import shutil
+
+    from oracle.cli import cli as oracle_cli
+
+    ckpt = Path(shutil.copytree(TINY, tmp_path / "ckpt"))
+    before = {f.name: f.read_bytes() for f in ckpt.iterdir()}
+    given = run_cli(probe_cli, ["diff", TINY_REF, TINY_REF, "--explain", "--checkpoint", ckpt, "-q",
+                                "--json", ckpt / "config.json"])
+    assert given.exit_code == 2 and "is the checkpoint file config.json" in given.output, given.output
+    ref = tmp_path / "ref.h5"  # records ckpt as its checkpoint
+    exported = run_cli(oracle_cli, ["export", ckpt, "--out", ref, "--tokens", "5,17,3", "--hidden-seed", "0"])
+    assert exported.exit_code == 0, exported.output
+    recorded = run_cli(probe_cli, ["diff", ref, ref, "--explain", "-q", "--html", ckpt / "model.safetensors"])
+    assert recorded.exit_code == 2 and "is the checkpoint file model.safetensors" in recorded.output, recorded.output
+    assert {f.name: f.read_bytes() for f in ckpt.iterdir()} == before
+    # twin: the same commands with the report elsewhere run and write it
+    fine = run_cli(probe_cli, ["diff", ref, ref, "--explain", "-q", "--html", tmp_path / "r.html"])
+    assert fine.exit_code == 0 and (tmp_path / "r.html").is_file(), fine.output
