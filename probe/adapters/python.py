@@ -15,6 +15,7 @@ FACTORY is called once per run, so every run starts with an empty cache.
 import dataclasses
 import importlib
 import traceback
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -27,10 +28,13 @@ from probe.errors import AdapterError, CandidateError
 from probe.poison import poison
 
 
-# What a Python candidate's own code may raise that the probe reports as INVALID: any error, and sys.exit() (a
-# candidate that exits would otherwise end the probe with its exit code and no verdict). Ctrl-C still interrupts.
-# os._exit() cannot be caught: a Python candidate shares the probe's process (a C library runs in a child).
-CANDIDATE_FAULTS = (Exception, SystemExit)
+# What a Python candidate's own code may raise that the probe reports as INVALID: anything but Ctrl-C, which still
+# interrupts. That includes sys.exit() (a candidate that exits would otherwise end the probe with its exit code and
+# no verdict) and the other BaseExceptions, e.g. asyncio.CancelledError or GeneratorExit leaking from an async engine
+# (they had ended the probe with exit 1, "diverged", and nothing compared). os._exit() cannot be caught: a Python
+# candidate shares the probe's process (a C library runs in a child).
+CANDIDATE_FAULTS = (BaseException,)
+NOT_CANDIDATE_FAULTS = (KeyboardInterrupt,)
 
 
 class PythonAdapter:
@@ -43,12 +47,17 @@ class PythonAdapter:
             raise AdapterError(f"--impl python:{spec}: expected python:MODULE:FACTORY, e.g. python:my_engine:make_head.")
         try:
             factory = getattr(importlib.import_module(module_name), factory_name)
+        except NOT_CANDIDATE_FAULTS:
+            raise
         except SystemExit as err:  # the module's own code ran sys.exit() on import
             raise CandidateError(f"--impl python:{spec}: importing {module_name} called sys.exit({err.code!r}); a "
                                  f"candidate module must not exit the probe's process.") from None
         except (ImportError, AttributeError) as err:
             raise AdapterError(f"--impl python:{spec}: cannot load {factory_name} from {module_name} ({err}). "
                                f"Is the module on PYTHONPATH?") from None
+        except CANDIDATE_FAULTS as err:  # the module's own code failed on import
+            raise CandidateError(f"--impl python:{spec}: importing {module_name} raised {type(err).__name__}: "
+                                 f"{err}") from None
         ckpt = Checkpoint(checkpoint)
         self.name = f"python:{spec}"
         head = ckpt.read_head()
@@ -63,14 +72,12 @@ class PythonAdapter:
         self._dims = ckpt.family.dims(ckpt.config)
 
     def run(self, inputs: TraceInputs) -> dict[str, np.ndarray]:
-        try:
-            impl = self._make()  # a fresh impl per run: its KV cache must start empty
-        except CANDIDATE_FAULTS as err:  # the candidate's own code: report it, never crash the probe
-            raise self._raised(err, f"in {self._factory_name}()") from None
-        if not callable(getattr(impl, "step", None)):
+        impl = self._candidate(self._make, f"in {self._factory_name}()")  # fresh per run: an empty KV cache
+        step = self._candidate(lambda: getattr(impl, "step", None), "reading its step attribute")
+        if not callable(step):
             raise AdapterError(f"{self.name}: the object {self._factory_name}() returned has no step() method.")
         traceable = tuple(n for n in self._stages.names if n != "out")
-        capture = _captured_stages(impl, self.name, traceable)
+        capture = self._candidate(lambda: _captured_stages(impl, self.name, traceable), "reading its capture list")
         if self.capture_only is not None:
             capture = tuple(n for n in capture if n in self.capture_only)
         t, d = inputs.num_tokens, inputs.hidden_size
@@ -79,13 +86,22 @@ class PythonAdapter:
         with Progress(f"candidate {self.name}", t) as bar:
             for i in range(t):
                 rows = {n: buffers[n][i] for n in capture}  # views: the impl writes into the buffers
-                try:
-                    impl.step(int(inputs.positions[i]), inputs.embed[i].copy(), inputs.hidden[i].copy(),
-                              buffers["out"][i], rows)
-                except CANDIDATE_FAULTS as err:  # the candidate's own code: report it, never crash the probe
-                    raise self._raised(err, f"at step {i}") from None
+                self._candidate(lambda: step(int(inputs.positions[i]), inputs.embed[i].copy(),
+                                             inputs.hidden[i].copy(), buffers["out"][i], rows), f"at step {i}")
                 bar.update()
         return buffers
+
+    def _candidate(self, call, where: str):
+        """call() runs the candidate's own code: what it raises is reported (INVALID, exit 2), never a probe crash
+        (exit 4) or an exit code of its own; Ctrl-C still interrupts."""
+        try:
+            return call()
+        except NOT_CANDIDATE_FAULTS:
+            raise
+        except AdapterError:  # the probe's own finding about the candidate (e.g. an unknown stage in capture)
+            raise
+        except CANDIDATE_FAULTS as err:
+            raise self._raised(err, where) from None
 
     def _raised(self, err: BaseException, where: str) -> CandidateError:
         """`candidate raised ValueError at step 3: msg`, with the candidate's own frames (not the probe's)."""
@@ -102,7 +118,13 @@ def _is_probe_frame(filename: str) -> bool:
 
 
 def _captured_stages(impl, name: str, traceable: tuple[str, ...]) -> tuple[str, ...]:
-    declared = tuple(getattr(impl, "capture", traceable))  # any iterable, read once (a generator too)
+    declared = getattr(impl, "capture", traceable)
+    if isinstance(declared, (str, bytes)) or not isinstance(declared, Iterable):
+        raise AdapterError(f"{name}: capture must list stage names (e.g. a tuple of str), found "
+                           f"{type(declared).__name__} {declared!r:.60}; valid names: {', '.join(traceable)}.")
+    declared = tuple(declared)  # any iterable, read once (a generator too)
+    if not all(isinstance(n, str) for n in declared):
+        raise AdapterError(f"{name}: capture must list stage names as str; found {declared!r:.80}.")
     unknown = sorted(set(declared) - set(traceable))
     if unknown:
         raise AdapterError(f"{name}: capture lists unknown stages {unknown}; valid: {', '.join(traceable)}.")

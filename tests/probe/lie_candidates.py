@@ -104,3 +104,60 @@ def exits_in_factory(config, weights):
 
 def captures_through_a_generator(config, weights):
     return CapturesThroughAGenerator(config, weights)
+
+
+class CancelledAtStep3(numpy_step.NumpyHead):
+    """An async engine's asyncio.CancelledError (a BaseException, not an Exception) leaking from step (red team: the
+    probe ended with exit 1, "diverged", having compared nothing)."""
+
+    def step(self, pos, embed_row, hidden, out, trace):
+        import asyncio
+
+        self.steps = getattr(self, "steps", 0) + 1
+        if self.steps == 4:
+            raise asyncio.CancelledError("engine loop shut down")
+        super().step(pos, embed_row, hidden, out, trace)
+
+
+def cancelled_at_step_3(config, weights):
+    return CancelledAtStep3(config, weights)
+
+
+def generator_exit_in_factory(config, weights):
+    raise GeneratorExit("closed")
+
+
+class CaptureRaises(numpy_step.NumpyHead):
+    @property
+    def capture(self):
+        raise RuntimeError("capture list not ready")
+
+
+class CaptureIsNone(numpy_step.NumpyHead):
+    capture = None
+
+
+class CaptureIsANumber(numpy_step.NumpyHead):
+    capture = 5
+
+
+class StepPropertyRaises(numpy_step.NumpyHead):
+    @property
+    def step(self):
+        raise RuntimeError("step kernel not compiled")
+
+
+def capture_raises(config, weights):
+    return CaptureRaises(config, weights)
+
+
+def capture_is_none(config, weights):
+    return CaptureIsNone(config, weights)
+
+
+def capture_is_a_number(config, weights):
+    return CaptureIsANumber(config, weights)
+
+
+def step_property_raises(config, weights):
+    return StepPropertyRaises(config, weights)

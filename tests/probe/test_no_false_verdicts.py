@@ -114,6 +114,40 @@ def test_a_python_candidate_that_exits_is_invalid_not_a_silent_success(factory, 
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("factory, words", [
+    ("cancelled_at_step_3", "INVALID | candidate raised CancelledError at step 3: engine loop shut down"),
+    ("generator_exit_in_factory", "INVALID | candidate raised GeneratorExit in generator_exit_in_factory(): closed"),
+    ("capture_raises", "INVALID | candidate raised RuntimeError reading its capture list: capture list not ready"),
+    ("step_property_raises", "INVALID | candidate raised RuntimeError reading its step attribute: step kernel"),
+    ("capture_is_none", "INVALID | python:tests.probe.lie_candidates:capture_is_none: capture must list stage names"),
+    ("capture_is_a_number", "INVALID | python:tests.probe.lie_candidates:capture_is_a_number: capture must list stage names"),
+])
+def test_a_python_candidates_own_faults_are_invalid_not_diverged_or_a_probe_bug(factory, words):
+    """Red team: a BaseException that is not an Exception (asyncio.CancelledError, GeneratorExit) ended the probe
+    with exit 1 ("diverged") and a bare traceback; a capture/step attribute that raises or has the wrong type was
+    "a bug in mtp-probe" (exit 4). All are the candidate's: INVALID, exit 2, no traceback of the probe's."""
+    result = run_cli(cli, ["run", TINY_REF, "--impl", PY + factory, "--checkpoint", TINY])
+    assert result.exit_code == 2 and words in result.output, result.output
+    assert "Traceback" not in result.output and "bug in mtp-probe" not in result.output
+
+
+def test_a_cancelled_candidate_exits_2_from_the_real_command():
+    """The same as a process (the exit code CI reads): 2 with the INVALID line, never 1."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    probe = [sys.executable, "-c", "from probe.cli import main; main()", "run", str(TINY_REF), "--checkpoint", str(TINY)]
+    proc = subprocess.run(probe + ["--impl", PY + "cancelled_at_step_3"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[-1].startswith("INVALID | candidate raised CancelledError at step 3")
+    # twin: an honest candidate from the same module, run the same way, passes
+    ok = subprocess.run(probe + ["--impl", PY + "captures_through_a_generator"], capture_output=True, text=True,
+                        cwd=ROOT)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
 def test_a_capture_list_given_as_a_generator_is_read_once():
     """Red team: a generator `capture` was consumed by the check, so attn counted as not captured. Twin-free by
     construction: the same stages listed as a tuple give the same rows."""
