@@ -65,8 +65,10 @@ class MtpGroup(click.Group):
         except BrokenPipeError:  # stdout closed by the reader (`| head`): the shell's status for SIGPIPE, quietly
             _silence_stdout()
             ctx.exit(128 + signal.SIGPIPE)
-        except Exception:  # a bug of ours, not an input problem: say so, with the traceback
-            traceback.print_exc()
+        except SystemExit:
+            raise
+        except BaseException:  # a bug of ours, not an input problem: say so, with the traceback (a BaseException
+            traceback.print_exc()  # such as asyncio.CancelledError would otherwise end the process with exit 1)
             click.echo(_INTERNAL_NOTE, err=True)
             ctx.exit(EXIT_INTERNAL)
 
@@ -88,7 +90,7 @@ class MtpGroup(click.Group):
         except KeyboardInterrupt:  # outside the command, where click would report it as exit 1
             _echo_interrupted(signal.SIGINT)
             sys.exit(128 + signal.SIGINT)
-        except Exception:
+        except BaseException:  # not only Exception: nothing may end the process with exit 1 but "diverged"
             traceback.print_exc()
             click.echo(_INTERNAL_NOTE, err=True)
             sys.exit(EXIT_INTERNAL)

@@ -5,6 +5,7 @@ Every corpus case asserts the same five things: exit 2, no "Traceback", a messag
 good version of the same input still works.
 """
 
+import asyncio
 import hashlib
 import json
 import os
@@ -109,6 +110,7 @@ def _raise(exc):
 
 
 @pytest.mark.parametrize("exc, code", [(ZeroDivisionError("boom"), 4), (KeyError("k"), 4), (EOFError(), 4),
+                                       (GeneratorExit("closed"), 4), (asyncio.CancelledError(), 4),
                                        (KeyboardInterrupt(), 130)])
 def test_uncaught_exceptions_never_exit_1(monkeypatch, exc, code):
     monkeypatch.setattr("oracle.inspect.render_inspection", _raise(exc))
