@@ -158,8 +158,9 @@ def _compare_stages(ref: TraceSource, cand: TraceSource, names: Sequence[str], t
                 stop = end
                 break
             chunk_ok = True
-    if stop == total:  # every row of every compared stage read: verify them (fail-fast stops are not verified)
-        checksums.verify()
+    if stop < total:  # a fail-fast stop: the reference's other rows are still read (not the candidate's, no sums),
+        checksums.add_rest(stop, total, step, widths)  # so an edited reference is refused, never blamed on the
+    checksums.verify()  # candidate (it had been DIVERGED, exit 1, with --fail-fast only)
     return {name: join_rows(progress.blocks) for name, progress in stages.items()}, stop
 
 
@@ -176,6 +177,20 @@ class _ReferenceChecksums:
     def add(self, name: str, rows: np.ndarray) -> None:
         if name in self.crc:
             self.crc[name] = zlib.crc32(np.ascontiguousarray(rows), self.crc[name])
+
+    def add_rest(self, start: int, total: int, step: int, widths: dict[str, int]) -> None:
+        """Read rows start..total of each checked stage from the reference alone, as `_read_and_sum` reads them."""
+        index_sets = {s.name for s in self.ref.stage_list if s.kind == INDEX_SET}
+        for name in self.crc:
+            buffer = np.empty(min(step, total - start) * widths[name], dtype=np.float32)
+            for first in range(start, total, step):
+                last = min(first + step, total)
+                if name in index_sets:
+                    rows = np.array(self.ref.stage_rows(name, first, last), dtype=np.int64)
+                else:
+                    rows = self.ref.stage_rows(name, first, last, buffer[:(last - first) * widths[name]].reshape(
+                        last - first, widths[name]))
+                self.add(name, rows)
 
     def verify(self) -> None:
         for name, crc in self.crc.items():

@@ -296,3 +296,30 @@ def test_a_reference_damaged_after_export_is_refused_not_blamed_on_the_candidate
         f["stages/attn"][3, 5] *= np.float32(1.0001)
     result = run_cli(cli, ["diff", ref, cand])
     assert result.exit_code == 2 and "stage attn do not match the trace's stage_checksums" in last_line(result)
+
+
+def test_fail_fast_still_refuses_a_reference_damaged_after_export(tmp_path, monkeypatch):
+    """Red team: --fail-fast stopped at the first divergent chunk and skipped the checksums, so a reference edited in
+    that chunk blamed a correct candidate (DIVERGED, exit 1; exit 2 without --fail-fast). The reference's other rows
+    are now read (the candidate's are not) and verified. Reads of 2 tokens make the tiny trace several chunks."""
+    from oracle.cli import cli as oracle_cli
+
+    monkeypatch.setattr("probe.diff.read_rows", lambda widths, num_tokens, names: 2)
+    ref = tmp_path / "ref.h5"
+    inputs = ["--tokens", "17,42,3,255,100,7,511,64", "--hidden-seed", "0", "-q"]
+    assert run_cli(oracle_cli, ["export", TINY, "--out", ref, *inputs]).exit_code == 0
+    cand = tmp_path / "cand.h5"
+    shutil.copy(TINY_REF, cand)  # a correct candidate
+    with h5py.File(ref, "a") as f:
+        f["stages/e"][0, 0] += np.float32(1.0)
+    result = run_cli(cli, ["diff", ref, cand, "--fail-fast"])
+    assert result.exit_code == 2 and "stage e do not match the trace's stage_checksums" in last_line(result), \
+        result.output
+    # twin: an intact reference and a candidate wrong from token 0 still stop early as DIVERGED
+    assert run_cli(oracle_cli, ["export", TINY, "--out", tmp_path / "ok.h5", *inputs]).exit_code == 0
+    wrong = tmp_path / "wrong.h5"
+    shutil.copy(TINY_REF, wrong)
+    with h5py.File(wrong, "a") as f:
+        f["stages/e"][0, 0] += np.float32(1.0)
+    stopped = run_cli(cli, ["diff", tmp_path / "ok.h5", wrong, "--fail-fast"])
+    assert stopped.exit_code == 1 and "first divergent stage: e at token 0" in stopped.output, stopped.output
