@@ -172,6 +172,12 @@ class _ReferenceChecksums:
     def __init__(self, ref: TraceSource, names: Sequence[str]):
         recorded = ref.attrs.get("stage_checksums")
         self.ref, self.recorded = ref, recorded if isinstance(recorded, dict) else {}
+        unlisted = [name for name in ref.stages if name not in self.recorded]
+        if recorded is not None and unlisted:  # write_trace lists every stage it writes: one missing was removed
+            raise ReferenceTraceError(f"reference {ref.path}: its stage_checksums list no checksum for stage "
+                                      f"{unlisted[0]}, which the trace holds; the oracle writes one for every stage, "
+                                      f"so the reference was edited after export. Regenerate it with mtp-oracle "
+                                      f"export.")
         self.crc = {name: 0 for name in names if name in self.recorded}
 
     def add(self, name: str, rows: np.ndarray) -> None:

@@ -296,6 +296,13 @@ def test_a_reference_damaged_after_export_is_refused_not_blamed_on_the_candidate
         f["stages/attn"][3, 5] *= np.float32(1.0001)
     result = run_cli(cli, ["diff", ref, cand])
     assert result.exit_code == 2 and "stage attn do not match the trace's stage_checksums" in last_line(result)
+    # dropping the edited stage's checksum from the record does not let the edit through (red team)
+    with h5py.File(ref, "a") as f:
+        recorded = json.loads(f.attrs["stage_checksums"])
+        del recorded["attn"]
+        f.attrs["stage_checksums"] = json.dumps(recorded)
+    result = run_cli(cli, ["diff", ref, cand])
+    assert result.exit_code == 2 and "list no checksum for stage attn" in last_line(result), result.output
 
 
 def test_fail_fast_still_refuses_a_reference_damaged_after_export(tmp_path, monkeypatch):
