@@ -354,6 +354,12 @@ class TraceReader:
         return self._guard(f"/stages/{name} rows {start}..{stop}",
                            lambda: self._rows(f"stages/{name}", start, stop, out))
 
+    def unwritten_rows(self, name: str) -> np.ndarray | None:
+        """Which rows of /stages/<name> (bool [T]) lie, wholly or in part, in storage the file never wrote (a chunk
+        never allocated, a contiguous dataset never written): HDF5 reads them as the dataset's fill value, which no
+        computation produced. None when every row was written (the oracle's traces: write_trace writes them all)."""
+        return self._guard(f"/stages/{name}", lambda: _unwritten_rows(self._dataset(f"stages/{name}")))
+
     @property
     def has_inputs(self) -> bool:
         return self._guard("/inputs", lambda: all(f"inputs/{n}" in self._file for n in INPUT_NAMES))
@@ -427,6 +433,28 @@ class TraceReader:
                                    f"its stages are not the oracle's output for them. Write it again: "
                                    f"{export_hint(self.path)}")
         return inputs
+
+
+def _unwritten_rows(ds: h5py.Dataset) -> np.ndarray | None:
+    """See TraceReader.unwritten_rows."""
+    if ds.ndim == 0 or ds.shape[0] == 0:
+        return None
+    layout = ds.id.get_create_plist().get_layout()
+    if layout == h5py.h5d.CONTIGUOUS:
+        return np.ones(ds.shape[0], dtype=bool) if ds.id.get_offset() is None else None
+    if layout != h5py.h5d.CHUNKED:  # compact: stored in the header, always written
+        return None
+    infos: list = []
+    if hasattr(ds.id, "chunk_iter"):
+        ds.id.chunk_iter(infos.append)
+    else:
+        infos = [ds.id.get_chunk_info(i) for i in range(ds.id.get_num_chunks())]
+    per_row_block = int(np.prod([-(-n // c) for n, c in zip(ds.shape[1:], ds.chunks[1:])], dtype=np.int64))
+    rows = ds.chunks[0]
+    written = np.bincount([info.chunk_offset[0] // rows for info in infos], minlength=-(-ds.shape[0] // rows))
+    if (written >= per_row_block).all():
+        return None
+    return np.repeat(written < per_row_block, rows)[: ds.shape[0]]
 
 
 class _PlainRows:

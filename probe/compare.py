@@ -216,7 +216,8 @@ def rows_from_sums(stage: str, start: int, width: int, sums: np.ndarray, tol: To
 
 
 def compare_index_sets(stage: str, start: int, actual: np.ndarray, expected: np.ndarray, tol: Tol,
-                       near_tie: np.ndarray | None = None, flippable: np.ndarray | None = None) -> StageRows:
+                       near_tie: np.ndarray | None = None, flippable: np.ndarray | None = None,
+                       zero_is_unwritten: bool = False) -> StageRows:
     """Rows of an index-set stage (e.g. topk_ids, int64 [rows, k]): a row is ok when both rows hold the same set.
 
     n_mismatch counts the reference's ids the candidate lacks; max_abs is that count too (budget inf when > 0).
@@ -224,12 +225,16 @@ def compare_index_sets(stage: str, start: int, actual: np.ndarray, expected: np.
     router logits) is `tie`, not `values`: a routing flip at a near-tie is rounding, not wiring. Where `flippable`
     ([rows, E] bool: experts whose own flip distance is within the tolerance, /evidence/topk_flip) is given, only
     a difference confined to those experts is a tie; any other expert in or out is `values`. A negative id is
-    an unwritten row (the C and Python adapters fill index buffers with -1)."""
+    an unwritten row (the C and Python adapters fill index buffers with -1); so is, where `zero_is_unwritten` (files
+    nothing says were pre-filled), a row of k >= 2 zeros: no top-k selects one expert twice, and it is what a
+    zero-initialised, never-written dump holds (it had been reported as a computed divergence, exit 1)."""
     rows = len(expected)
     exp_sorted, act_sorted = np.sort(expected, axis=1), np.sort(actual, axis=1)
     same = (exp_sorted == act_sorted).all(axis=1)
     missing = np.array([len(set(e.tolist()) - set(a.tolist())) for e, a in zip(expected, actual)], dtype=np.int64)
     unwritten = (actual < 0).any(axis=1)
+    if zero_is_unwritten and actual.shape[1] >= 2:
+        unwritten |= (actual == 0).all(axis=1)
     tie = ~same & (near_tie if near_tie is not None else np.zeros(rows, dtype=bool))
     if flippable is not None:
         tie &= np.array([_only_flippable(a, e, f) for a, e, f in zip(actual, expected, flippable)], dtype=bool)

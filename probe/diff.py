@@ -146,7 +146,7 @@ def _compare_stages(ref: TraceSource, cand: TraceSource, names: Sequence[str], t
         checksums.add(name, expected)
         if sums is None:  # an index-set stage (topk_ids): compared as sets
             block = compare_index_sets(name, start, actual, expected, tols[name], routing.near_tie(start, end),
-                                       routing.flippable(start, end))
+                                       routing.flippable(start, end), zero_is_unwritten)
             routing.saw_flips(block)
         else:
             block = _block_rows(ref.path, name, start, expected.shape[1], sums, tols[name],

@@ -32,6 +32,7 @@ import numpy as np
 from oracle.errors import TraceFormatError
 from oracle.stages import INDEX_SET, STAGES, Dims, StageList
 from oracle.trace import INPUT_NAMES, read_trace
+from probe.poison import poison
 
 CHECKED_INPUTS = ("token_ids", "positions", "hidden")  # the inputs a candidate is given; embed comes from weights
 _JSON_INPUTS = ("token_ids", "positions")
@@ -107,6 +108,7 @@ class Hdf5Trace(_Closing):
         self.poisoned = self._reader.attrs.get("poison_filled") is True or \
             str(self._reader.attrs.get("poison_filled")).lower() == "true"
         self.attrs = self._reader.attrs
+        self._unwritten_by_stage: dict[str, np.ndarray | None] = {}
 
     def close(self) -> None:
         self._reader.close()
@@ -118,7 +120,23 @@ class Hdf5Trace(_Closing):
         return self._reader.stage_dtype(name)
 
     def stage_rows(self, name: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
-        return _native_float32(self._reader.stage_rows(name, start, stop, out))
+        rows = _native_float32(self._reader.stage_rows(name, start, stop, out))
+        unwritten = self._unwritten(name)
+        if unwritten is not None and unwritten[start:stop].any():
+            # never written: HDF5 returns the fill value (NaN, 0, ...); poison (or -1 for index sets) makes the diff
+            # report these rows as unwritten (invalid, exit 2), not as computed values (a NaN fill was exit 1)
+            if rows.dtype.kind in "iu":
+                rows = rows.astype(np.int64)  # a copy; -1 fits any index set as int64
+                rows[unwritten[start:stop]] = -1
+            else:
+                rows = np.array(rows, copy=True) if out is None else rows
+                rows[unwritten[start:stop]] = poison(rows.shape[1:])
+        return rows
+
+    def _unwritten(self, name: str) -> np.ndarray | None:
+        if name not in self._unwritten_by_stage:
+            self._unwritten_by_stage[name] = self._reader.unwritten_rows(name)
+        return self._unwritten_by_stage[name]
 
     def input_shape(self, name: str) -> tuple[int, ...]:
         # As declared by the root attributes (oracle.trace checks /inputs against them); reads verify the rest.

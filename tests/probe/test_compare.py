@@ -164,3 +164,18 @@ def test_compare_block_statuses_and_their_twins():
                         "values"]
     fixed = compare_block("fc", 0, expected.copy(), expected, DEFAULT)
     assert [fixed.diff(t).status for t in range(10)] == ["ok"] * 10
+
+
+def test_an_all_zero_top_k_row_is_unwritten_where_zeros_mean_unwritten():
+    """k >= 2 zeros select expert 0 twice, which no top-k does: in a dump nothing says was pre-filled it is a row
+    never written (it had been a computed divergence, exit 1). Twins: flagged off, compared; k = 1, a real choice."""
+    from probe.compare import compare_index_sets
+
+    expected = np.array([[3, 5], [1, 2]])
+    actual = np.array([[0, 0], [2, 1]])
+    flagged = compare_index_sets("topk_ids", 0, actual, expected, DEFAULT, zero_is_unwritten=True)
+    assert list(flagged.has_status({"unwritten"})) == [True, False] and list(flagged.has_status({"ok"})) == [False, True]
+    plain = compare_index_sets("topk_ids", 0, actual, expected, DEFAULT)
+    assert list(plain.has_status({"values"})) == [True, False]
+    single = compare_index_sets("topk_ids", 0, np.array([[0]]), np.array([[4]]), DEFAULT, zero_is_unwritten=True)
+    assert list(single.has_status({"values"})) == [True]

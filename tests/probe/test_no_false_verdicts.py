@@ -330,3 +330,53 @@ def test_fail_fast_still_refuses_a_reference_damaged_after_export(tmp_path, monk
         f["stages/e"][0, 0] += np.float32(1.0)
     stopped = run_cli(cli, ["diff", tmp_path / "ok.h5", wrong, "--fail-fast"])
     assert stopped.exit_code == 1 and "first divergent stage: e at token 0" in stopped.output, stopped.output
+
+
+@pytest.mark.parametrize("chunks, fill", [((2, 64), np.nan), ((8, 16), 0.0)], ids=["row_chunks_nan", "col_chunks_0"])
+def test_rows_in_chunks_the_candidate_never_wrote_are_unwritten_not_computed(tmp_path, chunks, fill):
+    """Red team: an HDF5 candidate whose attn chunks for tokens 6-7 were never written read as the dataset's fill
+    value, and a NaN fill was a computed divergence (exit 1). HDF5 knows those chunks were never allocated: the rows
+    are unwritten (invalid, exit 2). Twin: the same layout with every chunk written passes."""
+    inputs, stages = load_trace(TINY_REF)
+
+    def candidate(path, write_all):
+        shutil.copy(TINY_REF, path)
+        with h5py.File(path, "r+") as f:
+            values, attrs = f["stages/attn"][()], dict(f["stages/attn"].attrs)
+            del f["stages/attn"]
+            ds = f.create_dataset("stages/attn", shape=values.shape, dtype="f4", chunks=chunks, fillvalue=fill)
+            if write_all:
+                ds[...] = values
+            elif chunks[0] == 2:
+                ds[0:6] = values[0:6]  # the chunks of tokens 6-7 never written
+            else:
+                ds[:, :48] = values[:, :48]  # one column chunk of every row never written
+            for key, value in attrs.items():
+                ds.attrs[key] = value
+        return path
+
+    result = run_cli(cli, ["diff", TINY_REF, candidate(tmp_path / "holes.h5", write_all=False)])
+    tokens = "6-7" if chunks[0] == 2 else "0-7"
+    assert result.exit_code == 2 and f"unwritten rows: attn at token(s) {tokens}" in last_line(result), result.output
+    assert run_cli(cli, ["diff", TINY_REF, candidate(tmp_path / "whole.h5", write_all=True)]).exit_code == 0
+
+
+def test_an_index_set_in_unwritten_chunks_is_unwritten(tmp_path):
+    """The same for topk_ids stored as uint (any integer dtype is accepted): its unwritten rows read as -1."""
+    from oracle.cli import cli as oracle_cli
+
+    ref = tmp_path / "moe_ref.h5"
+    moe = TINY.parent / "qwen3_5_moe_tiny"
+    assert run_cli(oracle_cli, ["export", moe, "--out", ref, "--tokens", "17,42,3,255,100,7,511,64",
+                                "--hidden-seed", "0", "-q"]).exit_code == 0
+    cand = tmp_path / "cand.h5"
+    shutil.copy(ref, cand)
+    with h5py.File(cand, "r+") as f:
+        ids, attrs = f["stages/topk_ids"][()], dict(f["stages/topk_ids"].attrs)
+        del f["stages/topk_ids"]
+        ds = f.create_dataset("stages/topk_ids", shape=ids.shape, dtype="u2", chunks=(4, ids.shape[1]))
+        ds[4:8] = ids[4:8]  # tokens 0-3 never written (they read as 0: expert 0 k times)
+        for key, value in attrs.items():
+            ds.attrs[key] = value
+    result = run_cli(cli, ["diff", ref, cand])
+    assert result.exit_code == 2 and "unwritten rows: topk_ids at token(s) 0-3" in last_line(result), result.output
