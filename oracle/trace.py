@@ -404,6 +404,10 @@ class TraceReader:
         return self._guard(f"/evidence/{name} rows {start}..{stop}",
                            lambda: self._rows(f"evidence/{name}", start, stop, out))
 
+    def input_shape(self, name: str) -> tuple[int, ...]:
+        """The stored shape of /inputs/<name> (which may disagree with num_tokens: a reader checks it)."""
+        return self._guard(f"/inputs/{name}", lambda: tuple(self._dataset(f"inputs/{name}").shape))
+
     def input_rows(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
         return self._guard(f"/inputs/{name} rows {start}..{stop}",
                            lambda: self._rows(f"inputs/{name}", start, stop, None))
@@ -549,7 +553,9 @@ def read_trace(path: Path) -> TraceReader:
 
 def _open_hdf5(path: Path) -> h5py.File:
     if not path.is_file():
-        raise TraceFormatError(f"trace {path} does not exist.")
+        what = ("does not exist" if not path.exists() else "is a directory, not a trace file" if path.is_dir()
+                else "is not a regular file (a device, FIFO or socket); give the path of an .h5 trace")
+        raise TraceFormatError(f"trace {path} {what}.")
     try:
         return h5py.File(path, "r")
     except OSError as err:

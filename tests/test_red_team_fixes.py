@@ -421,3 +421,39 @@ def test_twin_integer_options_in_ascii_digits_with_a_sign_export(tmp_path):
     result = run_cli(oracle.cli.cli, ["export", TINY, "--out", tmp_path / "ref.h5", "--tokens", "17,42", "-q",
                                       "--hidden-seed", "+3", "--start-pos", "+2"])
     assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_reference_that_is_not_a_regular_file_is_named_as_such(tmp_path, kind):
+    """Red team: a FIFO or /dev/null given as REF was "does not exist"; it exists, it is just not a trace file."""
+    path = Path("/dev/null") if kind == "device" else tmp_path / "pipe"
+    if kind == "fifo":
+        os.mkfifo(path)
+    result = run_cli(probe.cli.cli, ["diff", path, TINY_REF])
+    assert result.exit_code == 2 and "is not a regular file (a device, FIFO or socket)" in result.output, result.output
+    missing = run_cli(probe.cli.cli, ["diff", tmp_path / "gone.h5", TINY_REF])  # twin: a missing path says so
+    assert missing.exit_code == 2
+
+
+def test_a_raw_stage_file_with_an_upper_case_suffix_is_an_unknown_name_not_uncaptured(tmp_path):
+    """Red team: mlp.BIN was skipped as "not captured"; any *.bin name that is not a stage is refused, in any case."""
+    inputs, stages = load_trace(TINY_REF)
+    raw = write_raw(tmp_path / "raw", stages)
+    (raw / "mlp.bin").rename(raw / "mlp.BIN")
+    result = run_cli(probe.cli.cli, ["diff", TINY_REF, raw])
+    assert result.exit_code == 2 and "unknown stage files mlp.BIN" in result.output, result.output
+    (raw / "mlp.BIN").rename(raw / "mlp.bin")
+    assert run_cli(probe.cli.cli, ["diff", TINY_REF, raw]).exit_code == 0  # twin
+
+
+def test_a_recorded_input_longer_than_the_trace_is_refused(tmp_path):
+    """Red team: a candidate whose /inputs/token_ids had T+1 entries passed, the extra one never looked at."""
+    cand = tmp_path / "cand.h5"
+    shutil.copy(TINY_REF, cand)
+    with h5py.File(cand, "r+") as f:
+        ids = f["inputs/token_ids"][()]
+        del f["inputs/token_ids"]
+        f["inputs/token_ids"] = np.append(ids, 99)
+    result = run_cli(probe.cli.cli, ["diff", TINY_REF, cand])
+    assert result.exit_code == 2 and "recorded token_ids has shape (9,), the reference's is (8,)" in result.output, \
+        result.output

@@ -139,8 +139,8 @@ class Hdf5Trace(_Closing):
         return self._unwritten_by_stage[name]
 
     def input_shape(self, name: str) -> tuple[int, ...]:
-        # As declared by the root attributes (oracle.trace checks /inputs against them); reads verify the rest.
-        return (self.num_tokens,) if name != "hidden" else (self.num_tokens, self.hidden_width)
+        # As stored: a recorded input longer than the trace (T+1 token ids) had passed, its extra rows never read.
+        return self._reader.input_shape(name)
 
     def input_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         return _native_float32(self._reader.input_rows(name, start, stop))
@@ -194,7 +194,7 @@ class RawDirTrace(_Closing):
         files = {f for f in entries if f in known or f == "inputs.json"}
         for name in sorted(files):
             _check_regular_file(self.path / name)
-        unknown = sorted(f for f in entries if f.endswith(".bin") and f not in known)
+        unknown = sorted(f for f in entries if f.lower().endswith(".bin") and f not in known)  # mlp.BIN too
         if unknown:
             raise TraceFormatError(f"{self.path}: unknown stage files {', '.join(unknown)}; name each file "
                                    f"<stage>.bin with a stage of the reference: {', '.join(stage_list.names)} "
