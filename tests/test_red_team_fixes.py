@@ -457,3 +457,10 @@ def test_a_recorded_input_longer_than_the_trace_is_refused(tmp_path):
     result = run_cli(probe.cli.cli, ["diff", TINY_REF, cand])
     assert result.exit_code == 2 and "recorded token_ids has shape (9,), the reference's is (8,)" in result.output, \
         result.output
+
+
+def test_a_c_library_path_that_is_a_directory_is_named_as_such(tmp_path):
+    result = run_cli(probe.cli.cli, ["run", TINY_REF, "--impl", f"c:{tmp_path}", "--checkpoint", TINY])
+    assert result.exit_code == 2 and f"C library {tmp_path} is a directory" in result.output, result.output
+    gone = run_cli(probe.cli.cli, ["run", TINY_REF, "--impl", f"c:{tmp_path / 'x.so'}", "--checkpoint", TINY])
+    assert gone.exit_code == 2 and "does not exist" in gone.output  # twin

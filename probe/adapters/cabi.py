@@ -93,7 +93,9 @@ class CAbiAdapter:
                  early: EarlyWorker | None = None):
         self.library = Path(library).resolve()
         if not self.library.is_file():
-            raise AdapterError(f"C library {library} does not exist. Pass the path of a built .so (--impl c:PATH, "
+            what = ("does not exist" if not self.library.exists() else
+                    "is a directory" if self.library.is_dir() else "is not a regular file (a device, FIFO or socket)")
+            raise AdapterError(f"C library {library} {what}. Pass the path of a built .so (--impl c:PATH, "
                                f"CAbiAdapter(library=...)); build one with probe.adapters.cabi.build_library "
                                f"or gcc -shared -fPIC.")
         self.checkpoint = Path(checkpoint)
