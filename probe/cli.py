@@ -19,7 +19,7 @@ from oracle.stages import KNOWN_STAGE_NAMES
 from probe.adapters.spec import SPEC_HELP, c_library
 from probe.errors import ToleranceError
 from probe.tolerance import (DEFAULT, PROFILES, Tol, measured_tol_table, profile_file_spec, reference_facts,
-                             tol_table)
+                             tol_table, user_tol)
 
 if TYPE_CHECKING:
     from probe.diff import DiffReport
@@ -268,7 +268,7 @@ def _tols(ref: Path, profile: str, rtol, atol, stage_tol, json_path, plot_path, 
         refuse_overwriting_inputs({"--json": json_path, "--plot": plot_path, "--html": html_path},
                                   {"--profile": measured[0]})
         return tol_table(overrides=stage_tol, measured=measured_tol_table(*measured, reference_facts(ref)))
-    return tol_table(PROFILES[profile] if rtol is None else Tol(rtol, atol, "--rtol/--atol"), stage_tol)
+    return tol_table(PROFILES[profile] if rtol is None else user_tol(rtol, atol, "--rtol/--atol"), stage_tol)
 
 
 def _stage_tol_stages_exist(ref: Path, stage_tol) -> None:

@@ -27,7 +27,7 @@ from probe.errors import AdapterError, ToleranceError
 from probe.report import cell_detail, summary_line
 from probe.run import ArraySource
 from probe.selfcheck import check_reference
-from probe.tolerance import PROFILES, Tol, tol_table
+from probe.tolerance import PROFILES, Tol, tol_table, user_tol
 
 
 @dataclass(frozen=True)
@@ -89,13 +89,13 @@ def _tolerances(rtol, atol, profile: str, stage_tol) -> dict[str, Tol]:
         raise ToleranceError("assert_trace_close: give both rtol and atol, or neither.")
     if profile not in PROFILES:
         raise ToleranceError(f"assert_trace_close: profile {profile!r} is not one of {', '.join(sorted(PROFILES))}.")
-    base = PROFILES[profile] if rtol is None else Tol(rtol, atol, "assert_trace_close(rtol, atol)")
+    base = PROFILES[profile] if rtol is None else user_tol(rtol, atol, "assert_trace_close(rtol, atol)")
     table = tol_table(base)
     for name, (stage_rtol, stage_atol) in (stage_tol or {}).items():
         if name not in KNOWN_STAGE_NAMES:
             raise ToleranceError(f"assert_trace_close: stage_tol names unknown stage {name!r}; valid stages are "
                                  f"{', '.join(KNOWN_STAGE_NAMES)}.")
-        table[name] = Tol(stage_rtol, stage_atol, f"stage_tol {name}=({stage_rtol:g}, {stage_atol:g})")
+        table[name] = user_tol(stage_rtol, stage_atol, f"stage_tol {name}=({stage_rtol:g}, {stage_atol:g})")
     return table
 
 

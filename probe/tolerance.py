@@ -56,7 +56,19 @@ def stage_tol_from_text(text: str) -> tuple[str, Tol]:
         rtol = atol = None
     if rtol is None or atol is None:
         raise ToleranceError(f"--stage-tol {text}: expected STAGE=RTOL,ATOL with both numbers, e.g. {name}=1e-3,1e-4.")
-    return name, Tol(rtol, atol, f"--stage-tol {text.strip()}")
+    return name, user_tol(rtol, atol, f"--stage-tol {text.strip()}")
+
+
+def user_tol(rtol: float, atol: float, why: str) -> Tol:
+    """A tolerance given on the command line. An rtol of 1 or more passes a row of any sign and nearly any size (a
+    candidate's mlp x -3 passed at --rtol 10): it checks nothing, and is refused, as a measured profile giving one
+    is (measured_tol)."""
+    tol = Tol(rtol, atol, why)
+    if rtol >= 1:
+        raise ToleranceError(f"{why}: rtol {rtol:g} is >= 100% of the row, which passes a row of any sign and "
+                             f"almost any size: it checks nothing. Give an rtol below 1 (bfloat16 engines: "
+                             f"--profile bfloat16, or a measured profile from mtp-oracle noise).")
+    return tol
 
 
 @dataclass(frozen=True)

@@ -40,3 +40,17 @@ def test_tolerances_must_be_finite_and_non_negative(rtol, atol):
 def test_a_stage_given_twice_is_an_error():
     with pytest.raises(ToleranceError, match="more than once"):
         tol_table(DEFAULT, ["fc=1e-3,1e-4", "fc=1e-2,1e-4"])
+
+
+@pytest.mark.parametrize("args", [["--rtol", "10", "--atol", "10"], ["--rtol", "1", "--atol", "0"],
+                                  ["--stage-tol", "mlp=1.5,1e-5"]])
+def test_an_rtol_of_100_percent_or_more_on_the_command_line_is_refused(args):
+    """Red team: --rtol 10 passed a candidate whose mlp was x -3 (PASSED, exit 0); a measured profile giving such an
+    rtol was already refused. Twin: the largest rtol below 1 is accepted."""
+    from probe.cli import cli
+    from tests.helpers import TINY_REF, run_cli
+
+    result = run_cli(cli, ["diff", TINY_REF, TINY_REF, *args])
+    assert result.exit_code == 2 and "checks nothing" in result.output, result.output
+    loose = run_cli(cli, ["diff", TINY_REF, TINY_REF, "--rtol", "0.99", "--atol", "1e-5"])
+    assert loose.exit_code in (0, 3) and "checks nothing" not in loose.output, loose.output  # (3: attn rows blind)
