@@ -10,6 +10,7 @@ import signal
 import stat
 import sys
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -130,6 +131,15 @@ def atomic_output(path: Path, option: str = "--out") -> Iterator[Path]:
 
 
 _PENDING: set[Path] = set()  # unfinished outputs and scratch directories, removed if the program is interrupted
+_CHILDREN: "weakref.WeakSet" = weakref.WeakSet()  # child processes (subprocess.Popen) killed if it is interrupted
+
+
+def killed_on_interrupt(proc):
+    """Have `remove_pending` (the CLIs' interrupt handler) kill the child process `proc` (a subprocess.Popen) before
+    the program ends. A C library's worker stuck in the library's own code never returns to Python to act on a
+    SIGINT; without this an interrupted `mtp-probe run` left it running. Returns `proc`."""
+    _CHILDREN.add(proc)
+    return proc
 
 
 @contextmanager
@@ -144,9 +154,16 @@ def removed_on_interrupt(path: Path) -> Iterator[Path]:
 
 
 def remove_pending() -> None:
-    """Remove every unfinished output and scratch directory (from a signal handler: never raises)."""
+    """Kill the child processes still running and remove every unfinished output and scratch directory (from a
+    signal handler: never raises)."""
     import shutil
 
+    for proc in list(_CHILDREN):
+        try:
+            proc.kill()  # a no-op for one that has ended
+            proc.wait(timeout=5)
+        except Exception:
+            pass
     for path in list(_PENDING):
         try:
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from oracle.output import removed_on_interrupt
+from oracle.output import killed_on_interrupt, removed_on_interrupt
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding probe/ (and, in a checkout, fixtures/)
 STDOUT_FILE, STDERR_FILE = "stdout.txt", "stderr.txt"  # the worker's own output, read once it has ended
@@ -42,7 +42,8 @@ def start_worker(command: list[str], work: Path) -> subprocess.Popen:
     """Start the worker with its stdout and stderr in files in `work`: a pipe that nobody reads yet (the probe is
     busy with its own checks) would stall a chatty library once it filled up."""
     with open(work / STDOUT_FILE, "wb") as out, open(work / STDERR_FILE, "wb") as err:
-        return subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=worker_env())
+        return killed_on_interrupt(subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                                    env=worker_env()))
 
 
 def worker_output(work: Path, name: str) -> str:

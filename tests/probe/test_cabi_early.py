@@ -5,6 +5,7 @@ and the worker process never imports torch or transformers, nor runs numpy's BLA
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -181,3 +182,38 @@ def test_the_library_sees_the_users_blas_setting(libs, tmp_path, monkeypatch, se
     with read_trace(TINY_REF) as ref:
         CAbiAdapter(libs["quick"], TINY).run(ref.inputs())
     assert record.read_text().split()[1] == (setting or "(unset)")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupted_run_kills_the_worker_stuck_in_the_library(libs, tmp_path, signum):
+    """Red team: Ctrl-C (or SIGTERM) on `mtp-probe run --impl c:` ended the probe (exit 130/143) but left the worker
+    running: stuck in the library's own code, it never returns to Python to act on a signal (a GPU library would
+    keep the GPU). The interrupt handler now kills it. The library sleeps 60 s in mtp2_create."""
+    record = tmp_path / "record.txt"
+    env = dict(os.environ, MTP2_RECORD=str(record))
+    probe = subprocess.Popen([sys.executable, "-c", "from probe.cli import main; main()", "run", str(TINY_REF),
+                              "--impl", f"c:{libs['slow']}", "--checkpoint", str(TINY), "-q"], cwd=ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not record.is_file() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pid = int(record.read_text().split()[0])
+    time.sleep(0.5)  # the probe is past its imports and checks, waiting for the worker
+    try:
+        probe.send_signal(signum)
+        _, err = probe.communicate(timeout=30)
+        assert probe.returncode == 128 + signum, err
+        gone_by = time.monotonic() + 10
+        while time.monotonic() < gone_by:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # twin of the leak: before the fix it was still sleeping here
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
