@@ -286,8 +286,10 @@ def main(argv: list[str]) -> None:
     """LIB CHECKPOINT DIR [REFERENCE]: run every step of DIR's (or REFERENCE's) inputs through LIB, writing results
     into DIR."""
     restore_blas_setting()
-    lib_path, checkpoint, work = Path(argv[0]), Path(argv[1]), Path(argv[2])
-    reference = Path(argv[3]) if len(argv) > 3 else None
+    # absolute before the library is loaded: its constructor may chdir(), which made a relative --checkpoint "not a
+    # directory" (red team)
+    lib_path, checkpoint, work = (Path(a).absolute() for a in argv[:3])
+    reference = Path(argv[3]).absolute() if len(argv) > 3 else None
     try:
         run_library(lib_path, checkpoint, work, reference)
     except MtpError as err:  # AdapterError, CheckpointError, TraceFormatError: the parent re-raises the message

@@ -217,3 +217,18 @@ def test_an_interrupted_run_kills_the_worker_stuck_in_the_library(libs, tmp_path
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_a_library_whose_constructor_changes_directory_still_finds_a_relative_checkpoint(tmp_path):
+    """Red team: the worker resolved its paths after dlopen, so a library constructor calling chdir("/") turned a
+    relative --checkpoint into "not a directory" (exit 2). Twin: the same library run on absolute paths passed."""
+    source = tmp_path / "chdir_v2.c"
+    source.write_text('#include <unistd.h>\n#include "mtp_step_v2.c"\n'
+                      '__attribute__((constructor)) static void wander(void) { if (chdir("/")) {} }\n')
+    lib = build_library(source, tmp_path)
+    relative = os.path.relpath(TINY, ROOT)
+    for checkpoint in (relative, str(TINY)):
+        proc = subprocess.run([sys.executable, "-c", "from probe.cli import main; main()", "run",
+                               os.path.relpath(TINY_REF, ROOT), "--impl", f"c:{lib}", "--checkpoint", checkpoint, "-q"],
+                              cwd=ROOT, capture_output=True, text=True)
+        assert proc.returncode == 0, (checkpoint, proc.stdout[-800:], proc.stderr[-800:])
