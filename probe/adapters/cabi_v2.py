@@ -87,6 +87,18 @@ def declare(lib: ctypes.CDLL, path: Path) -> None:
                            f"{ABI_VERSION} (mtp_probe_v2.h). Rebuild the library against that header.")
 
 
+LIBRARY_TEXT_CHARS = 2000  # of a string the library returns, quoted in a message (one returned 20 MB: 84 MB printed)
+
+
+def library_text(raw: bytes) -> str:
+    """A string from the library (mtp2_capture, mtp2_last_error) as a message quotes it: decoded, and cut to
+    LIBRARY_TEXT_CHARS characters with the length said."""
+    text = raw.decode("utf-8", "replace")
+    if len(text) <= LIBRARY_TEXT_CHARS:
+        return text
+    return f"{text[:LIBRARY_TEXT_CHARS]}… ({len(text) - LIBRARY_TEXT_CHARS} more characters)"
+
+
 def captured_stages(lib: ctypes.CDLL, stages: StageList, family: str, path: Path) -> list[str]:
     """The family's stages the library captures, in the family's order: all but `out` without mtp2_capture (or
     when it returns NULL), else the names it lists, each of which must be one of them exactly once."""
@@ -98,10 +110,11 @@ def captured_stages(lib: ctypes.CDLL, stages: StageList, family: str, path: Path
     unknown = [n for n in names if n not in traceable]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if unknown or repeated:
-        what = (f"names {', '.join(repr(n) for n in unknown)}, which the {family} head does not have"
-                if unknown else f"names {', '.join(repr(n) for n in repeated)} more than once")
+        what = (f"names {library_text(', '.join(repr(n) for n in unknown).encode())}, which the {family} head "
+                f"does not have" if unknown else
+                f"names {library_text(', '.join(repr(n) for n in repeated).encode())} more than once")
         out = " (`out` is mtp2_step's own argument, always written, not a stage to capture)" if "out" in unknown else ""
-        raise AdapterError(f"{path}: mtp2_capture() returned {raw.decode('utf-8', 'replace')!r}: it {what}{out}. "
+        raise AdapterError(f"{path}: mtp2_capture() returned {library_text(raw)!r}: it {what}{out}. "
                            f"The {family} stages a library can capture are: {', '.join(traceable)}. Fix the "
                            f"names in mtp2_capture (comma-separated, each at most once).")
     return [n for n in traceable if n in names]
@@ -176,7 +189,7 @@ def run_v2(lib: ctypes.CDLL, path: Path, ckpt: Checkpoint, inputs, progress,
     progress("create")
     ctx = lib.mtp2_create(ctypes.byref(config), weights, len(weights), err, ERR_LEN)
     if not ctx:
-        said = err.value.decode("utf-8", "replace").strip() or "(it wrote no reason into err)"
+        said = library_text(err.value).strip() or "(it wrote no reason into err)"
         raise AdapterError(f"mtp2_create returned NULL for the {family.name} head of {ckpt.path}: {said}")
     try:
         bases = [(i, buffers[n].ctypes.data, buffers[n].strides[0]) for i, n in enumerate(captured)]
@@ -191,8 +204,7 @@ def run_v2(lib: ctypes.CDLL, path: Path, ckpt: Checkpoint, inputs, progress,
                 message = return_code_message("mtp2_step", code, f"at step {t} (token row {t}, position {pos})",
                                               RETURN_CODES)
                 reason = lib.mtp2_last_error(ctx) if hasattr(lib, "mtp2_last_error") else None
-                raise AdapterError(message + (f" The library says: {reason.decode('utf-8', 'replace')}"
-                                              if reason else ""))
+                raise AdapterError(message + (f" The library says: {library_text(reason)}" if reason else ""))
     finally:
         progress("destroy")
         lib.mtp2_destroy(ctx)

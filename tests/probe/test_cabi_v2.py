@@ -376,3 +376,37 @@ def test_a_v1_library_on_a_moe_head_points_to_v2(build):
     with pytest.raises(AdapterError, match=r"C ABI v1 .*dense Qwen3.5 head only.*qwen3_5_moe head.*"
                                            r"mtp_probe_v2.h"):
         CAbiAdapter(build(CANDIDATES / "mtp_step.c"), MOE).run(moe_inputs())
+
+
+HUGE_REASON_SOURCE = r"""
+#include <stdlib.h>
+#include <string.h>
+#include "mtp_probe_v2.h"
+static char *reason;
+int mtp2_abi_version(void) { return MTP2_ABI_VERSION; }
+void *mtp2_create(const mtp2_config *c, const mtp2_tensor *w, int n, char *err, size_t len) {
+    (void)c, (void)w, (void)n, (void)err, (void)len;
+    reason = malloc(5 << 20);
+    memset(reason, 'x', (5 << 20) - 1);
+    reason[(5 << 20) - 1] = 0;
+    return reason;
+}
+int mtp2_step(void *c, int64_t pos, const float *e, const float *h, float *o, const mtp2_stage *s, int n) {
+    (void)c, (void)pos, (void)e, (void)h, (void)o, (void)s, (void)n;
+    return MTP2_ERR_ARG;
+}
+const char *mtp2_last_error(void *c) { (void)c; return reason; }
+void mtp2_destroy(void *c) { free(c); }
+"""
+
+
+def test_a_huge_reason_from_the_library_is_quoted_cut_to_a_readable_length(tmp_path, tiny_ref):
+    """Red team: a 5 MB mtp2_last_error (or mtp2_capture) string was printed whole, twice (10 MB of output)."""
+    source = tmp_path / "huge_reason.c"
+    source.write_text(HUGE_REASON_SOURCE)
+    with pytest.raises(AdapterError) as raised:
+        CAbiAdapter(build_library(source, tmp_path), TINY).run(tiny_ref[0])
+    message = str(raised.value)
+    assert "library says: xxxx" in message and f"({(5 << 20) - 1 - cabi_v2.LIBRARY_TEXT_CHARS} more characters)" in \
+        message and len(message) < 4 * cabi_v2.LIBRARY_TEXT_CHARS
+    assert cabi_v2.library_text(b"short reason") == "short reason"  # twin: a normal reason is quoted whole
