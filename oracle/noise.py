@@ -27,6 +27,7 @@ token's rows after the selection left out of its figures; the tokens are recorde
 """
 
 import datetime
+import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -91,10 +92,24 @@ def measure_noise(checkpoint: Path, token_ids: np.ndarray, hidden, start_pos: in
 
 
 def write_profile(profile: dict, out: Path) -> Path:
-    """Write the profile as JSON, atomically (a temporary name, renamed when complete)."""
+    """Write the profile as JSON, atomically (a temporary name, renamed when complete), with its digest."""
+    profile = profile | {DIGEST_KEY: profile_digest(profile)}
     with atomic_output(out, "--out") as tmp:
         tmp.write_text(json.dumps(profile, indent=1, allow_nan=False) + "\n")
     return Path(out)
+
+
+DIGEST_KEY = "profile_digest"
+
+
+def profile_digest(profile: dict) -> str:
+    """"sha256:<hex>" of the profile's canonical JSON (sorted keys, no spaces) without its own digest. A profile sets
+    what passes: the probe refuses one whose figures, margin or tolerances were edited after it was measured (an
+    edit that kept them consistent with each other had passed a candidate 30% off at attn), as it refuses edited
+    evidence. Unkeyed, like every digest here: it catches damage and careless edits, not a forger."""
+    body = {key: value for key, value in profile.items() if key != DIGEST_KEY}
+    text = json.dumps(body, sort_keys=True, allow_nan=False, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
 def _check_request(paths: tuple[str, ...], margin: float) -> None:

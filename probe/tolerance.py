@@ -196,6 +196,20 @@ def _read_profile(file: Path) -> dict:
     schema = profile.get("schema") if isinstance(profile, dict) else None
     if schema != NOISE_SCHEMA:
         raise ToleranceError(f"--profile {file}: schema {schema!r}, this probe reads {NOISE_SCHEMA}; {_REGENERATE}.")
+    from oracle.noise import DIGEST_KEY, profile_digest  # torch-free
+
+    recorded = profile.get(DIGEST_KEY)
+    if recorded is None:
+        raise ToleranceError(f"--profile {file} has no {DIGEST_KEY}: written before profiles carried one, or edited; "
+                             f"its tolerances cannot be trusted. {_REGENERATE[0].upper()}{_REGENERATE[1:]}.")
+    try:
+        actual = profile_digest(profile)
+    except ValueError:  # NaN or Inf in the file: never written by mtp-oracle noise
+        actual = None
+    if recorded != actual:
+        raise ToleranceError(f"--profile {file}: its contents do not match its {DIGEST_KEY} ({str(recorded)[:19]}…): "
+                             f"the profile was edited or damaged after it was measured, and its figures set what "
+                             f"passes. {_REGENERATE[0].upper()}{_REGENERATE[1:]}.")
     return profile
 
 

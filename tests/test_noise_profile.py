@@ -130,12 +130,42 @@ def test_moe_profile_covers_routing_stages(moe):
     assert json.loads(profile.read_text())["paths"]["bfloat16"]["routing_flips"] == []
 
 
-def _edited(tmp_path, source, edit) -> str:
+def _edited(tmp_path, source, edit, resign: bool = True, name: str = "edited.json") -> str:
+    """`source` edited by `edit`; `resign`: its profile_digest recomputed, as a forger would, so that the checks
+    behind the digest are exercised too."""
+    from oracle.noise import DIGEST_KEY, profile_digest
+
     profile = json.loads(source.read_text())
     edit(profile)
-    out = tmp_path / "edited.json"
+    if resign and DIGEST_KEY in profile:
+        profile[DIGEST_KEY] = profile_digest(profile)
+    out = tmp_path / name
     out.write_text(json.dumps(profile))
     return str(out)
+
+
+def _loosened(p):
+    """The red team's edit: margin 4 -> 40 with every stage's rtol and atol recomputed by the profile's own rule."""
+    p["margin"] = 40.0
+    for path in p["paths"].values():
+        for entry in path["stages"].values():
+            if isinstance(entry, dict) and entry.get("rtol") is not None:
+                entry["rtol"] *= 10
+                entry["atol"] *= 10
+
+
+def test_an_edited_profile_is_refused_by_its_digest(tmp_path, dense):
+    """Red team: a profile edited consistently (margin 4 -> 40, tolerances recomputed) passed a candidate 30% off at
+    attn. It no longer matches its profile_digest; neither does one whose digest was removed. Twin: the profile as
+    written is accepted."""
+    from oracle.noise import DIGEST_KEY
+
+    loosened = _edited(tmp_path, dense, _loosened, resign=False)
+    unsigned = _edited(tmp_path, dense, lambda p: p.pop(DIGEST_KEY), name="unsigned.json")
+    for edited, words in ((loosened, "do not match its profile_digest"), (unsigned, "has no profile_digest")):
+        result = run_cli(probe_cli, ["diff", TINY_REF, TINY_REF, "--profile", edited, "-q"])
+        assert result.exit_code == 2 and words in " ".join(result.output.split()), result.output
+    assert run_cli(probe_cli, ["diff", TINY_REF, TINY_REF, "--profile", str(dense), "-q"]).exit_code == 0
 
 
 def _drop_mlp(p):
