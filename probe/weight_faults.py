@@ -3,10 +3,11 @@
 Tried in this order (the first that fits names the fault): ok, zeros, init_like (a norm left at its initial all-0
 or all-1 value), constant, transposed (a square matrix stored transposed), scaled (one constant factor: a forgotten
 dequant scale), permuted_rows (rows, or the input columns, of the checkpoint in another order: a true permutation,
-every row used once), zeros or different (some rows all 0, or wholly unlike the checkpoint's, where the rest match:
-a partial load; no quantization does that), quantized (highly
+every row used once), zeros or different (some rows or columns all 0, or wholly unlike the checkpoint's, where the
+rest match: a partial load; no quantization does that), quantized (highly
 correlated, error of quantization size spread over the tensor), init_like (a linear uncorrelated with the
-checkpoint whose spread is that of a fresh initialisation), different.
+checkpoint whose spread is that of a fresh initialisation), different (a norm that is exactly the checkpoint's ± 1
+says so: the (1+w) convention mixed up).
 A tensor whose shape is the checkpoint's transposed is classified after transposing back: `transposed` when it then
 matches (ok, scaled or quantized), otherwise the fault found, noted as stored transposed. Torch-free.
 """
@@ -80,7 +81,7 @@ def _by_values(a: np.ndarray, e: np.ndarray, facts: TensorFacts, max_rel: float)
     permuted = _permutation_note(a, e, facts)
     if permuted:
         return Finding("permuted_rows", max_rel, permuted)
-    partial = _partial_rows(a, e, max_rel)
+    partial = _partial_rows(a, e, max_rel) or (_partial_rows(a.T, e.T, max_rel, "columns") if a.ndim == 2 else None)
     if partial:
         return partial
     rms = float(np.linalg.norm(a - e) / np.sqrt(ee)) if ee else float("inf")
@@ -90,12 +91,19 @@ def _by_values(a: np.ndarray, e: np.ndarray, facts: TensorFacts, max_rel: float)
     init = _init_like(a, corr, facts)
     if init:
         return Finding("init_like", max_rel, init)
+    scale = float(np.abs(e).max()) or 1.0
+    for offset, how in ((1.0, "+ 1: the (1+w) of a (1+w) RMSNorm folded into its stored w"),
+                        (-1.0, "- 1: a plain norm's weight read as a (1+w) norm's w")):
+        if a.ndim == 1 and _close(a - offset, e, scale + 1.0):
+            return Finding("different", max_rel, f"exactly the checkpoint's {how}")
     return Finding("different", max_rel, f"correlation {corr:+.3f} with the checkpoint, {rms:.1%} rms error")
 
 
-def _partial_rows(a: np.ndarray, e: np.ndarray, max_rel: float) -> Finding | None:
-    """Rows of a matrix that are all 0, or wholly unlike the checkpoint's, while the other rows match: a partial load
-    (a shard or a slice never copied), not quantization, whose error is spread over every row."""
+def _partial_rows(a: np.ndarray, e: np.ndarray, max_rel: float, what: str = "rows") -> Finding | None:
+    """Rows (`what`: "columns" for a matrix's transpose) that are all 0, or wholly unlike the checkpoint's, while the
+    others match: a partial load (a shard or a slice never copied), not quantization, whose error is spread over
+    every row. How many rows are wrong does not matter (half a matrix zeroed had been `different`), only that the
+    rest match; a wrong row with only a few wrong elements says so (a flipped element is not a row "wholly" unlike)."""
     if a.ndim < 2:
         return None
     rows_a, rows_e = a.reshape(-1, a.shape[-1]), e.reshape(-1, e.shape[-1])
@@ -103,14 +111,20 @@ def _partial_rows(a: np.ndarray, e: np.ndarray, max_rel: float) -> Finding | Non
     rel = np.linalg.norm(rows_a - rows_e, axis=1) / np.where(norm_e == 0, 1.0, norm_e)
     zero = ~rows_a.any(axis=1) & rows_e.any(axis=1)
     wrong = rel > 0.5  # no quantization moves a whole row by half its norm while the others stay close
-    if not wrong.any() or wrong.all() or np.median(rel) > QUANTIZED_RMS:
+    if not wrong.any() or wrong.all() or np.median(rel[~wrong]) > QUANTIZED_RMS:
         return None
     n, bad = len(rel), int(np.count_nonzero(wrong))
     first = ", ".join(map(str, np.flatnonzero(wrong)[:5])) + (" …" if bad > 5 else "")
     if zero[wrong].all():
-        return Finding("zeros", max_rel, f"{bad} of {n} rows are all 0 (rows {first}): a partially loaded tensor?")
-    return Finding("different", max_rel, f"{bad} of {n} rows differ wholly from the checkpoint's (rows {first}) while "
-                                      f"the rest match: a partial or misplaced load?")
+        return Finding("zeros", max_rel, f"{bad} of {n} {what} are all 0 ({what} {first}): a partially loaded "
+                                         f"tensor?")
+    scale = float(np.abs(rows_e).max()) or 1.0
+    off = ~(np.abs(rows_a[wrong] - rows_e[wrong]) <= OK_REL * np.abs(rows_e[wrong]) + 1e-7 * scale)
+    if off.sum(axis=1).max() <= max(1, rows_a.shape[1] // 10):
+        return Finding("different", max_rel, f"{int(off.sum())} element(s) in {bad} of {n} {what} ({what} {first}) "
+                                             f"differ from the checkpoint's while the rest match")
+    return Finding("different", max_rel, f"{bad} of {n} {what} differ wholly from the checkpoint's ({what} {first}) "
+                                         f"while the rest match: a partial or misplaced load?")
 
 
 def _close(a: np.ndarray, e: np.ndarray, scale: float) -> bool:

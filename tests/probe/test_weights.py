@@ -229,3 +229,32 @@ def test_red_team_faults_are_named_for_what_they_are(tmp_path, name, fault, stat
     twin = head(DENSE)
     twin[name] = int8(twin[name])
     assert audit(tmp_path, DENSE, twin)[name].status == "quantized"
+
+
+def half_rows_zeroed(w): return np.concatenate([w[: len(w) // 2], np.zeros_like(w[len(w) // 2:])])
+def one_column_zeroed(w): return np.concatenate([w[:, :5], np.zeros_like(w[:, 5:6]), w[:, 6:]], axis=1)
+def one_element_flipped(w):
+    out = w.copy()
+    out[7, int(np.argmax(np.abs(w[7])))] *= -1
+    return out
+def plus_one(w): return w + np.float32(1.0)
+
+
+@pytest.mark.parametrize("name, fault, status, words", [
+    ("mtp.fc.weight", half_rows_zeroed, "zeros", "32 of 64 rows are all 0"),
+    ("mtp.fc.weight", one_column_zeroed, "zeros", "1 of 128 columns are all 0 (columns 5)"),
+    ("mtp.fc.weight", one_element_flipped, "different", "1 element(s) in 1 of 64 rows (rows 7)"),
+    ("mtp.norm.weight", plus_one, "different", "exactly the checkpoint's + 1: the (1+w)"),
+])
+def test_partial_loads_and_norm_offsets_are_named(tmp_path, name, fault, status, words):
+    """Red team (stop 22): half of fc's rows zeroed was `different` ("correlation +0.706"), one zeroed column
+    `quantized` (which reads as harmless), one flipped element "1 of 64 rows differ wholly", and a (1+w) folded into
+    a norm a bare `different`. Twin: the same tensors int8-quantized stay `quantized`."""
+    tensors = head(DENSE)
+    tensors[name] = fault(tensors[name])
+    found = audit(tmp_path, DENSE, tensors)[name]
+    assert found.status == status and words in found.note, found
+    if tensors[name].ndim == 2:
+        twin = head(DENSE)
+        twin[name] = int8(twin[name])
+        assert audit(tmp_path, DENSE, twin)[name].status == "quantized"
