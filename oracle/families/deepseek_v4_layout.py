@@ -45,7 +45,7 @@ ARCHITECTURES = ("DeepseekV4ForCausalLM",)
 HEAD_PREFIX = "mtp.0."
 EMBED = "embed.weight"  # the release's top-level embedding (transformers renames it to model.embed_tokens.weight)
 LM_HEAD = "head.weight"  # the shared lm_head (transformers: lm_head.weight)
-SCORING = ("sqrtsoftplus", "sigmoid", "softmax")
+SCORING = ("sqrtsoftplus", "sigmoid")  # what transformers' DeepseekV4TopKRouter can apply (ACT2FN[scoring_func])
 _SCALE = "scale"
 
 # The release's (inference/config.json) key names beside transformers' DeepseekV4Config names.
@@ -156,6 +156,10 @@ def head_config_from_json(raw: dict, source: str) -> HeadConfig:
     _check_mtp_attention(raw, n, source)
     quant = raw.get("quantization_config")
     scoring = _get(raw, "scoring_func", source)
+    if scoring == "softmax":  # listed by DeepSeek's reference Gate, which then also skips the top-k renormalisation
+        raise CheckpointError(f"{source}: scoring_func 'softmax' is not supported: transformers' DeepseekV4TopKRouter "
+                              f"scores with ACT2FN[scoring_func], which has no softmax, so there is no official "
+                              f"module to build the head from (supported: {', '.join(SCORING)}).")
     if scoring not in SCORING:
         raise CheckpointError(f"{source}: scoring_func {scoring!r}; expected one of {', '.join(SCORING)}.")
     norm_topk = _get(raw, "norm_topk_prob", source, True)

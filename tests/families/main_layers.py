@@ -78,6 +78,9 @@ def _write(ckpt: Path, tensors: dict) -> None:
     shard = "model-main.safetensors"
     save_file(tensors, ckpt / shard, metadata={"format": "pt"})
     data = json.loads(index.read_text())
+    for old in {data["weight_map"][name] for name in tensors if name in data["weight_map"]}:
+        kept = {k: v for k, v in load_file(ckpt / old).items() if k not in tensors}  # each tensor stored once
+        save_file(kept, ckpt / old, metadata={"format": "pt"})
     data["weight_map"] |= {name: shard for name in tensors}
     index.write_text(json.dumps(data, indent=2, sort_keys=True))
 

@@ -382,3 +382,16 @@ def test_probe_reports_per_stream_detail_for_a_stream_stage(tmp_path):
     assert "per stream (3 streams of 64" in text and "stream 0: max|diff| 0" in text
     rows = [r for r in report_json(report)["rows"] if r["stage"] == "x_in" and r["detailed"]]
     assert rows and rows[0]["per_stream"][1]["max_abs"] > 0
+
+
+def test_softmax_scoring_is_refused_by_name_not_a_crash(tmp_path):
+    """Red team: scoring_func "softmax" passed the config check and then failed inside transformers'
+    DeepseekV4TopKRouter (ACT2FN has no softmax): exit 4. Refused now (exit 2). Twin: sigmoid exports."""
+    from oracle.errors import CheckpointError
+    from oracle.export import HiddenSource, export_trace
+
+    softmax = write_deepseek_v4_checkpoint(tmp_path / "softmax", dims={"scoring_func": "softmax"})
+    with pytest.raises(CheckpointError, match="scoring_func 'softmax' is not supported"):
+        export_trace(softmax, tmp_path / "a.h5", np.array([5, 17, 3]), HiddenSource(seed=0))
+    sigmoid = write_deepseek_v4_checkpoint(tmp_path / "sigmoid", dims={"scoring_func": "sigmoid"})
+    export_trace(sigmoid, tmp_path / "b.h5", np.array([5, 17, 3]), HiddenSource(seed=0))

@@ -140,3 +140,63 @@ def test_read_rows_reads_a_row_range():
     np.testing.assert_array_equal(ckpt.read_rows("lm_head.weight", 100, 228), ckpt.read("lm_head.weight")[100:228])
     with pytest.raises(CheckpointError, match="rows 500..600 are not in it"):
         ckpt.read_rows("lm_head.weight", 500, 600)
+
+
+def _rewrite_header(path, edit):
+    """Rewrite a safetensors file's JSON header text through `edit(text) -> text`, keeping its data bytes."""
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    text = edit(raw[8:8 + length].decode())
+    header = text.encode().ljust(length) if len(text.encode()) <= length else text.encode()
+    path.write_bytes(len(header).to_bytes(8, "little") + header + raw[8 + length:])
+
+
+def _header_json(path) -> dict:
+    raw = path.read_bytes()
+    return json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("overlap", r"tensors mtp\.(pre_fc_)?norm(_hidden)?\.weight and mtp\.(pre_fc_)?norm(_hidden)?\.weight share"),
+    ("repeated_key", "lists 'mtp.norm.weight' twice"),
+    ("trailing", "bytes follow the last tensor"),
+], ids=["overlap", "repeated_key", "trailing"])
+def test_a_header_the_safetensors_format_forbids_is_refused(tmp_path, damage, words):
+    """Red team: data_offsets pointing mtp.norm.weight at another norm's bytes (or a second "mtp.norm.weight" key,
+    which JSON resolves to the last) exported a trace computed with the wrong norm, exit 0; the safetensors library
+    refuses both. Tensors must tile the data exactly. Twin: the file as written reads, and equals safetensors'."""
+    ckpt_dir = _copy(TINY, tmp_path)
+    path = ckpt_dir / "model.safetensors"
+    header = _header_json(path)
+    other = header["mtp.pre_fc_norm_hidden.weight"]["data_offsets"]
+    if damage == "overlap":
+        offsets = json.dumps(header["mtp.norm.weight"]["data_offsets"]).replace(" ", "")
+        _rewrite_header(path, lambda t: t.replace(offsets, json.dumps(other).replace(" ", ""), 1))
+    elif damage == "repeated_key":
+        entry = dict(header["mtp.norm.weight"], data_offsets=other)
+        _rewrite_header(path, lambda t: t.rstrip()[:-1] + ',"mtp.norm.weight":' + json.dumps(entry) + "}")
+    else:
+        path.write_bytes(path.read_bytes() + b"\0" * 16)
+    with pytest.raises(CheckpointError, match=words):
+        Checkpoint(ckpt_dir).read_head()
+    untouched = Checkpoint(TINY).read_head(digest=False).tensors["mtp.norm.weight"]
+    with safe_open(TINY / "model.safetensors", "pt") as f:
+        np.testing.assert_array_equal(untouched, f.get_tensor("mtp.norm.weight").float().numpy())
+
+
+def test_a_tensor_stored_in_two_shards_is_refused(tmp_path):
+    """Red team: a second copy of mtp.fc.weight (zeros) in another shard than the index names was silently ignored.
+    Twin: the sharded fixture as written reads."""
+    from safetensors.torch import load_file, save_file
+
+    ckpt_dir = _copy(TINY_SHARDED, tmp_path)
+    index = json.loads((ckpt_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    home = index["mtp.fc.weight"]
+    other = next(s for s in sorted(set(index.values())) if s != home and any(
+        n.startswith("mtp.") and index[n] == s for n in index))
+    tensors = load_file(ckpt_dir / other)
+    tensors["mtp.fc.weight"] = torch.zeros_like(load_file(ckpt_dir / home)["mtp.fc.weight"])
+    save_file(tensors, ckpt_dir / other)
+    with pytest.raises(CheckpointError, match=f"mtp.fc.weight is in two shards .*: {other} and {home}"):
+        Checkpoint(ckpt_dir).read_head()
+    Checkpoint(TINY_SHARDED).read_head(digest=False)
