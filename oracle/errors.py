@@ -15,6 +15,8 @@ import traceback
 
 import click
 
+from oracle.text import printable
+
 
 class MtpError(Exception):
     """A problem with the user's input (files, options, checkpoint); never an internal bug."""
@@ -56,7 +58,7 @@ class MtpGroup(click.Group):
         try:
             return super().invoke(ctx)
         except MtpError as err:
-            raise UserError(str(err)) from None
+            raise UserError(printable(str(err), keep_lines=True)) from None  # it may quote a file's strings
         except (click.exceptions.Exit, click.ClickException):
             raise
         except (KeyboardInterrupt, click.Abort):

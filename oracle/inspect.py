@@ -8,6 +8,7 @@ import numpy as np
 
 from oracle.stages import STAGE_BY_NAME
 from oracle.trace import read_trace, rows_per_chunk
+from oracle.text import printable
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,11 @@ def stage_stats(reader, name: str) -> StageStats:
 
 
 def render_inspection(path: Path) -> str:
+    """The inspection report; what came from the file shows with its control characters escaped."""
+    return printable(_inspection(path), keep_lines=True)
+
+
+def _inspection(path: Path) -> str:
     with read_trace(path) as reader:
         attrs = reader.attrs
         lines = [f"{path}: {attrs['schema']}, family {attrs.get('family', '?')}, "

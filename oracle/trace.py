@@ -54,6 +54,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -284,6 +285,10 @@ class TraceReader:
                 raise TraceFormatError(f"{self.path}: unknown stage datasets {unknown} and no `stages` attribute "
                                        f"declaring them; the default names are {', '.join(STAGE_NAMES)}.")
             return tuple(n for n in STAGE_NAMES if n in group)
+        odd = next((n for n in declared if not isinstance(n, str) or not STAGE_NAME_PATTERN.fullmatch(n)), None)
+        if odd is not None:  # names reach HTML, terminals, plot labels and the verdict line: an identifier only
+            raise TraceFormatError(f"{self.path}: the `stages` attribute names a stage {odd!r:.80}; stage names are "
+                                   f"lower-case identifiers (letters, digits, _), like {', '.join(STAGE_NAMES[:4])}.")
         extra, missing = sorted(set(group) - set(declared)), sorted(set(declared) - set(group))
         if extra:
             raise TraceFormatError(f"{self.path}: unknown stage datasets {extra}; valid names are "
@@ -304,7 +309,7 @@ class TraceReader:
         doc = _as_str(attrs.get("doc", known.doc if known else ""))
         shape = _as_str(attrs.get("shape", known.shape if known else "T×D"))
         kind = _as_str(attrs.get("kind", ROWS))
-        if kind not in KINDS or shape not in SHAPES:
+        if not isinstance(kind, str) or not isinstance(shape, str) or kind not in KINDS or shape not in SHAPES:
             raise TraceFormatError(f"{self.path}: /stages/{name} has kind {kind!r} / shape {shape!r}; kinds are "
                                    f"{', '.join(KINDS)}, shapes {', '.join(SHAPES)}.")
         return Stage(name, shape, str(doc), kind)
@@ -663,6 +668,9 @@ def _check_hard_link(group: h5py.Group, member: str, path: Path) -> None:
         raise TraceFormatError(f"{path}: {where} is {kind} (to {target}); a trace stores every dataset in the file "
                                f"itself. Copy the values in (h5py: del f[name]; f[name] = values) or write the "
                                f"trace with write_trace.")
+
+
+STAGE_NAME_PATTERN = re.compile(r"[a-z][a-z0-9_]{0,63}")  # every stage of every family; see _present_stages
 
 
 def _as_str(value):

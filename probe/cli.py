@@ -15,6 +15,7 @@ from oracle.errors import MtpError, MtpGroup, OutputError
 from oracle.output import check_writable, refuse_overwriting_inputs
 from oracle.progress import reporting, say
 from oracle.stages import KNOWN_STAGE_NAMES
+from oracle.text import printable
 
 from probe.adapters.spec import SPEC_HELP, c_library
 from probe.errors import ToleranceError
@@ -73,7 +74,7 @@ def invalid_line_on_error(command):
         except OutputError:
             raise  # an unwritable --json/--plot/--html: the verdict line was already printed (or no work done)
         except MtpError as err:
-            click.echo(f"INVALID | {str(err).splitlines()[0] if str(err) else type(err).__name__}")
+            click.echo(printable(f"INVALID | {str(err).splitlines()[0] if str(err) else type(err).__name__}"))
             raise
 
     return wrapper

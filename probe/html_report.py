@@ -119,7 +119,7 @@ def _stage_table(report: DiffReport) -> str:
         tol_text = f"rtol {tol.rtol:g}, atol {tol.atol:g}"
         rows = report.rows.get(name)
         if rows is None:
-            lines.append(f'<tr class="missing"><td>{name}</td><td>{doc}</td><td colspan="5">'
+            lines.append(f'<tr class="missing"><td>{_e(name)}</td><td>{doc}</td><td colspan="5">'
                          f'not captured (never counted as passed)</td><td>{tol_text}</td></tr>')
             continue
         divergent, invalid = rows.has_status(DIVERGENT_STATUSES), rows.has_status(INVALID_STATUSES)
@@ -130,7 +130,7 @@ def _stage_table(report: DiffReport) -> str:
             worst_text = f"{budget_text(rows.diff(token).budget_used)} (t{token})"
         first = f"t{rows.start + int(np.flatnonzero(divergent)[0])}" if divergent.any() else "-"
         bad, broken = ("num bad" if divergent.any() else "num"), ("num invalid" if invalid.any() else "num")
-        lines.append(f'<tr><td>{name}</td><td>{doc}</td><td class="num">{len(rows)}</td>'
+        lines.append(f'<tr><td>{_e(name)}</td><td>{doc}</td><td class="num">{len(rows)}</td>'
                      f'<td class="{bad}">{int(divergent.sum())}</td><td class="{broken}">{int(invalid.sum())}</td>'
                      f'<td class="num">{_e(worst_text)}</td><td class="num">{first}</td><td>{tol_text}</td></tr>')
     lines.append("</table>")

@@ -38,7 +38,16 @@ def write_heatmap(report: DiffReport, path: Path) -> None:
 
 
 def heatmap_figure(report: DiffReport):
-    """The heatmap as a matplotlib Figure (Agg canvas): one panel, or overview + zoom for a long trace."""
+    """The heatmap as a matplotlib Figure (Agg canvas): one panel, or overview + zoom for a long trace. Its labels
+    hold paths and names from files: drawn as plain text, never parsed as $math$ (an unbalanced `$` in a folder
+    name had crashed the command, exit 4, losing its verdict)."""
+    import matplotlib
+
+    with matplotlib.rc_context({"text.parse_math": False}):
+        return _heatmap_figure(report)
+
+
+def _heatmap_figure(report: DiffReport):
     names = row_names(report)
     budget, marks = grids(report, names)
     first = _first_cell(report, names)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from oracle.output import atomic_output
 from oracle.stages import STAGE_NAMES
+from oracle.text import printable
 
 from probe.adapters.trace_file import CHECKED_INPUTS
 
@@ -60,7 +61,7 @@ def summary_line(report: DiffReport) -> str:
     if report.verdict.name == "diverged" and report.first is not None:
         parts[1:2] = [parts[1]] + [f for f in report.findings if f.startswith("rows shifted")][:1]
     parts += [f"note: {f}" for f in report.findings if not f.startswith("rows shifted")]
-    return " | ".join(parts + [where])
+    return printable(" | ".join(parts + [where]))  # one line, whatever a path or name in it holds
 
 
 def render_text(report: DiffReport, verbose: bool = False) -> str:
@@ -68,7 +69,7 @@ def render_text(report: DiffReport, verbose: bool = False) -> str:
     blocks = [_header(report), _table(report), LEGEND, _issues(report), _divergence(report, verbose),
               _worst_per_stage(report) if verbose else "", _evidence(report),
               f"verdict: {report.verdict.name} (exit {report.verdict.exit_code})"]
-    return "\n\n".join(b for b in blocks if b)
+    return printable("\n\n".join(b for b in blocks if b), keep_lines=True)  # no terminal escapes from a file
 
 
 def budget_text(budget: float) -> str:

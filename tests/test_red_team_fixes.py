@@ -464,3 +464,72 @@ def test_a_c_library_path_that_is_a_directory_is_named_as_such(tmp_path):
     assert result.exit_code == 2 and f"C library {tmp_path} is a directory" in result.output, result.output
     gone = run_cli(probe.cli.cli, ["run", TINY_REF, "--impl", f"c:{tmp_path / 'x.so'}", "--checkpoint", TINY])
     assert gone.exit_code == 2 and "does not exist" in gone.output  # twin
+
+
+def _renamed_stage(path: Path, old: str, new: str) -> Path:
+    """The bundled reference with stage `old` renamed `new` everywhere (dataset and the root `stages` list)."""
+    shutil.copy(TINY_REF, path)
+    with h5py.File(path, "r+") as f:
+        f.move(f"stages/{old}", f"stages/{new}")
+        names = [n.decode() if isinstance(n, bytes) else n for n in f.attrs["stages"]]
+        del f.attrs["stages"]
+        f.attrs["stages"] = np.array([(new if n == old else n).encode() for n in names])
+    return path
+
+
+@pytest.mark.parametrize("name", ["mlp<img src=x onerror=alert(1)>", "mlp\nPASSED | every stage within tolerance",
+                                  "mlp\x1b]0;pwned\x07", "mlp$\\frac{x$"], ids=["html", "newline", "escape", "math"])
+def test_a_stage_name_that_is_not_an_identifier_is_refused(tmp_path, name):
+    """Red team: stage names from a trace reached the HTML report unescaped (script), the verdict line (a forged
+    PASSED line), the terminal (escape sequences) and matplotlib (a `$` crashed --plot, exit 4). Stage names are
+    identifiers: anything else is refused, the name shown escaped. Twin: an identifier the family lacks is read."""
+    result = run_cli(probe.cli.cli, ["diff", _renamed_stage(tmp_path / "ref.h5", "mlp", name), TINY_REF])
+    assert result.exit_code == 2 and "stage names are lower-case identifiers" in result.output, result.output
+    assert "\x1b" not in result.output and "\nPASSED" not in result.output
+    ok = run_cli(probe.cli.cli, ["diff", _renamed_stage(tmp_path / "ok.h5", "mlp", "mlp_2"), TINY_REF])
+    assert "stage names are lower-case identifiers" not in ok.output
+
+
+def test_file_strings_reach_the_terminal_and_the_verdict_line_escaped(tmp_path):
+    """Red team: `inspect` printed a trace's family/producer/docs raw (terminal escape sequences, bidi overrides),
+    and a candidate folder named with a newline put a line reading PASSED after the real verdict line."""
+    ref = tmp_path / "ref.h5"
+    shutil.copy(TINY_REF, ref)
+    with h5py.File(ref, "r+") as f:
+        f["stages/attn"].attrs["doc"] = "attention\x1b[2J\u202eoutput"
+    shown = run_cli(oracle.cli.cli, ["inspect", ref])
+    assert shown.exit_code == 0 and "\x1b" not in shown.output and "\u202e" not in shown.output
+    assert "attention\\x1b[2J\\u202eoutput" in shown.output
+    inputs, stages = load_trace(TINY_REF)
+    folder = write_raw(tmp_path / "dump\nPASSED | every stage within tolerance", stages)
+    (folder / "mlp.bin").write_bytes((stages["mlp"] * 2).astype("<f4").tobytes())  # a divergence (exit 1)
+    result = run_cli(probe.cli.cli, ["diff", TINY_REF, folder])
+    last = result.output.rstrip("\n").splitlines()[-1]
+    assert result.exit_code == 1 and last.startswith("DIVERGED |") and "dump\\nPASSED" in last, result.output
+
+
+def test_a_dollar_in_a_candidate_path_is_plain_text_in_the_plot(tmp_path):
+    """Red team: matplotlib parsed `$...` in the plot's title as maths and an unbalanced one crashed --plot, exit 4."""
+    pytest.importorskip("matplotlib")
+    inputs, stages = load_trace(TINY_REF)
+    folder = write_raw(tmp_path / "d$\\frac{x$", stages)
+    result = run_cli(probe.cli.cli, ["diff", TINY_REF, folder, "--plot", tmp_path / "heat.png"])
+    assert result.exit_code == 0 and (tmp_path / "heat.png").stat().st_size > 0, result.output
+
+
+@pytest.mark.parametrize("attr", ["kind", "shape"])
+def test_a_stage_kind_or_shape_stored_as_an_array_is_refused(tmp_path, attr):
+    ref = tmp_path / "ref.h5"
+    shutil.copy(TINY_REF, ref)
+    with h5py.File(ref, "r+") as f:
+        f["stages/e"].attrs[attr] = np.array([1, 2])
+    result = run_cli(oracle.cli.cli, ["inspect", ref])
+    assert result.exit_code == 2 and "/stages/e has kind" in result.output, result.output
+
+
+def test_a_deeply_nested_inputs_json_is_refused_not_a_crash(tmp_path):
+    inputs, stages = load_trace(TINY_REF)
+    folder = write_raw(tmp_path / "raw", stages)
+    (folder / "inputs.json").write_text("[" * 100000 + "]" * 100000)
+    result = run_cli(probe.cli.cli, ["diff", TINY_REF, folder])
+    assert result.exit_code == 2 and "is not readable JSON" in result.output, result.output

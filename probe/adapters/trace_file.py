@@ -292,7 +292,7 @@ def _inputs_from_json(path: Path) -> dict[str, np.ndarray]:
     hint = 'expected {"token_ids": [ints], "positions": [ints]}'
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, RecursionError) as err:
         raise TraceFormatError(f"{path} is not readable JSON ({err}); {hint}.") from None
     if not isinstance(data, dict) or not set(data) <= set(_JSON_INPUTS):
         keys = sorted(data) if isinstance(data, dict) else type(data).__name__
