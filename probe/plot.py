@@ -41,10 +41,12 @@ def heatmap_figure(report: DiffReport):
     """The heatmap as a matplotlib Figure (Agg canvas): one panel, or overview + zoom for a long trace. Its labels
     hold paths and names from files: drawn as plain text, never parsed as $math$ (an unbalanced `$` in a folder
     name had crashed the command, exit 4, losing its verdict)."""
-    import matplotlib
+    fig = _heatmap_figure(report)
+    from matplotlib.text import Text  # imported by agg_figure by now (or it reported that it cannot be)
 
-    with matplotlib.rc_context({"text.parse_math": False}):
-        return _heatmap_figure(report)
+    for text in fig.findobj(Text):
+        text.set_parse_math(False)  # read when drawn, so setting it now covers every label
+    return fig
 
 
 def _heatmap_figure(report: DiffReport):
