@@ -244,10 +244,14 @@ def inputs(ref, out_dir) -> None:
 
 def _refuse_overwriting_inputs(outputs: dict, checkpoint: Path, tokens_file: Path | None,
                                hidden_file: str | None) -> None:
+    from oracle.gguf_source import cache_files, gguf_file
     from oracle.inputs import hidden_file_path
 
+    gguf = gguf_file(Path(checkpoint))  # a GGUF also reads the config.json beside it and its dequantized cache
+    beside = {} if gguf is None else {"config.json beside the GGUF": gguf.parent / "config.json",
+                                      "GGUF's dequantized cache": cache_files(Path(checkpoint))}
     refuse_overwriting_inputs(outputs, {"checkpoint": checkpoint, "--tokens-file": tokens_file,
-                                        "--hidden file": hidden_file and hidden_file_path(hidden_file)})
+                                        "--hidden file": hidden_file and hidden_file_path(hidden_file)} | beside)
 
 
 def _exactly_one(options: dict) -> None:

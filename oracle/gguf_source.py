@@ -3,7 +3,7 @@
 `mtp-oracle export FILE.gguf` (or a folder holding one `.gguf` and no safetensors) reads the MTP head from the
 GGUF, dequantizes it with `gguf.quants.dequantize` (every type the package knows: F32, F16, BF16, Q8_0, Q4_K, Q5_K,
 Q6_K, …) and writes it once, as float32 safetensors under the checkpoint names, into a cache folder
-(`$MTP_PROBE_CACHE` or `~/.cache/mtp-probe/gguf/<key>`, keyed by the file's path, size and mtime); the Checkpoint
+(`$MTP_PROBE_CACHE` or `~/.cache/mtp-probe/gguf/<key>`, keyed by the file's identity and a beside config.json: `cache_key`); the Checkpoint
 reads that folder. The folder's `gguf_source.json` records the source (format, file, quant type of every tensor),
 which the trace's provenance carries. The cache is written a slice at a time (stacked experts one expert at a
 time), so memory never holds the head; but every expert is dequantized into it once, routed or not: the trace
@@ -72,13 +72,45 @@ def checkpoint_dir(path: Path) -> Path:
     file = gguf_file(Path(path))
     if file is None:
         return Path(path)
-    stat = file.stat()
-    key = hashlib.sha256(f"{file.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:20]
-    root = Path(os.environ.get("MTP_PROBE_CACHE") or Path.home() / ".cache" / "mtp-probe") / "gguf"
-    target = root / f"{file.stem}-{key}"
+    target = _cache_root() / f"{file.stem}-{cache_key(file)}"
     if not (target / SOURCE_RECORD).is_file():
+        _remove_stale_builds(target)
         _materialize(file, target)
     return target
+
+
+def cache_key(file: Path) -> str:
+    """What the cached folder was built from: the GGUF's path, size, mtime, and its inode and ctime (a file replaced
+    by another of the same size with its mtime copied, as `cp -p`, `rsync -t` or `tar x` do, had reused the stale
+    cache: a trace of the old weights, exit 0; no user tool sets a ctime back), and the bytes of a config.json beside
+    it (which overrides the metadata: adding or editing one had been ignored)."""
+    stat = file.stat()
+    config = file.parent / "config.json"
+    try:
+        beside = hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else "none"
+    except OSError as err:
+        raise CheckpointError(f"{config} cannot be read ({err.strerror}); fix its permissions or remove it.") from None
+    text = (f"{file.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_dev}|{stat.st_ino}|{stat.st_ctime_ns}|"
+            f"{beside}")
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def cache_files(path: Path) -> Path | None:
+    """The cache folder a GGUF checkpoint argument reads (an input: no output may be written into it), else None."""
+    file = gguf_file(Path(path))
+    return None if file is None else _cache_root() / f"{file.stem}-{cache_key(file)}"
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("MTP_PROBE_CACHE") or Path.home() / ".cache" / "mtp-probe") / "gguf"
+
+
+def _remove_stale_builds(target: Path) -> None:
+    """Temporary folders of builds of `target` whose process is gone (killed mid-dequant: hundreds of MB each)."""
+    for tmp in target.parent.glob(f".{target.name}.tmp-*"):
+        pid = tmp.name.rpartition("-")[2]
+        if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def source_of(path: Path) -> dict:
@@ -94,7 +126,11 @@ def _materialize(file: Path, target: Path) -> None:
     config = _beside_config(file) or config_from_metadata(reader, arch, {n: p.shape for n, p in plan.items()}, file)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as err:
+        raise CheckpointError(f"the GGUF cache folder {tmp.parent} cannot be created ({err.strerror}); set "
+                              f"MTP_PROBE_CACHE to a writable folder.") from None
     try:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         _write_safetensors(tmp / "model.safetensors", plan, file)
@@ -114,7 +150,8 @@ def _reader(file: Path):
 
     try:
         return GGUFReader(file)
-    except (ValueError, OSError, KeyError) as err:  # bad magic, truncated, unknown quant type id
+    except (ValueError, OSError, KeyError, IndexError, TypeError, struct.error) as err:  # bad magic, truncated
+        # (a cut inside the header reads past the end: IndexError), unknown quant type id
         raise CheckpointError(f"{file} is not a readable GGUF file ({err}).") from None
 
 
@@ -149,6 +186,10 @@ def plan_head(reader, arch: str, file: Path) -> dict[str, Planned]:
     """The head's tensors (checkpoint name -> Planned), the embedding and lm_head: names mapped, shapes checked,
     nothing dequantized yet but one row of each (so that a type the gguf package cannot read is refused first)."""
     names = {t.name: t for t in reader.tensors}
+    empty = next((t.name for t in reader.tensors if 0 in _shape(t)), None)
+    if empty is not None:
+        raise CheckpointError(f"{file}: tensor {empty} has a dimension of 0 ({list(_shape(names[empty]))}); re-convert "
+                              f"the model.")
     blocks = sorted({int(n.split(".")[1]) for n in names if n.startswith("blk.") and ".nextn.eh_proj" in n})
     if len(blocks) != 1:
         raise CheckpointError(f"{file}: {'no' if not blocks else len(blocks)} MTP block"
@@ -286,7 +327,13 @@ def _write_safetensors(path: Path, plan: dict[str, Planned], file: Path) -> None
 
 def _beside_config(file: Path) -> dict | None:
     config = file.parent / "config.json"
-    return json.loads(config.read_text()) if config.is_file() else None
+    if not config.is_file():
+        return None
+    try:
+        return json.loads(config.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise CheckpointError(f"{config} (beside {file.name}) is not readable JSON ({err}); fix it, or remove it to "
+                              f"use the GGUF's metadata.") from None
 
 
 def config_from_metadata(reader, arch: str, shapes: dict[str, tuple[int, ...]], file: Path) -> dict:
@@ -301,6 +348,10 @@ def config_from_metadata(reader, arch: str, shapes: dict[str, tuple[int, ...]], 
         value = _field(reader, f"{arch}.{key}", default)
         if value is None and required:
             missing.append(f"{arch}.{key}")
+        numbers = value if isinstance(value, list) else [value]
+        if value is not None and not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
+            raise CheckpointError(f"{file}: metadata {arch}.{key} is {value!r:.80}; it must be a number (or a list "
+                                  f"of numbers). Re-convert, or put the model's config.json beside the GGUF.")
         return value[-1] if isinstance(value, list) and key != "rope.dimension_sections" else value
 
     head_dim = get("attention.key_length")

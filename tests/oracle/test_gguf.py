@@ -2,6 +2,7 @@
 tiny fixture exports to within its quantization error of the safetensors export; a BF16 twin exports bit for bit."""
 
 import json
+import os
 
 import h5py
 import numpy as np
@@ -148,3 +149,59 @@ def test_bad_gguf_names_the_problem(tmp_path, monkeypatch):
     missing = write_gguf(tmp_path / "missing.gguf", DENSE, gguf.GGMLQuantizationType.F16, skip=("attn_k",))
     with pytest.raises(CheckpointError, match="self_attn.k_proj.weight is missing"):
         Checkpoint(missing).read_head()
+
+
+def test_a_replaced_gguf_or_a_new_config_beside_it_is_not_served_from_the_stale_cache(tmp_path, monkeypatch):
+    """Red team: the cache was keyed by path, size and mtime only, so a GGUF replaced by another of the same size with
+    its mtime copied (cp -p, rsync -t), or a config.json added beside it, exported the OLD head (exit 0). Twin: the
+    same file untouched is served from the cache (one folder)."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("MTP_PROBE_CACHE", str(cache))
+    folder = tmp_path / "m"
+    folder.mkdir()
+    path = write_gguf(folder / "head.gguf", DENSE, gguf.GGMLQuantizationType.F16)
+    first = Checkpoint(path).path
+    assert Checkpoint(path).path == first and len(list((cache / "gguf").iterdir())) == 1  # twin: reused
+    stat = path.stat()
+    other = write_gguf(tmp_path / "other.gguf", DENSE, gguf.GGMLQuantizationType.BF16)
+    assert other.stat().st_size == stat.st_size
+    os.replace(other, path)  # same path and size
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # mtime copied back
+    replaced = Checkpoint(path).path
+    assert replaced != first and json.loads((replaced / "gguf_source.json").read_text())["quant_types"][
+        "mtp.fc.weight"] == "BF16"
+    (folder / "config.json").write_text((DENSE / "config.json").read_text())
+    assert Checkpoint(path).path not in (first, replaced)  # a config.json beside it: a new cache
+
+
+def test_gguf_inputs_that_are_not_readable_are_exit_2(tmp_path, monkeypatch):
+    """Red team: a config.json beside the GGUF that is not JSON, an unwritable cache location, non-numeric metadata
+    and a zero-sized tensor had been tracebacks (exit 4); --out onto the config.json beside the GGUF destroyed it."""
+    from tests.test_bad_inputs import assert_refused
+
+    monkeypatch.setenv("MTP_PROBE_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "m"
+    folder.mkdir()
+    path = write_gguf(folder / "head.gguf", DENSE, gguf.GGMLQuantizationType.F16)
+    (folder / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"config.json \(beside head.gguf\) is not readable JSON"):
+        Checkpoint(path)
+    (folder / "config.json").write_text((DENSE / "config.json").read_text())
+    args = ["export", path, "--out", folder / "config.json", "--tokens", TOKENS, "--hidden-seed", "0"]
+    assert_refused(cli, args, "is the config.json beside the GGUF", [folder / "config.json"], tmp_path)
+    (folder / "config.json").unlink()
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setenv("MTP_PROBE_CACHE", str(tmp_path / "afile"))
+    with pytest.raises(CheckpointError, match="cache folder .* cannot be created"):
+        Checkpoint(path)
+    monkeypatch.setenv("MTP_PROBE_CACHE", str(tmp_path / "cache"))
+    writer = gguf.GGUFWriter(tmp_path / "bad_meta.gguf", "qwen35")
+    writer.add_string("qwen35.block_count", "5")
+    writer.add_tensor("blk.4.nextn.eh_proj.weight", np.zeros((64, 128), np.float32))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    with pytest.raises(CheckpointError, match="qwen35.block_count is '5'; it must be a number|is missing"):
+        Checkpoint(tmp_path / "bad_meta.gguf").read_head()
+    raw = path.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(raw[:200])
+    with pytest.raises(CheckpointError, match="not a readable GGUF"):
+        Checkpoint(tmp_path / "cut.gguf")
