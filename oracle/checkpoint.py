@@ -371,14 +371,17 @@ def _without_repeated_keys(pairs: list) -> dict:
 def _check_tiling(path: Path, entries: dict[str, TensorEntry], data_start: int, size: int) -> None:
     """The tensors' byte ranges must tile the data after the header exactly, in order, as the safetensors format
     requires (its library refuses anything else): overlapping ranges had let one tensor be read from another's
-    bytes (a norm computed with the hidden norm's values, exit 0). Overlaps are named first: they say which tensor
-    holds whose bytes."""
+    bytes (a norm computed with the hidden norm's values, exit 0). Overlaps are named first, before the gap an
+    aliased tensor leaves: they say which tensor holds whose bytes."""
     ordered = sorted(entries.values(), key=lambda e: (e.offset, e.offset + e.nbytes))
-    for before, entry in zip(ordered, ordered[1:]):
-        if entry.offset < before.offset + before.nbytes and entry.nbytes and before.nbytes:
-            raise CheckpointError(f"{path}: tensors {before.name} and {entry.name} share bytes (data_offsets "
+    at, holder = data_start, None  # the end of the bytes covered so far, and the tensor that reaches it
+    for entry in ordered:
+        if entry.nbytes and entry.offset < at:
+            raise CheckpointError(f"{path}: tensors {holder.name} and {entry.name} share bytes (data_offsets "
                                   f"overlap); a safetensors file stores each tensor in its own bytes, back to back. "
                                   f"Re-copy or re-save the file.")
+        if entry.offset + entry.nbytes > at:
+            at, holder = entry.offset + entry.nbytes, entry
     at = data_start
     for entry in ordered:
         if entry.offset > at:

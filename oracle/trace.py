@@ -444,6 +444,15 @@ class TraceReader:
         return inputs
 
 
+def _chunk_infos(ds: h5py.Dataset) -> list:
+    """The allocated chunks of a chunked dataset (offset, filter mask, byte offset, size each)."""
+    if hasattr(ds.id, "chunk_iter"):  # one pass over the chunk index (HDF5 >= 1.14)
+        infos: list = []
+        ds.id.chunk_iter(infos.append)
+        return infos
+    return [ds.id.get_chunk_info(i) for i in range(ds.id.get_num_chunks())]
+
+
 def _unwritten_rows(ds: h5py.Dataset) -> np.ndarray | None:
     """See TraceReader.unwritten_rows."""
     if ds.ndim == 0 or ds.shape[0] == 0:
@@ -453,11 +462,7 @@ def _unwritten_rows(ds: h5py.Dataset) -> np.ndarray | None:
         return np.ones(ds.shape[0], dtype=bool) if ds.id.get_offset() is None else None
     if layout != h5py.h5d.CHUNKED:  # compact: stored in the header, always written
         return None
-    infos: list = []
-    if hasattr(ds.id, "chunk_iter"):
-        ds.id.chunk_iter(infos.append)
-    else:
-        infos = [ds.id.get_chunk_info(i) for i in range(ds.id.get_num_chunks())]
+    infos = _chunk_infos(ds)
     per_row_block = int(np.prod([-(-n // c) for n, c in zip(ds.shape[1:], ds.chunks[1:])], dtype=np.int64))
     rows = ds.chunks[0]
     written = np.bincount([info.chunk_offset[0] // rows for info in infos], minlength=-(-ds.shape[0] // rows))
@@ -494,12 +499,8 @@ class _PlainRows:
             return None if offset is None else _PlainRows(ds.dtype, ds.shape, [(0, ds.shape[0], offset)])
         if layout != h5py.h5d.CHUNKED or tuple(ds.chunks[1:]) != tuple(ds.shape[1:]):
             return None
-        infos: list = []
-        if hasattr(ds.id, "chunk_iter"):  # one pass over the chunk index (HDF5 >= 1.14)
-            ds.id.chunk_iter(infos.append)
-        else:
-            infos = [ds.id.get_chunk_info(i) for i in range(ds.id.get_num_chunks())]
-        chunks = sorted((info.chunk_offset[0], info.filter_mask, info.byte_offset, info.size) for info in infos)
+        chunks = sorted((info.chunk_offset[0], info.filter_mask, info.byte_offset, info.size)
+                        for info in _chunk_infos(ds))
         chunk_rows = ds.chunks[0]
         expected_rows = list(range(0, ds.shape[0], chunk_rows))
         if [c[0] for c in chunks] != expected_rows or any(mask or size != chunk_rows * row_bytes

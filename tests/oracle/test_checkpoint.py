@@ -200,3 +200,20 @@ def test_a_tensor_stored_in_two_shards_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=f"mtp.fc.weight is in two shards .*: {other} and {home}"):
         Checkpoint(ckpt_dir).read_head()
     Checkpoint(TINY_SHARDED).read_head(digest=False)
+
+
+def test_an_overlap_behind_an_empty_tensor_is_still_found(tmp_path):
+    """A zero-sized tensor between two that overlap must not hide the overlap (an adjacent-pairs check missed it)."""
+    from safetensors.numpy import save_file
+
+    path = tmp_path / "t.safetensors"
+    save_file({"a": np.zeros(16, np.float32), "b": np.zeros(0, np.float32), "c": np.ones(4, np.float32)}, path)
+    header = _header_json(path)
+    _rewrite_header(path, lambda t: t.replace(json.dumps(header["b"]["data_offsets"]).replace(" ", ""), "[8,8]", 1)
+                    .replace(json.dumps(header["c"]["data_offsets"]).replace(" ", ""), "[16,32]", 1))
+    from oracle.checkpoint import _read_safetensors_header
+
+    with pytest.raises(CheckpointError, match="tensors a and c share bytes"):
+        _read_safetensors_header(path)
+    save_file({"a": np.zeros(16, np.float32), "b": np.zeros(0, np.float32), "c": np.ones(4, np.float32)}, path)
+    assert set(_read_safetensors_header(path)) == {"a", "b", "c"}  # twin: the file as written
