@@ -35,7 +35,7 @@ from oracle.families.qwen3_5 import UpcastLinear, causal_mask
 from oracle.trace import TraceInputs
 
 Tensor = torch.Tensor
-RowOk = Callable[[str, np.ndarray, np.ndarray], np.ndarray]  # (stage, actual, expected) -> bool per row
+RowOk = Callable[..., np.ndarray]  # (stage, actual, expected, ids=(actual ids, expected ids) | None) -> bool per row
 
 QWEN_HEAD_MODULES = ("oracle.families.qwen3_5", "oracle.families.qwen3_5_moe", "oracle.families.qwen3_next")
 # Coverage: an error of 1% of the tensor's RMS (of 1+w for a (1+w) norm) in every element. A linear's error is the
@@ -354,17 +354,27 @@ class Explainer:
             self._base = s
         return self._base
 
-    def local(self, cand: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def local(self, cand: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, tuple[str, ...]]]:
         """Per stage: the stage recomputed with the oracle's operator from the candidate's OWN previous stages
-        (attention: from its ah rows of every token). A stage the candidate did not capture is stood in for by
-        its local recomputation, so the chain continues."""
-        s: dict[str, Tensor] = {}
+        (attention: from its ah rows of every token), and the uncaptured stages that recomputation stood on.
+
+        A stage the candidate did not capture has no value of the candidate's to read: its oracle recomputation
+        stands in so the chain continues, but it is not the candidate's, so a later stage computed from it cannot
+        be blamed alone. `upstream[stage]`: the uncaptured stages whose stand-ins reach `stage` (through
+        uncaptured stages only; a captured stage is the candidate's own)."""
+        s = _Reads()
         out: dict[str, np.ndarray] = {}
+        upstream: dict[str, tuple[str, ...]] = {}
         for name in self.ops.order:
+            s.read = set()
             value = self.ops.compute(name, s)
+            reached = set()
+            for dep in s.read - set(cand):
+                reached |= {dep, *upstream.get(dep, ())}
+            upstream[name] = tuple(n for n in self.ops.order if n in reached)
             out[name] = value.numpy()
             s[name] = torch.from_numpy(np.ascontiguousarray(cand[name])) if name in cand else value
-        return out
+        return out, upstream
 
     def variants(self, names: tuple[str, ...], cand: dict[str, np.ndarray], row_ok: RowOk,
                  max_rel: Callable[[str, np.ndarray, np.ndarray], float]) -> list[dict]:
@@ -405,8 +415,9 @@ class Explainer:
             if stage not in cand:
                 continue
             value = s[stage].numpy()
-            ok = row_ok(stage, cand[stage], value)
-            rel = max_rel(stage, cand[stage], value)
+            ids = _ids(stage, cand, s)
+            ok = row_ok(stage, cand[stage], value, ids=ids)
+            rel = max_rel(stage, cand[stage], value, ids=ids)
             if not ok.all():
                 return {"variant": name, "status": "differs", "first_mismatch": stage,
                         "token": int(np.flatnonzero(~ok)[0]), "max_rel": rel, "stages_matched": matched}
@@ -442,12 +453,13 @@ class Explainer:
         start = ops.order.index(first)
         for n in sorted({min(PREFIX, tokens), tokens}):  # most errors show in the first PREFIX tokens
             part = ops.prefix(n)
-            s = {k: self.base[k][:n] for k in ops.order[:start]}
+            base = {k: v[:n] for k, v in self.base.items()}
+            s = {k: base[k] for k in ops.order[:start]}
             for stage in ops.order[start:]:
                 s[stage] = part.compute(stage, s)
                 if stage not in captured:
                     continue
-                ok = row_ok(stage, s[stage].numpy(), self.base[stage].numpy()[:n])
+                ok = row_ok(stage, s[stage].numpy(), base[stage].numpy(), ids=_ids(stage, s, base))
                 if not ok.all():
                     return {"evidenced": True, "first_seen": {"stage": stage, "token": int(np.flatnonzero(~ok)[0])}}
         return {"evidenced": False, "first_seen": None}
@@ -459,6 +471,16 @@ class Explainer:
         used = sorted(int(e) for e in np.unique(ref_topk_ids))
         total = int(self.ops.mlp.gate.weight.shape[0])
         return {"num_experts": total, "routed": used, "never_routed": sorted(set(range(total)) - set(used))}
+
+
+class _Reads(dict):
+    """Stages by name, recording which ones an operator reads (`read`): a stage's direct inputs."""
+
+    read: set
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
 
 
 class _RankOneError(nn.Module):
@@ -473,6 +495,14 @@ class _RankOneError(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.linear(x) + (self.scale * (x @ self.r))[..., None] * self.s
+
+
+def _ids(stage: str, actual: dict, expected: dict) -> tuple | None:
+    """(actual's, expected's) topk_ids for a topk_weights comparison, which the probe's row rule makes in the
+    expected side's id order (as its diff does); None for other stages or ids either side lacks."""
+    if stage != "topk_weights":
+        return None
+    return tuple(np.asarray(side["topk_ids"]) if "topk_ids" in side else None for side in (actual, expected))
 
 
 def _rms(weight: Tensor) -> float:

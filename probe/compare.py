@@ -310,3 +310,44 @@ def _worst(rank: np.ndarray, a: np.ndarray, e: np.ndarray) -> tuple[tuple[int, f
     top = np.argpartition(-rank, k - 1)[:k] if k else np.array([], dtype=int)
     top = top[np.lexsort((top, -rank[top]))]  # largest difference first, ties by index
     return tuple((int(i), float(e[i]), float(a[i])) for i in top)
+
+
+# topk_weights follow each side's own topk_ids order; topk_ids compare as sets (an engine may list its top-k in any
+# order). So a topk_weights row is compared in the expected side's id order wherever both rows select the same
+# experts: one rule for the diff and for --explain (probe/explain.py), never sorted weights (which would pass a
+# candidate that gives expert a the weight of expert b).
+ALIGNED_BY_IDS, INDEX_STAGE = "topk_weights", "topk_ids"
+
+
+def in_expected_id_order(weights: np.ndarray, ids: np.ndarray | None, expected_ids: np.ndarray | None) -> np.ndarray:
+    """`weights` ([rows, k], in `ids`' order) reordered into `expected_ids`' order in each row where both select
+    the same k distinct experts; other rows (sets differ: topk_ids reports them), and every row when either side's
+    ids are unknown or of another shape, stay as they are."""
+    if ids is None or expected_ids is None:
+        return weights
+    ids, expected_ids = np.asarray(ids, dtype=np.int64), np.asarray(expected_ids, dtype=np.int64)
+    if ids.shape != expected_ids.shape or ids.shape != np.shape(weights):
+        return weights  # a layout the self-checks report
+    out = np.array(weights, copy=True)
+    for row, (mine, theirs) in enumerate(zip(ids, expected_ids)):
+        if not np.array_equal(mine, theirs) and np.array_equal(np.sort(mine), np.sort(theirs)) and \
+                len(set(mine.tolist())) == len(mine):
+            where = {int(e): j for j, e in enumerate(mine)}
+            out[row] = weights[row, [where[int(e)] for e in theirs]]
+    return out
+
+
+def compare_stage_rows(stage: str, actual: np.ndarray, expected: np.ndarray, tol: Tol, index_set: bool,
+                       ids: tuple[np.ndarray | None, np.ndarray | None] | None = None) -> StageRows:
+    """Rows of one stage compared as the diff compares them, for callers holding whole arrays (--explain, the
+    observer check): index sets as sets, float rows by RULE on float32 (topk_weights in the expected side's id order
+    when `ids` = (actual's topk_ids, expected's topk_ids) are given). Nothing counts as unwritten but poison."""
+    a, e = np.asarray(actual), np.asarray(expected)
+    if index_set:
+        return compare_index_sets(stage, 0, a.astype(np.int64).reshape(len(a), -1),
+                                  e.astype(np.int64).reshape(len(e), -1), tol)
+    if stage == ALIGNED_BY_IDS and ids is not None:
+        a = in_expected_id_order(a, *ids)
+    a = np.ascontiguousarray(a, dtype=np.float32).reshape(len(a), -1)
+    e = np.ascontiguousarray(e, dtype=np.float32).reshape(len(e), -1)
+    return rows_from_sums(stage, 0, e.shape[1], RULE.sums(a, e, tol), tol, zero_is_unwritten=False)

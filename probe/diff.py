@@ -21,8 +21,9 @@ from oracle.stages import INDEX_SET, LEGACY_FAMILY
 from oracle.trace import rows_per_chunk
 
 from probe.adapters.trace_file import TraceSource, open_candidate, open_reference
-from probe.compare import (DIVERGENT_STATUSES, Cell, StageDiff, StageRows, compare_index_sets, join_rows,
-                           mark_ties, most_severe, not_compared_rows, oracle_finite, rows_from_sums, stream_detail)
+from probe.compare import (ALIGNED_BY_IDS, DIVERGENT_STATUSES, INDEX_STAGE, Cell, StageDiff, StageRows,
+                           compare_index_sets, in_expected_id_order, join_rows, mark_ties, most_severe,
+                           not_compared_rows, oracle_finite, rows_from_sums, stream_detail)
 from probe.errors import ProbeError, ReferenceTraceError
 from probe.evidence import ATTENTION, POSITION_NOTE, QkSensitivity, Verdict, cell_at, decide, window_reason
 from probe.localize import first_divergence, first_divergence_per_token
@@ -244,25 +245,12 @@ def _read_and_sum(ref: TraceSource, cand: TraceSource, blocks: list[tuple[str, i
             yield *pending[:3], pending[3].result()
 
 
-ALIGNED_BY_IDS, INDEX_STAGE = "topk_weights", "topk_ids"
-
-
 def _aligned_to_reference_ids(ref: TraceSource, cand: TraceSource, start: int, stop: int,
                               weights: np.ndarray) -> np.ndarray:
-    """The candidate's topk_weights rows reordered into the reference's topk_ids order, where both rows select the
-    same experts: an engine may list its top-k in any order (topk_ids compare as sets), and its weights follow its
-    own order. Rows whose sets differ stay as they are (topk_ids reports them)."""
-    cand_ids = np.array(cand.stage_rows(INDEX_STAGE, start, stop), dtype=np.int64)
-    ref_ids = np.array(ref.stage_rows(INDEX_STAGE, start, stop), dtype=np.int64)
-    if cand_ids.shape != ref_ids.shape or cand_ids.shape != weights.shape:
-        return weights  # a layout the self-checks report
-    out = np.array(weights, copy=True)
-    for row, (mine, theirs) in enumerate(zip(cand_ids, ref_ids)):
-        if not np.array_equal(mine, theirs) and np.array_equal(np.sort(mine), np.sort(theirs)) and \
-                len(set(mine.tolist())) == len(mine):
-            where = {int(e): j for j, e in enumerate(mine)}
-            out[row] = weights[row, [where[int(e)] for e in theirs]]
-    return out
+    """The candidate's topk_weights rows in the reference's topk_ids order (probe/compare.py in_expected_id_order:
+    the one rule --explain uses too)."""
+    return in_expected_id_order(weights, cand.stage_rows(INDEX_STAGE, start, stop),
+                                ref.stage_rows(INDEX_STAGE, start, stop))
 
 
 def read_rows(widths: "dict[str, int] | int", num_tokens: int, names: Sequence[str]) -> int:

@@ -9,7 +9,10 @@ records it used, `experts`):
    recomputation) beside `cumulative_max_rel` (candidate vs the reference): a row whose local error fails the
    stage's tolerance was computed wrongly ("local"); a divergent row computed correctly from divergent inputs is
    "inherited". The first stage with a local error is the bug; a divergence with no local error anywhere was
-   pushed over the limit by sub-tolerance differences upstream.
+   pushed over the limit by sub-tolerance differences upstream. An uncaptured stage has no row of the candidate's:
+   its oracle recomputation stands in, so a local error downstream of it is "at that stage or an uncaptured one
+   before it", and a row equal to the reference is not blamed. Every row is compared by the diff's own row
+   comparison (probe/compare.py compare_stage_rows: topk_weights in id order).
 2. Diagnosis by fingerprint. Each wiring variant of the family's catalogue (oracle/families/*_layout.py
    `variants`) runs through the oracle's operators with one wiring change (oracle/variants.py); a variant is
    reported only when it reproduces the candidate at every captured stage and every compared token within
@@ -17,8 +20,10 @@ records it used, `experts`):
 3. Weight coverage. Each head tensor perturbed by 1% of its RMS (oracle/variants.py PERTURBATION), the head rerun
    from the stage that reads it: "evidenced" where one of the compared rows (captured stages, compared tokens)
    would then fail its tolerance. MoE: the routed experts these tokens never route to are listed.
-4. Observer effect (driven candidates only: `run`): the candidate runs again capturing only `out`; an `out` that
-   differs bit for bit from the fully captured run makes the verdict invalid ("capturing changes the result").
+4. Observer effect (driven candidates only: `run`): the candidate runs twice more capturing only `out`, judged by
+   out's own tolerance (the diff's row comparison, not bit for bit): the two out-only runs disagreeing makes the
+   verdict invalid as irreproducible; agreeing with each other but not with the fully captured run, as an observer
+   effect ("capturing changes the result").
 
 The oracle's operators need torch and transformers, so this module imports oracle.variants only inside
 `explain_*`; the probe's other paths never load them (tests/test_dependencies.py). It runs in-process.
@@ -37,6 +42,7 @@ from oracle.families.spec import CONVENTIONS
 from oracle.stages import INDEX_SET, LEGACY_FAMILY
 from oracle.trace import read_trace
 from probe.adapters.trace_file import open_candidate, open_reference
+from probe.compare import ALIGNED_BY_IDS, INDEX_STAGE, compare_stage_rows
 from probe.diff import DiffReport
 from probe.evidence import Verdict
 from probe.rule import RULE
@@ -92,8 +98,10 @@ class Explanation:
             wrong = {r["stage"] for r in self.local if r["kind"] == "local"}
             inherited = sorted({r["stage"] for r in self.local if r["kind"] == "inherited"} - wrong,
                                key=lambda s: self._order.index(s) if s in self._order else 99)
-            lines.append(f"  local error: the bug is at stage {self.bug['stage']} (token {self.bug['token']}: local max "
-                         f"rel {self.bug['local_max_rel']:.3g}, computed wrongly from its own inputs)")
+            lines.append(f"  local error: {_bug_place(self.bug)} (token {self.bug['token']}: local max rel "
+                         f"{self.bug['local_max_rel']:.3g}, computed wrongly from its own inputs"
+                         + (", or from what the uncaptured stages computed" if self.bug.get("or_uncaptured") else "")
+                         + ")")
             local_stages = sorted({r["stage"] for r in self.local if r["kind"] == "local"} - {self.bug["stage"]},
                                   key=lambda s: self._order.index(s) if s in self._order else 99)
             if local_stages:
@@ -112,10 +120,21 @@ class Explanation:
         if self.observer:
             lines.append(f"observer effect: {self.observer}")
         elif self.coverage.get("observer_checked"):
-            lines.append("observer effect: out is bit-identical with every stage captured and with only out captured")
+            lines.append("observer effect: none; out agrees within its tolerance with every stage captured and with "
+                         "only out captured, and across two runs capturing only out")
         return "\n".join(lines)
 
     _order: tuple = ()
+
+
+def _bug_place(bug: dict) -> str:
+    """Where the first local error is: its stage, or that stage or an uncaptured one before it (whose oracle
+    stand-in the recomputation read, so the error may lie there)."""
+    before = bug.get("or_uncaptured")
+    if not before:
+        return f"the bug is at stage {bug['stage']}"
+    return (f"the bug is at stage {bug['stage']} or at an uncaptured stage before it ({', '.join(before)}; capture "
+            f"{'it' if len(before) == 1 else 'them'} to tell)")
 
 
 def explain_diff(report: DiffReport, ref_path: Path, cand_path: Path, checkpoint: Path,
@@ -128,37 +147,59 @@ def explain_diff(report: DiffReport, ref_path: Path, cand_path: Path, checkpoint
 
 def explain_run(report: DiffReport, ref_path: Path, stages: dict[str, np.ndarray], checkpoint: Path,
                 tols: dict[str, Tol], adapter) -> tuple[DiffReport, Explanation]:
-    """--explain for `run`: the four measurements; an observer effect turns the verdict invalid."""
+    """--explain for `run`: the four measurements; an observer effect or an irreproducible out makes the verdict
+    invalid."""
     explanation = explain_stages(report, ref_path, stages, checkpoint, tols)
-    message, tokens = observer_effect(adapter, ref_path, stages.get("out"))
+    message, tokens, kind = observer_effect(adapter, ref_path, stages.get("out"), tols["out"])
     explanation.coverage["observer_checked"] = True
     if message:
         explanation.observer = message
-        issue = Issue("observer", "out", tokens, message)
+        issue = Issue(kind, "out", tokens, message)
         report = dataclasses.replace(report, issues=report.issues + (issue,),
                                      verdict=Verdict("invalid", tuple(i.message for i in report.issues + (issue,))))
     return report, explanation
 
 
-def observer_effect(adapter, ref_path: Path, full_out: np.ndarray | None) -> tuple[str | None, tuple[int, ...]]:
-    """Run `adapter` again capturing only `out`; compare with the fully captured run's `out` bit for bit."""
+def observer_effect(adapter, ref_path: Path, full_out: np.ndarray | None,
+                    tol: Tol) -> tuple[str | None, tuple[int, ...], str]:
+    """Run `adapter` twice capturing only `out`, judged by out's own tolerance with the diff's row comparison (an
+    engine whose out moves by an ulp from run to run is not at fault): two out-only runs that disagree are
+    irreproducible (kind `irreproducible`); out-only runs that agree with each other but not with the fully
+    captured run show an observer effect (`observer`). (None, (), "") when neither."""
     if full_out is None or not hasattr(adapter, "capture_only"):
-        return None, ()
+        return None, (), ""
     with read_trace(ref_path) as reader:
         inputs = reader.inputs()
+    first, second = (_out_only(adapter, inputs) for _ in range(2))
+    differ, rel = _out_rows_differ(second, first, tol)
+    if differ:
+        return (f"the candidate is not reproducible: two runs capturing only out differ beyond out's tolerance at "
+                f"{len(differ)} token(s) (max rel {rel:.3g}), so no single run's verdict holds; make the run "
+                f"deterministic, or widen out's tolerance with a recorded reason (--stage-tol out=RTOL,ATOL)"), \
+            differ, "irreproducible"
+    differ, rel = _out_rows_differ(first, full_out, tol)
+    if differ:
+        return (f"capturing changes the result: out with every stage captured differs from out with only out "
+                f"captured beyond out's tolerance at {len(differ)} token(s) (max rel {rel:.3g}), while two runs "
+                f"capturing only out agree; a capture point must not change what is computed"), differ, "observer"
+    return None, (), ""
+
+
+def _out_only(adapter, inputs) -> np.ndarray:
     saved = adapter.capture_only
     adapter.capture_only = ()
     try:
-        alone = adapter.run(inputs)["out"]
+        return adapter.run(inputs)["out"]
     finally:
         adapter.capture_only = saved
-    a, b = np.ascontiguousarray(full_out, np.float32).view(np.uint32), np.ascontiguousarray(alone, np.float32).view(np.uint32)
-    differ = tuple(int(t) for t in np.flatnonzero((a != b).any(axis=1))) if a.shape == b.shape else tuple(range(len(a)))
-    if not differ:
-        return None, ()
-    rel = _verdicts(alone, full_out, Tol(0, 0, "exact"), False)[0].max() if a.shape == b.shape else math.inf
-    return (f"capturing changes the result: out with every stage captured differs from out with only out captured "
-            f"at {len(differ)} token(s) (max rel {rel:.3g}); a capture point must not change what is computed"), differ
+
+
+def _out_rows_differ(actual: np.ndarray, expected: np.ndarray, tol: Tol) -> tuple[tuple[int, ...], float]:
+    """Tokens whose out rows fail out's tolerance (all of them when the shapes differ), and the worst max rel."""
+    if np.shape(actual) != np.shape(expected):
+        return tuple(range(len(expected))), math.inf
+    rel, ok = _verdicts("out", actual, expected, tol, {})
+    return tuple(int(t) for t in np.flatnonzero(~ok)), float(rel.max()) if rel.size else 0.0
 
 
 def explain_stages(report: DiffReport, ref_path: Path, cand: dict[str, np.ndarray], checkpoint: Path,
@@ -201,7 +242,7 @@ def explain_stages(report: DiffReport, ref_path: Path, cand: dict[str, np.ndarra
                 f"{v['variant']} ({v['reason']})" for v in unchecked))
     else:
         explanation.not_run = "nothing to diagnose: no row diverges"
-    explanation.coverage = _coverage(explainer, report, tokens, row_ok, ref)
+    explanation.coverage = _coverage(explainer, report, tokens, row_ok, ref, cand)
     return explanation
 
 
@@ -221,24 +262,32 @@ def _truncate(explainer, tokens: int):
 
 
 def _local(explainer, cand, ref, divergent, tols, kinds, order) -> tuple[list[dict], dict | None]:
-    local = explainer.local(cand)
+    """Per (captured stage, divergent token): local (computed wrongly from its own inputs), inherited or ok. Where
+    an uncaptured stage's oracle stand-in fed the recomputation, a local error is at that stage OR an uncaptured one
+    before it (`or_uncaptured`), and a row equal to the reference is not blamed: the stand-in, not it, differs."""
+    local, upstream = explainer.local(cand)
     rows, bug = [], None
     for stage in [n for n in order if n in cand]:
-        tol, index_set = tols[stage], kinds.get(stage) == INDEX_SET
-        a, lo, e = (_order_free(stage, x[divergent]) for x in (cand[stage], local[stage], ref[stage]))
-        (lrel, lok), (crel, cok) = _verdicts(a, lo, tol, index_set), _verdicts(a, e, tol, index_set)
+        tol, uncaptured = tols[stage], list(upstream.get(stage, ()))
+        (lrel, lok) = _verdicts(stage, cand[stage][divergent], local[stage][divergent], tol, kinds,
+                                _ids(stage, cand, local, divergent))
+        (crel, cok) = _verdicts(stage, cand[stage][divergent], ref[stage][divergent], tol, kinds,
+                                _ids(stage, cand, ref, divergent))
         for i, token in enumerate(divergent):
             local_bad, cum_bad = not lok[i], not cok[i]
-            kind = "local" if local_bad else "inherited" if cum_bad else "ok"
-            rows.append({"stage": stage, "token": token, "local_max_rel": float(lrel[i]),
-                         "cumulative_max_rel": float(crel[i]), "kind": kind})
+            kind = "local" if local_bad and (cum_bad or not uncaptured) else "inherited" if cum_bad else "ok"
+            row = {"stage": stage, "token": token, "local_max_rel": float(lrel[i]),
+                   "cumulative_max_rel": float(crel[i]), "kind": kind}
+            if uncaptured:
+                row["or_uncaptured"] = uncaptured
+            rows.append(row)
             if kind == "local" and bug is None:
-                bug = {"stage": stage, "token": token, "local_max_rel": float(lrel[i])}
+                bug = {k: row[k] for k in ("stage", "token", "local_max_rel", "or_uncaptured") if k in row}
     rows.sort(key=lambda r: (r["token"], order.index(r["stage"])))
     return rows, bug
 
 
-def _coverage(explainer, report: DiffReport, tokens: int, row_ok, ref) -> dict:
+def _coverage(explainer, report: DiffReport, tokens: int, row_ok, ref, cand) -> dict:
     captured = tuple(report.captured)
     tensors = explainer.coverage(captured, tokens, row_ok)
     short = {t["tensor"]: _short(t["tensor"]) for t in tensors}
@@ -256,17 +305,54 @@ def _coverage(explainer, report: DiffReport, tokens: int, row_ok, ref) -> dict:
     other = [short[t["tensor"]] for t in blind if short[t["tensor"]] not in qk_path]
     if other:
         lines.append(f"{', '.join(other)}: not evidenced (no compared row moves beyond tolerance)")
-    experts = explainer.experts(ref.get("topk_ids"))
+    experts = _experts(explainer, report, ref, cand, tokens)
     if experts:
-        never = experts["never_routed"]
-        shown = ", ".join(map(str, never[:24])) + (f" and {len(never) - 24} more" if len(never) > 24 else "")
+        never, unseen = experts["never_routed"], experts["not_evidenced"]
         if never:
-            lines.append(f"experts {shown}: never routed by these tokens ({len(never)} of {experts['num_experts']}; "
-                         f"an error in them cannot show)")
-        lines.append(f"experts {', '.join(map(str, experts['routed'][:24]))}"
-                     f"{' …' if len(experts['routed']) > 24 else ''}: routed by these tokens (seen through routed)")
+            lines.append(f"experts {_ids_text(never)}: never routed by these tokens ({len(never)} of "
+                         f"{experts['num_experts']}; an error in them cannot show)")
+        if unseen:
+            lines.append(f"experts {_ids_text(unseen)}: routed only at rows not compared, or excused as routing "
+                         f"near-ties, or divergent (no passing row evidences them)")
+        if experts["evidenced"]:
+            lines.append(f"experts {_ids_text(experts['evidenced'])}: routed at compared rows that passed (seen "
+                         f"through {experts['seen_at']})")
     return {"perturbation": "1% of the tensor's RMS (of 1+w for a (1+w) norm) in every element",
             "tensors": tensors, "experts": experts, "lines": lines}
+
+
+def _experts(explainer, report: DiffReport, ref: dict, cand: dict, tokens: int) -> dict | None:
+    """For a MoE head: the routed experts of these tokens, split by what the comparison saw. An expert is evidenced
+    only where a row that reads it (the first captured stage from `routed` on) was compared and passed, and so was
+    topk_ids where captured; a row excused as a near-tie, not compared (--fail-fast) or divergent is no evidence.
+    Its ids there are the candidate's own (equal to the reference's as a set, where topk_ids passed)."""
+    every = explainer.experts(ref.get(INDEX_STAGE))
+    if not every:
+        return None
+    order = tuple(report.stage_names)
+    readers = order[order.index("routed"):] if "routed" in order else ()
+    seen_at = next((n for n in readers if n in report.rows), None)
+    passed = np.zeros(tokens, dtype=bool)
+    if seen_at is not None:
+        passed = _passed(report.rows[seen_at], tokens)
+        if INDEX_STAGE in report.rows:
+            passed &= _passed(report.rows[INDEX_STAGE], tokens)
+    ids = cand.get(INDEX_STAGE, ref[INDEX_STAGE])[:tokens]
+    evidenced = sorted({int(e) for e in np.unique(ids[passed])}) if passed.any() else []
+    return {**every, "evidenced": evidenced, "seen_at": seen_at,
+            "not_evidenced": [e for e in every["routed"] if e not in set(evidenced)]}
+
+
+def _passed(rows, tokens: int) -> np.ndarray:
+    """Per token < `tokens`: whether `rows` (a report's StageRows from token 0) holds a compared row that passed."""
+    out = np.zeros(tokens, dtype=bool)
+    ok = rows.has_status({"ok"})[:tokens]
+    out[rows.start:rows.start + len(ok)] = ok[:max(tokens - rows.start, 0)]
+    return out
+
+
+def _ids_text(ids: list[int], shown: int = 24) -> str:
+    return ", ".join(map(str, ids[:shown])) + (f" and {len(ids) - shown} more" if len(ids) > shown else "")
 
 
 def _short(tensor: str) -> str:
@@ -288,35 +374,30 @@ def _candidate_stages(ref, cand, report: DiffReport) -> dict[str, np.ndarray]:
 
 
 def _row_rule(tols: dict[str, Tol], kinds: dict[str, str]):
-    """The probe's row rule (probe/rule.py RULE; index sets as sets), for the oracle side."""
+    """The diff's own row comparison (probe/compare.py compare_stage_rows), for the oracle side; `ids` = (actual's
+    topk_ids, expected's topk_ids) puts topk_weights in the expected side's id order, as the diff does."""
 
-    def row_ok(stage: str, actual: np.ndarray, expected: np.ndarray) -> np.ndarray:
-        return _verdicts(_order_free(stage, actual), _order_free(stage, expected), tols[stage],
-                         kinds.get(stage) == INDEX_SET)[1]
+    def row_ok(stage: str, actual: np.ndarray, expected: np.ndarray, ids=None) -> np.ndarray:
+        return _verdicts(stage, actual, expected, tols[stage], kinds, ids)[1]
 
-    def max_rel(stage: str, actual: np.ndarray, expected: np.ndarray) -> float:
-        rel = _verdicts(_order_free(stage, actual), _order_free(stage, expected), tols[stage],
-                        kinds.get(stage) == INDEX_SET)[0]
+    def max_rel(stage: str, actual: np.ndarray, expected: np.ndarray, ids=None) -> float:
+        rel = _verdicts(stage, actual, expected, tols[stage], kinds, ids)[0]
         return float(rel.max()) if rel.size else 0.0
 
     return row_ok, max_rel
 
 
-def _order_free(stage: str, rows: np.ndarray) -> np.ndarray:
-    """topk_weights are in each side's own topk_ids order: compared as the sorted weights (the ids are compared
-    as sets at topk_ids, the assignment at routed)."""
-    return -np.sort(-np.asarray(rows, dtype=np.float64), axis=1) if stage == "topk_weights" else rows
+def _verdicts(stage: str, actual, expected, tol: Tol, kinds: dict[str, str], ids=None) -> tuple[np.ndarray, np.ndarray]:
+    """(max_rel, passes) per row, by the diff's row comparison (index sets: a differing set counts as 100%)."""
+    rows = compare_stage_rows(stage, actual, expected, tol, kinds.get(stage) == INDEX_SET, ids)
+    return np.where(np.isnan(rows.max_rel), np.inf, rows.max_rel), rows.has_status({"ok"})
 
 
-def _verdicts(actual, expected, tol: Tol, index_set: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(max_rel, passes) per row: RULE for float rows (any float dtype: its specification widens to float64); for
-    index sets, the same set passes and a differing set counts as 100%."""
-    a, e = np.asarray(actual), np.asarray(expected)
-    if index_set:
-        same = (np.sort(a.astype(np.int64), axis=1) == np.sort(e.astype(np.int64), axis=1)).all(axis=1)
-        return np.where(same, 0.0, 1.0), same
-    judged = RULE.judge(RULE.specification(a.reshape(len(a), -1), e.reshape(len(e), -1), tol), tol)
-    return np.where(np.isnan(judged.max_rel), np.inf, judged.max_rel), judged.passes
+def _ids(stage: str, actual: dict, expected: dict, rows) -> tuple | None:
+    """(actual's, expected's) topk_ids at `rows` for a topk_weights comparison; None for any other stage."""
+    if stage != ALIGNED_BY_IDS:
+        return None
+    return tuple(side[INDEX_STAGE][rows] if INDEX_STAGE in side else None for side in (actual, expected))
 
 
 def _num(x: float):

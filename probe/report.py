@@ -24,7 +24,8 @@ _COL = 7
 _ALL_ROWS = 40  # up to this many tokens the table shows every token
 _STATUS_TEXT = {"unwritten": "UNWR", "shape": "SHAPE", "dtype": "DTYPE", "nonfinite": "NaN!"}
 _ISSUE_LABEL = {"coverage": "no stage captured", "integrity": "inconsistent trace", "shape": "wrong shape", "dtype": "wrong dtype",
-                "inputs": "inputs differ", "unwritten": "unwritten rows", "observer": "capturing changes the result"}
+                "inputs": "inputs differ", "unwritten": "unwritten rows", "observer": "capturing changes the result",
+                "irreproducible": "not reproducible", "pos0_mask": "position-0 embedding mask differs"}
 LEGEND = ("cells: tolerance budget used (1 = at the limit; a row passes below 1)\n"
           "       ! out of tolerance   ~ not evidential (attention there does not depend on q/k)   NaN! computed NaN/Inf   UNWR never written\n"
           "       SHAPE/DTYPE wrong layout   - not captured   . not compared (--fail-fast)")
