@@ -139,7 +139,7 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
 
     attrs = {
         "family": family.name,
-        "evidence_rules": family.evidence_rules(cfg),
+        "evidence_rules": family.evidence_rules(cfg, inputs.positions),
         "producer": reads.producer.result(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "h5py": h5py.__version__, "numpy": np.__version__},

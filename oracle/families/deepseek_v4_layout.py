@@ -34,7 +34,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from oracle.errors import CheckpointError
-from oracle.families.spec import ExpertLayout, FamilySpec, TensorLayout, Variant
+from oracle.families.spec import NO_POS0_STEP, ExpertLayout, FamilySpec, TensorLayout, Variant, has_position_0
 from oracle.fp8 import scale_shape
 from oracle.stages import (AFTER_ATTN, AH, ATTN, BLOCK_OUT, E, E_PROJ, H, H_PROJ, HEAD_COLLAPSED, MH, MLP, MOE, OUT,
                            X_IN, Dims, StageList)
@@ -367,9 +367,10 @@ class V4Spec(FamilySpec):
     def attention_window(self, cfg: HeadConfig) -> int | None:
         return cfg.sliding_window
 
-    def evidence_rules(self, cfg: HeadConfig) -> dict:
-        rules = super().evidence_rules(cfg)
-        rules["absolute_positions"] = POS0_OBSERVABLE if cfg.mask_pos0_embedding else POSITIONS_NOTE
+    def evidence_rules(self, cfg: HeadConfig, positions=None) -> dict:
+        rules = super().evidence_rules(cfg, positions)
+        rules["absolute_positions"] = (POSITIONS_NOTE if not cfg.mask_pos0_embedding else
+                                       POS0_OBSERVABLE if has_position_0(positions) else NO_POS0_STEP)
         rules["window"] = cfg.sliding_window  # only steps t >= W drop a key: a trace with T <= W cannot evidence W
         rules["t0"] = T0_NOTE
         rules["routing_dependent"] = ["topk_weights", "routed", "mlp", "block_out", "head_collapsed", "out"]

@@ -27,7 +27,8 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from oracle.errors import CheckpointError
-from oracle.families.spec import MAIN_LM_HEAD, ExpertLayout, FamilySpec, TensorLayout, Variant
+from oracle.families.spec import (MAIN_LM_HEAD, NO_POS0_STEP, ExpertLayout, FamilySpec, TensorLayout, Variant,
+                                  has_position_0)
 from oracle.fp8 import scale_shape
 from oracle.stages import SPINE, Dims, StageList, with_moe
 
@@ -304,10 +305,10 @@ POS0_OBSERVABLE = ("position 0 observable: the embedding at absolute position 0 
 class MtpLayerSpec(FamilySpec):
     """A FamilySpec whose evidence rules depend on the position-0 embedding mask."""
 
-    def evidence_rules(self, cfg) -> dict:
-        rules = super().evidence_rules(cfg)
-        if getattr(cfg, "mask_pos0_embedding", False):
-            rules["absolute_positions"] = POS0_OBSERVABLE
+    def evidence_rules(self, cfg, positions=None) -> dict:
+        rules = super().evidence_rules(cfg, positions)
+        if getattr(cfg, "mask_pos0_embedding", False):  # observable only where a step sits at position 0
+            rules["absolute_positions"] = POS0_OBSERVABLE if has_position_0(positions) else NO_POS0_STEP
         rules["router_group_limited"] = ("/evidence/router_group_limited [T, 1]: 1 where the group limit (n_group, "
                                          "topk_group) changed the token's expert choice; a group-limit error can "
                                          "show only at those tokens")

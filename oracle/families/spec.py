@@ -17,6 +17,14 @@ from oracle.stages import Dims, StageList
 # Head-config fields that are engine conventions, not facts of the checkpoint: set by export options, recorded in
 # the trace's config, and handed to a candidate from the reference (not from config.json) by `mtp-probe run`.
 CONVENTIONS = ("norm_topk_prob", "mask_pos0_embedding")
+NO_POS0_STEP = ("absolute positions are not evidenced: the position-0 embedding is masked (mask_pos0_embedding), "
+                "but no step of this trace sits at absolute position 0 (e.g. --start-pos > 0), so neither the mask "
+                "nor a shift of every position can show; RoPE scores depend only on relative positions")
+
+
+def has_position_0(positions) -> bool:
+    """Whether a step sits at absolute position 0 (the one the position-0 embedding mask zeroes)."""
+    return positions is not None and any(int(p) == 0 for p in positions)
 
 
 class HeadConfig(Protocol):
@@ -129,7 +137,8 @@ class FamilySpec:
         earlier step of the head's own cache. `accept` masks its bridge pass and chains with it."""
         return None
 
-    def evidence_rules(self, cfg: HeadConfig) -> dict:
-        """What the probe needs to know about this head's evidence, stored with the trace."""
+    def evidence_rules(self, cfg: HeadConfig, positions=None) -> dict:
+        """What the probe needs to know about this head's evidence, stored with the trace; `positions`: the trace's
+        step positions (a statement about one position holds only where a step sits there)."""
         return {"qk_dependent": list(self.stages(cfg).after(self.qk_dependent_from)),
                 "absolute_positions": "not evidenced"}
