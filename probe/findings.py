@@ -4,7 +4,9 @@
   inputs): the comparison checks no implementation, and the report says so.
 - The candidate's rows equal the reference's rows shifted by one token (row t holds step t+1's values, or step
   t-1's): the classic harness bug of an off-by-one row offset or inputs fed one step ahead. Checked at the first
-  divergent stage with the diff's own tolerance rule, so it is a measurement, not a guess.
+  divergent stage with the diff's own tolerance rule, so it is a measurement, not a guess: every row must match
+  the shifted reference, AND at the rows where the shifted and unshifted reference differ (a trace whose rows
+  repeat has few) the unshifted rows must fail, at two rows at least.
 """
 
 import os
@@ -56,16 +58,36 @@ def _shift_finding(ref, cand, stage: str, tol: Tol) -> str | None:
     if actual.shape != expected.shape:
         return None
     for offset, words in ((1, "row t holds step t+1's values"), (-1, "row t holds step t-1's values")):
-        a, e = (actual[:-1], expected[1:]) if offset == 1 else (actual[1:], expected[:-1])
-        if _all_within(a, e, tol) and not _all_within(actual, expected, tol):
-            rows = f"tokens {0 if offset == 1 else 1}-{n - 2 if offset == 1 else n - 1}"
-            return (f"rows shifted by one token: at stage {stage} the candidate's {words} ({rows} checked); the "
-                    f"harness writes each step one row off, or feeds the inputs one step "
-                    f"{'ahead' if offset == 1 else 'behind'}")
+        rows = slice(0, n - 1) if offset == 1 else slice(1, n)
+        shifted = slice(1, n) if offset == 1 else slice(0, n - 1)
+        telling = _shift_tells(actual[rows], expected[shifted], expected[rows], tol)
+        if telling:
+            first = 0 if offset == 1 else 1
+            return (f"rows shifted by one token: at stage {stage} the candidate's {words} (tokens {first}-"
+                    f"{first + n - 2} checked; at the {telling} of them where the reference's neighbouring rows "
+                    f"differ, the shifted rows match and the unshifted ones fail); the harness writes each step one "
+                    f"row off, or feeds the inputs one step {'ahead' if offset == 1 else 'behind'}")
     return None
 
 
-def _all_within(actual: np.ndarray, expected: np.ndarray, tol: Tol) -> bool:
-    rows = rows_from_sums("shift", 0, expected.shape[1], RULE.sums(actual, expected, tol), tol,
+MIN_TELLING_ROWS = 2  # rows where a shift and no shift predict different values: one could be a coincidence
+
+
+def _shift_tells(actual: np.ndarray, shifted: np.ndarray, unshifted: np.ndarray, tol: Tol) -> int:
+    """How many rows evidence the shift: every row matches the shifted reference, and at each row where the shifted
+    and unshifted reference rows differ (only there can the two readings be told apart: a trace whose rows repeat
+    has few or none) the unshifted comparison fails. 0 when the shift is not evidenced by at least
+    MIN_TELLING_ROWS such rows."""
+    if not _ok_rows(actual, shifted, tol).all():
+        return 0
+    telling = ~_ok_rows(unshifted, shifted, tol)
+    if telling.sum() < MIN_TELLING_ROWS or _ok_rows(actual[telling], unshifted[telling], tol).any():
+        return 0
+    return int(telling.sum())
+
+
+def _ok_rows(actual: np.ndarray, expected: np.ndarray, tol: Tol) -> np.ndarray:
+    rows = rows_from_sums("shift", 0, expected.shape[1], RULE.sums(np.ascontiguousarray(actual),
+                                                                  np.ascontiguousarray(expected), tol), tol,
                           zero_is_unwritten=False)
-    return bool(rows.has_status({"ok"}).all())
+    return rows.has_status({"ok"})
