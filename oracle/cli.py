@@ -234,12 +234,12 @@ def inputs(ref, out_dir) -> None:
       my_engine --inputs engine_inputs --dump dump && cp engine_inputs/{inputs.json,hidden.bin} dump/ \\
           && mtp-probe diff ref.h5 dump
     """
-    from oracle.dump_inputs import dump_inputs
+    from oracle.dump_inputs import dump_inputs, shapes_text
 
     written = dump_inputs(ref, out_dir)
     click.echo(f"wrote {', '.join(str(p) for p in written)}: step i reads token_ids[i], positions[i], row i of "
-               f"hidden.bin and embed.bin (little-endian float32 [T, D]). Dump the stages to another directory "
-               f"(<stage>.bin); copy inputs.json and hidden.bin beside them so the probe checks them.")
+               f"hidden.bin and embed.bin (little-endian float32, {shapes_text(ref)}). Dump the stages to another "
+               f"directory (<stage>.bin); copy inputs.json and hidden.bin beside them so the probe checks them.")
 
 
 def _refuse_overwriting_inputs(outputs: dict, checkpoint: Path, tokens_file: Path | None,

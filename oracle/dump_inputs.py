@@ -6,7 +6,8 @@ embedding table, the embedding row), then writes its stages as a raw directory (
 for `mtp-probe diff`. Files written in D, each atomically (temporary name, then rename):
 
     inputs.json   {"token_ids": [T ints], "positions": [T ints]}    (the keys a raw trace directory accepts)
-    hidden.bin    H [T, D]   little-endian float32, row-major       (the main model's post-final-norm hidden)
+    hidden.bin    H [T, W]   little-endian float32, row-major       (the main model's post-final-norm hidden; W = D,
+                                                                    hc·D for a hyper-connection head: DeepSeek-V4)
     embed.bin     [T, D]     little-endian float32, row-major       (embedding rows of token_ids, as stored)
 
 Copy inputs.json and hidden.bin into the engine's dump directory and the probe checks that the engine consumed
@@ -49,6 +50,15 @@ def dump_inputs(ref: Path, out_dir: Path) -> list[Path]:
         with atomic_output(target, "--out-dir") as tmp:
             writers[target.name](inputs, tmp)
     return targets
+
+
+def shapes_text(ref: Path) -> str:
+    """What each row file holds, measured from REF: `hidden.bin [T, hc·D] = [8, 256], embed.bin [T, D] = [8, 64]`
+    (hc·D only where the hidden is wider than the embedding rows: DeepSeek-V4's hc streams)."""
+    with read_trace(ref) as reader:
+        t, d, width = reader.num_tokens, reader.hidden_size, reader.input_shape("hidden")[1]
+    hidden = "T, D" if width == d else ("T, hc·D" if width % d == 0 else "T, W")
+    return f"hidden.bin [{hidden}] = [{t}, {width}], embed.bin [T, D] = [{t}, {d}]"
 
 
 def _write_ids(inputs: TraceInputs, path: Path) -> None:

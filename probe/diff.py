@@ -30,7 +30,7 @@ from probe.localize import first_divergence, first_divergence_per_token
 from probe.rule import RULE
 from probe.findings import candidate_findings
 from probe.selfcheck import (Issue, check_reference, coverage_issues, expected_shape, input_issues,
-                             integrity_issues, layout_problem, unwritten_issues)
+                             integrity_issues, layout_problem, pos0_convention, unwritten_issues)
 from probe.tolerance import Tol, tol_table
 
 READ_CHUNKS = 4
@@ -117,9 +117,9 @@ def diff_sources(ref: TraceSource, cand: TraceSource, tols: dict[str, Tol], fail
     compared, compared_tokens = ({}, 0) if stop_now else _compare_stages(ref, cand, comparable, tols, fail_fast, qk,
                                                                            zero_is_unwritten, routing)
     rows = {name: (rows | compared)[name] for name in ref.stages if name in rows or name in compared}
-    issues += unwritten_issues(rows.values())
+    issues += unwritten_issues(rows.values(), pos0_convention(ref))
     first = first_divergence(rows.values(), ref.stages)  # its row holds full detail (_StageProgress)
-    findings = candidate_findings(ref, cand, first, tols)
+    findings = candidate_findings(ref, cand, first, tols, rows)
     captured = tuple(n for n in ref.stages if n in cand.stages)
     return DiffReport(str(ref.path), str(cand.path), cand.kind, ref.num_tokens, ref.hidden_size, captured,
                       cand.recorded_inputs, tols.for_stages(ref.stages) if hasattr(tols, "for_stages") else tols,

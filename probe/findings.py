@@ -2,6 +2,9 @@
 
 - The candidate is the reference itself (the same file, or a trace the oracle wrote from the same weights and
   inputs): the comparison checks no implementation, and the report says so.
+- The position-0 embedding mask the other way round: `e` diverges at exactly the steps at absolute position 0, zero
+  in the candidate where the reference was exported without --mask-pos0-embedding, or not where it was exported
+  with it (probe/selfcheck.py Pos0Convention names the convention instead of "never written").
 - The candidate's rows equal the reference's rows shifted by one token (row t holds step t+1's values, or step
   t-1's): the classic harness bug of an off-by-one row offset or inputs fed one step ahead. Checked at the first
   divergent stage with the diff's own tolerance rule, so it is a measurement, not a guess: every row must match
@@ -14,15 +17,19 @@ from pathlib import Path
 
 import numpy as np
 
-from probe.compare import Cell, rows_from_sums
+from probe.compare import DIVERGENT_STATUSES, Cell, rows_from_sums
 from probe.rule import RULE
+from probe.selfcheck import MASKED_STAGE, pos0_convention
 from probe.tolerance import Tol
 
 SHIFT_WINDOW = 256  # rows examined for a shift: enough to be sure, bounded whatever T
 
 
-def candidate_findings(ref, cand, first: Cell | None, tols: dict[str, Tol]) -> tuple[str, ...]:
+def candidate_findings(ref, cand, first: Cell | None, tols: dict[str, Tol], rows: dict | None = None) -> tuple[str, ...]:
     findings = []
+    convention = _pos0_mask_finding(ref, cand, rows or {})
+    if convention:
+        findings.append(convention)
     itself = _is_the_reference(ref, cand)
     if itself:
         findings.append(itself)
@@ -31,6 +38,19 @@ def candidate_findings(ref, cand, first: Cell | None, tols: dict[str, Tol]) -> t
         if shift:
             findings.append(shift)
     return tuple(findings)
+
+
+def _pos0_mask_finding(ref, cand, rows: dict) -> str | None:
+    """The position-0 embedding mask convention the other way round, named: `e` diverges at exactly the steps at
+    absolute position 0, the candidate's rows zero where the reference is unmasked, or not where it masks."""
+    pos0, e = pos0_convention(ref), rows.get(MASKED_STAGE)
+    if pos0 is None or e is None or not pos0.tokens or MASKED_STAGE not in cand.stages:
+        return None
+    tokens = tuple(e.tokens[e.has_status(DIVERGENT_STATUSES)].tolist())
+    if not tokens:
+        return None
+    zero = all(not np.asarray(cand.stage_rows(MASKED_STAGE, t, t + 1)).any() for t in tokens)
+    return pos0.message(tokens) if pos0.explains(MASKED_STAGE, tokens, candidate_zero=zero) else None
 
 
 def _is_the_reference(ref, cand) -> str | None:

@@ -22,7 +22,7 @@ from probe.poison import POISON_BITS
 
 @dataclass(frozen=True)
 class Issue:
-    kind: str  # coverage | shape | dtype | inputs | unwritten
+    kind: str  # coverage | shape | dtype | inputs | unwritten | pos0_mask | observer | irreproducible
     where: str  # a stage name, "inputs/<name>" or "candidate"
     tokens: tuple[int, ...]  # every affected token
     message: str
@@ -156,8 +156,10 @@ def _input_issue(ref: TraceSource, cand: TraceSource, name: str) -> Issue | None
                  f"reference's inputs (/inputs of {ref.path}).")
 
 
-def unwritten_issues(rows: Iterable[StageRows]) -> list[Issue]:
-    """One issue per stage and cause (poison left, all-zero row) naming every unwritten token."""
+def unwritten_issues(rows: Iterable[StageRows], pos0: "Pos0Convention | None" = None) -> list[Issue]:
+    """One issue per stage and cause (poison left, all-zero row) naming every unwritten token. All-zero `e` rows
+    at exactly the steps at absolute position 0, where the reference was exported without the mask, are the
+    position-0 embedding mask (`pos0`, from pos0_convention), not unwritten rows: the issue names the convention."""
     issues = []
     for r in rows:  # in the reference's stage order
         unwritten = r.has_status({"unwritten"})
@@ -165,12 +167,54 @@ def unwritten_issues(rows: Iterable[StageRows]) -> list[Issue]:
             tokens = tuple(r.tokens[unwritten & ((r.n_poison > 0) == poisoned)].tolist())
             if not tokens:
                 continue
+            if not poisoned and pos0 is not None and pos0.explains(r.stage, tokens, candidate_zero=True):
+                issues.append(Issue("pos0_mask", r.stage, tokens, pos0.message(tokens)))
+                continue
             cause = (f"still hold the poison pattern 0x{POISON_BITS:08X}" if poisoned
                      else "are all zeros where the reference is not (a zero-initialised buffer?)")
             issues.append(Issue("unwritten", r.stage, tokens,
                                 f"stage {r.stage}: {len(tokens)} row(s) {cause}: never written. Check the row offset "
                                 f"the engine writes step t to (row t of [T, width])."))
     return issues
+
+
+MASKED_STAGE = "e"  # the stage the position-0 embedding mask zeroes (enorm of a zero embedding is zero)
+
+
+@dataclass(frozen=True)
+class Pos0Convention:
+    """A reference whose family has the position-0 embedding mask convention: which steps sit at absolute position
+    0 and whether the reference masks them."""
+
+    tokens: tuple[int, ...]
+    masked: bool
+
+    def explains(self, stage: str, tokens: tuple[int, ...], candidate_zero: bool) -> bool:
+        """Whether rows of `stage` differing at exactly `tokens` are the mask convention the other way round: the
+        candidate's rows zero where the reference is unmasked, or non-zero where the reference masks."""
+        return (stage == MASKED_STAGE and bool(self.tokens) and set(tokens) == set(self.tokens)
+                and candidate_zero != self.masked)
+
+    def message(self, tokens: tuple[int, ...]) -> str:
+        shown = ", ".join(map(str, tokens[:8])) + (" …" if len(tokens) > 8 else "")
+        if self.masked:
+            return (f"stage e differs exactly at token(s) {shown}, the step(s) at absolute position 0, where the "
+                    f"reference's row is zero: the reference was exported with --mask-pos0-embedding and the "
+                    f"candidate does not mask the position-0 embedding. Export the reference without "
+                    f"--mask-pos0-embedding, or zero the embedding at position 0 in the engine (vLLM's convention).")
+        return (f"stage e: row(s) at token(s) {shown}, the step(s) at absolute position 0, are all zeros where the "
+                f"reference's are not: the candidate masks the position-0 embedding (vLLM's convention) and the "
+                f"reference was exported without it. Export the reference with mtp-oracle export "
+                f"--mask-pos0-embedding, or drop the mask in the engine.")
+
+
+def pos0_convention(ref: TraceSource) -> Pos0Convention | None:
+    """The reference's position-0 mask convention (None where its family has none, or it has no `e` stage)."""
+    config = ref.attrs.get("config") if isinstance(getattr(ref, "attrs", None), dict) else None
+    if not isinstance(config, dict) or "mask_pos0_embedding" not in config or MASKED_STAGE not in ref.stages:
+        return None
+    positions = np.asarray(ref.input_rows("positions", 0, ref.num_tokens)).reshape(-1)
+    return Pos0Convention(tuple(np.flatnonzero(positions == 0).tolist()), bool(config["mask_pos0_embedding"]))
 
 
 def expected_shape(ref: TraceSource, name: str) -> tuple[int, int]:

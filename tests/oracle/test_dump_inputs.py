@@ -86,3 +86,23 @@ def test_out_dir_that_is_a_file_is_an_error(tmp_path):
 def test_help_has_examples():
     result = run_cli(cli, ["inputs", "--help"])
     assert result.exit_code == 0 and "mtp-oracle inputs ref.h5 --out-dir" in result.output
+
+
+def test_the_message_gives_the_shapes_written_hc_times_d_for_deepseek_v4(tmp_path):
+    """DeepSeek-V4's hidden is its hc residual streams, [T, hc·D]: the message says so, with the measured sizes
+    (it had printed [T, D]). Twin: a dense head's hidden is [T, D]."""
+    from tests.helpers import load_script
+
+    ckpt = load_script("make_fixtures").write_deepseek_v4_checkpoint(tmp_path / "v4")
+    ref = tmp_path / "v4.h5"
+    assert run_cli(cli, ["export", ckpt, "--out", ref, "--tokens", "5,17,3", "--hidden-seed", "0", "-q"]).exit_code == 0
+    with read_trace(ref) as reader:
+        t, d, width = reader.num_tokens, reader.hidden_size, reader.input_shape("hidden")[1]
+    assert width > d
+    result = run_cli(cli, ["inputs", ref, "--out-dir", tmp_path / "in"])
+    assert result.exit_code == 0, result.output
+    assert f"hidden.bin [T, hc·D] = [{t}, {width}], embed.bin [T, D] = [{t}, {d}]" in result.output
+    assert (tmp_path / "in" / "hidden.bin").stat().st_size == t * width * 4
+    dense = run_cli(cli, ["inputs", TINY_REF, "--out-dir", tmp_path / "dense"])
+    ref_inputs = _ref_inputs()
+    assert f"hidden.bin [T, D] = [{ref_inputs.num_tokens}, {ref_inputs.hidden_size}]" in dense.output
