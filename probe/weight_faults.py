@@ -1,13 +1,17 @@
 """What went wrong loading one tensor: the engine's copy `a` against the checkpoint's `e`, classified.
 
-Tried in this order (the first that fits names the fault): ok, zeros, init_like (a norm left at its initial all-0
-or all-1 value), constant, transposed (a square matrix stored transposed), scaled (one constant factor: a forgotten
-dequant scale), permuted_rows (rows, or the input columns, of the checkpoint in another order: a true permutation,
-every row used once), zeros or different (some rows or columns all 0, or wholly unlike the checkpoint's, where the
-rest match: a partial load; no quantization does that), quantized (highly
-correlated, error of quantization size spread over the tensor), init_like (a linear uncorrelated with the
-checkpoint whose spread is that of a fresh initialisation), different (a norm that is exactly the checkpoint's ± 1
-says so: the (1+w) convention mixed up).
+Tried in this order (the first that fits names the fault): ok (bit-identical, a few float32 ulps, or exactly the
+checkpoint rounded to bfloat16/float16: an error merely of rounding SIZE is not ok, since a x1.003 moves stages
+past tolerance), zeros, init_like (a norm left at its initial value: all 0 for a (1+w) norm, all 1 for a w·x̂
+one; a zeroed bias or a zeroed w·x̂ norm is `zeros`), constant, transposed (a square matrix stored transposed),
+scaled (one constant factor: a forgotten dequant scale, or any factor a bf16 dump's rounding cannot make, e.g.
+x1.04 exactly), different (rounding-sized but not a rounding: the audit says it cannot judge the effect),
+permuted_rows (rows, or the input columns, of the checkpoint in another order: a true permutation, every row used
+once; per-expert tensors say whether whole experts moved or rows within each expert, e.g. gate/up halves), zeros
+or different (some rows or columns all 0, or wholly unlike the checkpoint's, where the rest match: a partial
+load; no quantization does that), quantized (highly correlated, error of quantization size spread over the
+tensor), init_like (a linear uncorrelated with the checkpoint whose spread is that of a fresh initialisation),
+different (a norm that is exactly the checkpoint's ± 1 says so: the (1+w) convention mixed up).
 A tensor whose shape is the checkpoint's transposed is classified after transposing back: `transposed` when it then
 matches (ok, scaled or quantized), otherwise the fault found, noted as stored transposed. Torch-free.
 """
@@ -16,12 +20,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# ok: every element within bfloat16 rounding of the checkpoint's value (an engine holding bf16 of a float32
-# checkpoint is loaded correctly); the 1e-7 of the tensor's max covers values below bf16's normal range
+# OK_REL: bfloat16 rounding size (the closeness of a row or a transposed copy); `ok` itself is stricter: the exact
+# checkpoint rounded to bf16/f16, or within a few float32 ulps (_rounding_of)
 OK_REL = 2.0 ** -8
 QUANTIZED_CORR, QUANTIZED_RMS = 0.98, 0.25  # int4 per-group is ~8-10% rms error; 25% leaves room, 0.98 keeps noise out
 UNCORRELATED = 0.1
 SCALE_MIN = 0.05  # |log factor| above log(1.05): a real dequant scale is far from 1; quantization bias is not
+EXACT_SCALE_MIN = 2.0 ** -9  # |factor - 1| a bf16 dump's rounding cannot produce on average (half its ulp)
+F32_ULPS = 4
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,7 @@ class TensorFacts:
     name: str
     init_stds: dict[str, float]  # label -> std of a fresh initialisation of this tensor
     halves_perm: np.ndarray | None = None  # the q/gate-halves row order of a q_proj (checkpoint row per dump row)
+    norm: str | None = None  # an RMSNorm's weight: "1+w" (scales by 1 + w: fresh w = 0) or "w" (fresh w = 1)
 
 
 def classify(a: np.ndarray, e: np.ndarray, facts: TensorFacts) -> Finding:
@@ -51,18 +58,43 @@ def classify(a: np.ndarray, e: np.ndarray, facts: TensorFacts) -> Finding:
     err = np.abs(a - e)
     scale = float(np.abs(e).max()) or 1.0
     max_rel = float(err.max()) / scale
-    if _close(a, e, scale):
-        return Finding("ok", max_rel, "bit-identical" if max_rel == 0 else "within bfloat16 rounding")
+    rounded = _rounding_of(a, e, scale)
+    if rounded:
+        return Finding("ok", max_rel, rounded)
     flat = a.reshape(-1)
     if not flat.any():
-        if a.ndim == 1:
+        if facts.norm == "1+w":
             return Finding("init_like", max_rel, "all 0: a (1+w) RMSNorm's initial value (never loaded?)")
-        return Finding("zeros", max_rel, "every element is 0")
+        return Finding("zeros", max_rel, "every element is 0" + (" (a w·x̂ RMSNorm at 0 zeroes its output)"
+                                                                 if facts.norm == "w" else ""))
     if (flat == flat[0]).all():
-        if a.ndim == 1 and flat[0] == 1.0:
-            return Finding("init_like", max_rel, "all 1: an RMSNorm's initial value (never loaded?)")
+        if facts.norm and flat[0] == 1.0:
+            return Finding("init_like", max_rel, "all 1: a w·x̂ RMSNorm's initial value (never loaded?"
+                           + (" this head's norms are (1+w), whose initial w is 0)" if facts.norm == "1+w" else ")"))
         return Finding("constant", max_rel, f"every element is {flat[0]:.6g}")
     return _by_values(a, e, facts, max_rel)
+
+
+def _rounding_of(a: np.ndarray, e: np.ndarray, scale: float) -> str:
+    """How `a` is the checkpoint's `e` held at some precision, or '' when it is not: bit-identical; within a few
+    float32 ulps (another dequantization order); or EXACTLY `e` rounded to bfloat16 (to nearest even, or truncated)
+    or float16, every element. An error merely of rounding size is not rounding: a x1.003 on a bf16 tensor, or a
+    bias of an ulp, moves stages past tolerance, so it is never `ok` (the classification below names it)."""
+    if np.array_equal(a, e):
+        return "bit-identical"
+    e32 = e.astype(np.float32)
+    if (np.abs(a - e) <= F32_ULPS * np.spacing(np.abs(e32)).astype(np.float64) + 1e-30 * scale).all():
+        return f"within float32 rounding (at most {F32_ULPS} ulps)"
+    bits = e32.view(np.uint32).astype(np.uint64)
+    nearest = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+    truncated = (bits & 0xFFFF0000).astype(np.uint32).view(np.float32)
+    with np.errstate(over="ignore"):
+        half = e32.astype(np.float16).astype(np.float64)
+    for rounded, how in ((nearest, "bfloat16 (to nearest even)"), (truncated, "bfloat16 (truncated)"),
+                         (half, "float16")):
+        if np.array_equal(a, np.asarray(rounded, dtype=np.float64)):
+            return f"the checkpoint rounded to {how}"
+    return ""
 
 
 def _by_values(a: np.ndarray, e: np.ndarray, facts: TensorFacts, max_rel: float) -> Finding:
@@ -73,11 +105,18 @@ def _by_values(a: np.ndarray, e: np.ndarray, facts: TensorFacts, max_rel: float)
     dot = float(np.dot(a.ravel(), e.ravel()))
     corr = dot / np.sqrt(ea * ee) if ea and ee else 0.0
     factor = dot / ee if ee else 0.0
-    if factor and abs(np.log(abs(factor))) > SCALE_MIN and abs(corr) > QUANTIZED_CORR:
+    exact = bool(factor) and _scaled_exactly(a, e, factor)  # a factor, then (at most) the dump's bf16 rounding
+    if factor and (exact and abs(factor - 1) > EXACT_SCALE_MIN
+                   or abs(np.log(abs(factor))) > SCALE_MIN and abs(corr) > QUANTIZED_CORR):
         residual = np.linalg.norm(a - factor * e) / (abs(factor) * np.sqrt(ee))
-        exact = _close(a / factor, e, float(np.abs(e).max()))
         return Finding("scaled", max_rel, f"the checkpoint times {factor:.6g} (a forgotten dequant scale?)"
                        + ("" if exact else f"; {residual:.1%} rms error beyond the factor"))
+    if _close(a, e, float(np.abs(e).max()) or 1.0):  # rounding-sized, but not a rounding of the checkpoint
+        return Finding("different", max_rel, f"off by at most {max_rel:.2g} of the tensor's max (bfloat16 rounding "
+                                             f"size), but not the checkpoint rounded to bfloat16 or float16, nor a "
+                                             f"constant factor: the load audit cannot judge whether an error this "
+                                             f"small moves a stage past tolerance; run the head on a reference "
+                                             f"(mtp-probe run) to see its effect")
     permuted = _permutation_note(a, e, facts)
     if permuted:
         return Finding("permuted_rows", max_rel, permuted)
@@ -92,9 +131,9 @@ def _by_values(a: np.ndarray, e: np.ndarray, facts: TensorFacts, max_rel: float)
     if init:
         return Finding("init_like", max_rel, init)
     scale = float(np.abs(e).max()) or 1.0
-    for offset, how in ((1.0, "+ 1: the (1+w) of a (1+w) RMSNorm folded into its stored w"),
-                        (-1.0, "- 1: a plain norm's weight read as a (1+w) norm's w")):
-        if a.ndim == 1 and _close(a - offset, e, scale + 1.0):
+    for offset, how, norm in ((1.0, "+ 1: the (1+w) of a (1+w) RMSNorm folded into its stored w", "1+w"),
+                              (-1.0, "- 1: a plain norm's weight read as a (1+w) norm's w", "w")):
+        if a.ndim == 1 and facts.norm in (norm, None) and _close(a - offset, e, scale + 1.0):
             return Finding("different", max_rel, f"exactly the checkpoint's {how}")
     return Finding("different", max_rel, f"correlation {corr:+.3f} with the checkpoint, {rms:.1%} rms error")
 
@@ -127,6 +166,13 @@ def _partial_rows(a: np.ndarray, e: np.ndarray, max_rel: float, what: str = "row
                                          f"while the rest match: a partial or misplaced load?")
 
 
+def _scaled_exactly(a: np.ndarray, e: np.ndarray, factor: float) -> bool:
+    """Whether a = factor·e to within the rounding of a bfloat16 dump (half an ulp of a: at most 2^-8 |a|, with
+    room for the factor's own error, measured from the rounded values)."""
+    tiny = 1e-7 * (float(np.abs(a).max()) or 1.0)
+    return bool((np.abs(a - factor * e) <= 1.1 * OK_REL * np.abs(a) + tiny).all())
+
+
 def _close(a: np.ndarray, e: np.ndarray, scale: float) -> bool:
     return bool((np.abs(a - e) <= OK_REL * np.abs(e) + 1e-7 * scale).all())
 
@@ -152,9 +198,10 @@ def _permutation_note(a: np.ndarray, e: np.ndarray, facts: TensorFacts) -> str:
         if facts.halves_perm is not None and np.array_equal(rows[:len(facts.halves_perm)], facts.halves_perm):
             note += ("; exactly [all q | all gate] instead of the per-head [q_h | gate_h] interleave "
                      "(q/gate halves)")
-        elif a.ndim == 3 and (rows.reshape(a.shape[0], -1) // a.shape[1] == rows.reshape(a.shape[0], -1)[:, :1]
-                              // a.shape[1]).all():
-            note += "; whole experts swapped (expert order)"
+        elif a.ndim == 3:
+            note += _experts_note(rows.reshape(a.shape[0], a.shape[1]), a.shape[1])
+        elif _halves_swapped(rows):
+            note += "; exactly its two row halves swapped (e.g. a fused gate_up read as [up | gate])"
         return note
     if a.ndim == 2:
         cols = _row_permutation(a.T, e.T)
@@ -164,6 +211,33 @@ def _permutation_note(a: np.ndarray, e: np.ndarray, facts: TensorFacts) -> str:
             return (f"columns (the input dimension) in another order, rows intact"
                     + ("; exactly its two halves swapped (e.g. fc's concat [e, h] read as [h, e])" if swapped else ""))
     return ""
+
+
+def _halves_swapped(order: np.ndarray) -> bool:
+    half = len(order) // 2
+    return len(order) % 2 == 0 and np.array_equal(order, np.r_[half:2 * half, 0:half])
+
+
+def _experts_note(perm: np.ndarray, rows: int) -> str:
+    """What a row permutation of a per-expert [E, R, C] tensor moved (`perm`: [E, R] flat checkpoint row of each
+    dump row): whole experts (each dump expert one checkpoint expert, rows in order), rows within each expert
+    (the same order in every moved expert names it: its two halves swapped is a w13/gate_up read as [up, gate]),
+    or rows across experts."""
+    source, row = perm // rows, perm % rows
+    experts = np.arange(len(perm))
+    if (source == source[:, :1]).all() and (row == np.arange(rows)).all():
+        moved = int(np.count_nonzero(source[:, 0] != experts))
+        return f"; whole experts swapped (expert order: {moved} of {len(perm)} experts hold another's rows)"
+    if (source == experts[:, None]).all():
+        changed = [e for e in experts if not np.array_equal(row[e], np.arange(rows))]
+        same = all(np.array_equal(row[e], row[changed[0]]) for e in changed)
+        where = f"in {len(changed)} of {len(perm)} experts" if len(changed) < len(perm) else "in every expert"
+        if same and _halves_swapped(row[changed[0]]):
+            return (f"; rows permuted within each expert, not across: the two halves of each expert's rows swapped "
+                    f"{where} (a fused gate_up / w13 read as [up | gate])")
+        return (f"; rows permuted within each expert, not across ({where}"
+                + (", the same order in each)" if same else ")"))
+    return "; rows moved across experts"
 
 
 def _row_permutation(a: np.ndarray, e: np.ndarray) -> np.ndarray | None:

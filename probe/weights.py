@@ -127,7 +127,10 @@ def _facts(name: str, ref: np.ndarray, ckpt: Checkpoint) -> TensorFacts:
         halves = halves_permutation(cfg.num_attention_heads, cfg.head_dim)
     init_range = ckpt.raw_config.get("text_config", ckpt.raw_config).get("initializer_range", 0.02)
     stds = init_stds(ref.shape, float(init_range)) if ref.ndim >= 2 else {}
-    return TensorFacts(name, stds, halves)
+    module = name.rsplit(".", 2)
+    is_norm = ref.ndim == 1 and len(module) == 3 and module[2] == "weight" and "norm" in module[1]
+    norm = ("1+w" if ckpt.family.one_plus_norms else "w") if is_norm else None
+    return TensorFacts(name, stds, halves, norm)
 
 
 def _parts(fusion) -> tuple[str, ...]:

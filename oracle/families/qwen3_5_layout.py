@@ -345,4 +345,5 @@ SPEC = FamilySpec(
     stages=lambda cfg: SPINE, dims=spine_dims, main_model_prefixes=MAIN_MODEL_PREFIXES, lm_head=LM_HEAD,
     head_module="oracle.families.qwen3_5", variants=QWEN_VARIANTS, tiny_config=tiny_config,
     fusions=dense_fusions,
+    one_plus_norms=True,
 )

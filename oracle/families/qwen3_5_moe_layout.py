@@ -108,6 +108,7 @@ SPEC = FamilySpec(
     stages=lambda cfg: with_moe(SPINE), dims=spine_dims, main_model_prefixes=MAIN_MODEL_PREFIXES, lm_head=LM_HEAD,
     head_module="oracle.families.qwen3_5_moe", variants=QWEN_VARIANTS + MOE_VARIANTS, tiny_config=tiny_config,
     fusions=moe_fusions,
+    one_plus_norms=True,
     notes=("norm_topk_prob: transformers' Qwen3_5MoeTopKRouter always renormalises; the oracle follows the config's "
            "norm_topk_prob when present, else true (recorded in config)",),
 )

@@ -35,4 +35,5 @@ SPEC = FamilySpec(
     stages=lambda cfg: with_moe(SPINE), dims=spine_dims, main_model_prefixes=MAIN_MODEL_PREFIXES, lm_head=LM_HEAD,
     head_module="oracle.families.qwen3_next", variants=QWEN_VARIANTS + MOE_VARIANTS, tiny_config=tiny_config,
     fusions=moe_fusions,
+    one_plus_norms=True,
 )

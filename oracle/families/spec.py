@@ -126,6 +126,9 @@ class FamilySpec:
     # the stage whose rows draft j+1 of an `accept` chain reads as its hidden (DeepSeek-V4: the block's streams,
     # before the head collapses them); `out` (the lm_head input) for every family that recycles it
     recycled: str = "out"
+    # the head's RMSNorms scale by (1 + w) (Qwen: a fresh norm's w is 0) rather than by w (DeepSeek, GLM: 1); the
+    # load audit names an all-0 or all-1 norm weight by it
+    one_plus_norms: bool = False
 
     def hidden_width(self, cfg: HeadConfig) -> int:
         """Width of the hidden H one step consumes: hc·D (DeepSeek-V4: the main model's hc_mult residual streams),

@@ -258,3 +258,93 @@ def test_partial_loads_and_norm_offsets_are_named(tmp_path, name, fault, status,
         twin = head(DENSE)
         twin[name] = int8(twin[name])
         assert audit(tmp_path, DENSE, twin)[name].status == "quantized"
+
+
+# ---- issue 29: notes that must say what the fault is -----------------------------------------------------------
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(torch.bfloat16).float().numpy()
+
+
+def test_gate_up_halves_swapped_inside_every_expert_is_not_whole_experts_swapped(tmp_path):
+    tensors = head(MOE)
+    w13 = np.stack([np.concatenate([tensors.pop(f"{MLP}experts.{e}.{p}_proj.weight") for p in ("gate", "up")])
+                    for e in range(8)])
+    w2 = np.stack([tensors.pop(f"{MLP}experts.{e}.down_proj.weight") for e in range(8)])
+    half = w13.shape[1] // 2
+    up_gate = np.concatenate([w13[:, half:], w13[:, :half]], axis=1)  # [up | gate] in every expert
+    found = audit(tmp_path, MOE, tensors | {MLP + "experts.w13_weight": up_gate, MLP + "experts.w2_weight": w2})
+    note = found[MLP + "experts.w13_weight"].note
+    assert found[MLP + "experts.w13_weight"].status == "permuted_rows"
+    assert "whole experts" not in note and "within each expert" in note and "halves" in note and "every expert" in note
+    whole = w13[[1, 0, *range(2, 8)]]  # twin: two experts exchanged, rows intact
+    found = audit(tmp_path, MOE, tensors | {MLP + "experts.w13_weight": whole, MLP + "experts.w2_weight": w2})
+    assert "whole experts swapped" in found[MLP + "experts.w13_weight"].note
+    assert "within each expert" not in found[MLP + "experts.w13_weight"].note
+
+
+def test_a_uniform_factor_near_1_is_scaled_not_quantized(tmp_path):
+    tensors = head(DENSE)
+    name = ATTN + "v_proj.weight"
+    tensors[name] = tensors[name] * np.float32(1.04)
+    found = audit(tmp_path, DENSE, tensors)[name]
+    assert found.status == "scaled" and "1.04" in found.note
+    twin = head(DENSE)
+    twin[name] = int_quantized(twin[name], 8, twin[name].shape[1])
+    assert audit(tmp_path, DENSE, twin)[name].status == "quantized"
+
+
+def test_a_factor_of_1_003_on_a_bf16_tensor_is_not_ok(tmp_path):
+    """The tiny checkpoint is stored bf16; an engine holding x1.003 of it in bf16 is NOT loaded correctly (it moves
+    stages far past float32 tolerance), though every element is within bf16 rounding size."""
+    import torch
+    from safetensors.torch import save_file as save_torch
+
+    tensors = head(DENSE)
+    name = MLP + "up_proj.weight"
+    tensors[name] = _bf16(tensors[name] * np.float32(1.003))
+    save_torch({k: torch.from_numpy(v).to(torch.bfloat16) for k, v in tensors.items()}, tmp_path / "bf16.safetensors")
+    found = {t.name: t for t in audit_weights(DENSE, tmp_path / "bf16.safetensors").tensors}
+    assert found[name].status == "scaled" and "1.003" in found[name].note
+    assert {t.status for n, t in found.items() if n != name} == {"ok"}  # twin: the rest, bf16 as stored, ok
+
+
+def test_an_error_of_rounding_size_that_is_no_rounding_is_not_ok_and_says_the_audit_cannot_judge_it(tmp_path):
+    tensors = head(DENSE)
+    name = MLP + "down_proj.weight"
+    w = tensors[name]
+    sign = np.where(np.random.default_rng(1).random(w.shape) < 0.5, -1, 1).astype(np.float32)
+    tensors[name] = w * (1 + np.float32(1e-3) * sign)  # 0.1% each way: no factor, no rounding, yet not the weights
+    found = audit(tmp_path, DENSE, tensors)[name]
+    assert found.status == "different" and "cannot judge" in found.note and "mtp-probe run" in found.note
+
+
+def test_twin_exact_roundings_of_a_float32_tensor_are_ok():
+    from probe.weight_faults import TensorFacts, classify
+
+    e = np.random.default_rng(2).standard_normal((32, 48)).astype(np.float32)
+    facts = TensorFacts("w", {})
+    assert classify(_bf16(e), e, facts).note == "the checkpoint rounded to bfloat16 (to nearest even)"
+    truncated = (e.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+    assert classify(truncated, e, facts).status == "ok"
+    assert classify(e.astype(np.float16).astype(np.float32), e, facts).status == "ok"
+    assert classify(np.nextafter(e, np.float32(np.inf)), e, facts).note.startswith("within float32 rounding")
+    assert classify(_bf16(e * np.float32(1.003)), e, facts).status == "scaled"  # the same twin, but wrong
+
+
+def test_a_zeroed_bias_or_plain_norm_is_zeros_not_a_one_plus_w_norms_initial_value(tmp_path):
+    from tests.helpers import load_script
+
+    ckpt = load_script("make_fixtures").write_mtp_layer_checkpoint(tmp_path / "ds", "deepseek_v3")
+    tensors = head(ckpt)
+    bias = next(n for n in tensors if n.endswith("e_score_correction_bias"))
+    norm = next(n for n in tensors if n.endswith("enorm.weight"))
+    tensors[bias], tensors[norm] = np.zeros_like(tensors[bias]), np.zeros_like(tensors[norm])
+    found = audit(tmp_path, ckpt, tensors)
+    for name in (bias, norm):
+        assert found[name].status == "zeros" and "(1+w)" not in found[name].note, found[name]
+    qwen = head(DENSE)  # twin: a (1+w) family's norm at 0 is that norm's initial value
+    qwen["mtp.norm.weight"] = np.zeros_like(qwen["mtp.norm.weight"])
+    assert audit(tmp_path, DENSE, qwen)["mtp.norm.weight"].note.startswith("all 0: a (1+w) RMSNorm's initial")
