@@ -101,6 +101,7 @@ class CAbiAdapter:
         self.checkpoint = Path(checkpoint)
         ckpt = Checkpoint(self.checkpoint)  # fails early on a bad checkpoint (a v1 library and a head of
         # another family are refused by the worker, which is where the library's ABI is known)
+        self.hidden_size = ckpt.config.hidden_size  # D: one embedding row
         self.hidden_width = ckpt.family.dims(ckpt.config).hc_mult * ckpt.config.hidden_size  # one `hidden` row
         self.conventions = dict(conventions or {})
         self.name = f"c:{self.library.name}"
@@ -144,10 +145,13 @@ class CAbiAdapter:
         return {name: np.load(work / f"{name}.npy") for name in manifest["captured"]}
 
     def _check_inputs(self, inputs: TraceInputs) -> None:
-        if inputs.hidden_size != self.hidden_width:
-            raise AdapterError(f"the inputs have hidden rows of {inputs.hidden_size} but checkpoint "
-                               f"{self.checkpoint}'s head takes {self.hidden_width}; pass the checkpoint the "
-                               f"reference was exported from.")
+        # inputs.hidden_size is D, the embedding rows' width; a hidden row is hidden_width = hc·D wide (DeepSeek-V4's
+        # hc residual streams), so each is checked against its own width (comparing D with hc·D refused every V4 run)
+        for what, width, want in (("hidden", np.shape(inputs.hidden)[-1], self.hidden_width),
+                                  ("embedding", np.shape(inputs.embed)[-1], self.hidden_size)):
+            if width != want:
+                raise AdapterError(f"the inputs have {what} rows of {width} but checkpoint {self.checkpoint}'s head "
+                                   f"takes {want}; pass the checkpoint the reference was exported from.")
         positions = np.asarray(inputs.positions)
         if positions.size and (positions.min() < 0 or positions.max() > _INT32_MAX):
             raise AdapterError(f"positions must fit 0..{_INT32_MAX} (C ABI v1's `int pos`; the oracle never exports "
