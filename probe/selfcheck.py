@@ -131,7 +131,7 @@ def input_issues(ref: TraceSource, cand: TraceSource) -> list[Issue]:
 
 
 def _input_issue(ref: TraceSource, cand: TraceSource, name: str) -> Issue | None:
-    width = ref.hidden_size if name == "hidden" else 1
+    width = getattr(ref, "hidden_width", ref.hidden_size) if name == "hidden" else 1  # hc·D rows for DeepSeek-V4
     step = rows_per_chunk(width, ref.num_tokens)
     bad: list[int] = []
     for start in range(0, ref.num_tokens, step):
