@@ -105,7 +105,9 @@ class Explanation:
             local_stages = sorted({r["stage"] for r in self.local if r["kind"] == "local"} - {self.bug["stage"]},
                                   key=lambda s: self._order.index(s) if s in self._order else 99)
             if local_stages:
-                lines.append(f"  also computed wrongly from their own inputs: {', '.join(local_stages)}")
+                upstream = {r["stage"]: r["or_uncaptured"] for r in self.local if r.get("or_uncaptured")}
+                named = [f"{n} (or uncaptured {', '.join(upstream[n])})" if n in upstream else n for n in local_stages]
+                lines.append(f"  also computed wrongly from their own inputs: {', '.join(named)}")
             if inherited:
                 lines.append(f"  inherited (computed correctly from divergent inputs): {', '.join(inherited)}")
         elif self.local:
