@@ -45,7 +45,6 @@ from probe.adapters.trace_file import open_candidate, open_reference
 from probe.compare import ALIGNED_BY_IDS, INDEX_STAGE, compare_stage_rows
 from probe.diff import DiffReport
 from probe.evidence import Verdict
-from probe.rule import RULE
 from probe.run import check_experts, recorded_experts
 from probe.selfcheck import Issue
 from probe.tolerance import Tol

@@ -31,8 +31,6 @@ def explained(ref_path, ckpt, cand, inputs):
 
 
 def swapped_swiglu_stages():
-    from tests.probe.test_explain import swapped_swiglu
-
     result = run_and_diff(TINY_REF, adapter_from_spec("python:tests.probe.test_explain:swapped_swiglu", TINY),
                           tol_table())
     assert result.report.first.stage == "mlp"

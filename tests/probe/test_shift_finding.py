@@ -2,7 +2,6 @@
 AND, where the shifted and unshifted reference rows differ, the unshifted rows must fail. On a trace whose rows
 repeat, a candidate wrong at one row matches the shifted reference everywhere, yet nothing shows a shift."""
 
-import numpy as np
 import pytest
 
 from oracle.cli import cli as oracle_cli
