@@ -32,7 +32,7 @@ def every_path(actual: np.ndarray, expected: np.ndarray, tol: Tol) -> dict[str, 
                              for a, e in zip(actual, expected)],
             "compare_block": compare_block("attn", 0, actual, expected, tol, zero_is_unwritten=False)
                              .has_status({"ok"}).tolist(),
-            "explain": explain._verdicts(actual, expected, tol, False)[1].tolist()}
+            "explain": explain._verdicts("attn", actual, expected, tol, {})[1].tolist()}
 
 
 @pytest.mark.parametrize("tol", [DEFAULT, Tol(5e-2, 1e-3, "bf16")], ids=str)
