@@ -25,7 +25,8 @@ from probe.tolerance import Tol
 SHIFT_WINDOW = 256  # rows examined for a shift: enough to be sure, bounded whatever T
 
 
-def candidate_findings(ref, cand, first: Cell | None, tols: dict[str, Tol], rows: dict | None = None) -> tuple[str, ...]:
+def candidate_findings(ref, cand, first: Cell | None, tols: dict[str, Tol],
+                       rows: dict | None = None) -> tuple[str, ...]:
     findings = []
     convention = _pos0_mask_finding(ref, cand, rows or {})
     if convention:

@@ -218,3 +218,14 @@ def test_twin_a_capture_dependent_out_is_still_an_observer_effect():
     assert report.verdict.name == "invalid"
     assert ex.observer.startswith("capturing changes the result") and "two runs capturing only out agree" in ex.observer
     assert [i.kind for i in report.issues] == ["observer"]
+
+
+def test_cli_diff_explain_on_a_dump_without_the_buggy_stage_says_it_may_be_upstream(tmp_path):
+    from probe.cli import cli as probe_cli
+    from tests.probe.tracekit import write_raw
+
+    inputs, _ = reference()
+    dump = write_raw(tmp_path / "dump", {n: a for n, a in swapped_swiglu_stages().items() if n != "mlp"}, inputs)
+    result = run_cli(probe_cli, ["diff", TINY_REF, dump, "--explain", "--checkpoint", TINY])
+    assert result.exit_code == 1, result.output
+    assert "the bug is at stage res2 or at an uncaptured stage before it (mlp" in result.output
