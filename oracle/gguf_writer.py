@@ -38,21 +38,34 @@ _EXPERT_PARTS = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down
 def write_head_gguf(checkpoint_dir: Path, out: Path, outtype: str = "f32",
                     log: Callable[[str], None] = lambda msg: None) -> Path:
     """Write the head of `checkpoint_dir` (a safetensors checkpoint in HF layout) to `out`, atomically."""
-    import gguf  # the package llama.cpp's converter uses: its writer, its quantizers
-
     if outtype not in OUTTYPES:
         raise InputError(f"--outtype {outtype!r}: use one of {', '.join(OUTTYPES)}.")
     check_writable(out)
     ckpt = Checkpoint(checkpoint_dir)
+    arch = architecture(ckpt)
+    tensors = head_gguf_tensors(ckpt)
+    log(f"{ckpt.path}: {ckpt.family.name} head -> llama.cpp {arch}, {len(tensors)} tensors, {outtype}")
+    return write_gguf(out, ckpt, tensors, outtype)
+
+
+def architecture(ckpt: Checkpoint) -> str:
     arch = ARCH.get(ckpt.family.name)
     if arch is None:
         raise CheckpointError(f"{ckpt.path} is a {ckpt.family.name} head; llama.cpp's MTP GGUF layout is written for "
                               f"{', '.join(ARCH)} (the architectures whose MTP graph this oracle has checked).")
-    tensors = _gguf_tensors(ckpt)
-    log(f"{ckpt.path}: {ckpt.family.name} head -> llama.cpp {arch}, {len(tensors)} tensors, {outtype}")
+    return arch
+
+
+def write_gguf(out: Path, ckpt: Checkpoint, tensors: dict[str, np.ndarray], outtype: str = "f32",
+               metadata: dict | None = None) -> Path:
+    """`tensors` (head_gguf_tensors, possibly edited: the tests inject defects this way) with `ckpt`'s metadata,
+    `metadata` overriding keys by name (e.g. {"qwen35.rope.freq_base": 1e4})."""
+    import gguf  # the package llama.cpp's converter uses: its writer, its quantizers
+
+    arch = architecture(ckpt)
     with atomic_output(out) as tmp:
         writer = gguf.GGUFWriter(str(tmp), arch)
-        _write_metadata(writer, gguf, arch, ckpt, outtype)
+        _write_metadata(writer, arch, ckpt, outtype, metadata or {})
         for name, values in tensors.items():
             data, options = _encoded(gguf, name, values, outtype)
             writer.add_tensor(name, data, **options)
@@ -63,7 +76,7 @@ def write_head_gguf(checkpoint_dir: Path, out: Path, outtype: str = "f32",
     return Path(out)
 
 
-def _gguf_tensors(ckpt: Checkpoint) -> dict[str, np.ndarray]:
+def head_gguf_tensors(ckpt: Checkpoint) -> dict[str, np.ndarray]:
     """GGUF name -> float32 value (numpy order), (1+w) norms with their 1 added."""
     block = _main_layers(ckpt)
     head = ckpt.read_head(widen=True, digest=False).tensors
@@ -153,7 +166,7 @@ def _encoded(gguf, name: str, values: np.ndarray, outtype: str) -> tuple[np.ndar
     return gguf.quants.quantize(values, qtype), {"raw_dtype": qtype}
 
 
-def _write_metadata(writer, gguf, arch: str, ckpt: Checkpoint, outtype: str) -> None:
+def _write_metadata(writer, arch: str, ckpt: Checkpoint, outtype: str, overrides: dict) -> None:
     """The keys llama.cpp's loader reads (src/llama-arch.cpp names; written by name, not through GGUFWriter's
     helpers, which older gguf releases lack for the newer keys)."""
     text = _text_config(ckpt)
@@ -177,10 +190,13 @@ def _write_metadata(writer, gguf, arch: str, ckpt: Checkpoint, outtype: str) -> 
                  "feed_forward_length": int(text.get("intermediate_size") or text["moe_intermediate_size"])}
     else:
         uint["feed_forward_length"] = cfg.intermediate_size
+    floats = {f"{arch}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+              f"{arch}.rope.freq_base": float(rope.get("rope_theta", text.get("rope_theta")))}
     for key, value in uint.items():
-        writer.add_uint32(f"{arch}.{key}", int(value))
-    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", float(cfg.rms_norm_eps))
-    writer.add_float32(f"{arch}.rope.freq_base", float(rope.get("rope_theta", text.get("rope_theta"))))
+        key = f"{arch}.{key}"
+        writer.add_uint32(key, int(overrides.get(key, value)))
+    for key, value in floats.items():
+        writer.add_float32(key, float(overrides.get(key, value)))
     if arch in ("qwen35", "qwen35moe"):  # interleaved M-RoPE: the loaders require the sections
         writer.add_array(f"{arch}.rope.dimension_sections", [*rope.get("mrope_section", [11, 11, 10]), 0][:4])
     if (layer_types := text.get("layer_types")) is not None:  # the MTP block is attention, never recurrent
