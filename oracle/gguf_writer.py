@@ -10,6 +10,7 @@ What goes in (names: llama.cpp's; the MTP layer is block N = num_hidden_layers, 
   blk.N.{ffn_gate, ffn_up, ffn_down}                dense MLP, or for a MoE layer ffn_gate_inp (router),
   blk.N.{ffn_gate_exps, ffn_up_exps, ffn_down_exps} stacked experts [E, I, D] / [E, D, I] (numpy order; GGUF's ne
   blk.N.{ffn_gate_shexp, ffn_up_shexp, ffn_down_shexp, ffn_gate_inp_shexp}   is reversed), shared expert + gate
+q8_0: a matrix whose rows are no whole number of 32-value blocks is written F16, as the converter falls back.
 Norms: llama.cpp's RMSNorm multiplies by w, so the (1+w) norms of these heads are stored as 1 + w in F32, as the
 converter's `data_torch + 1` does (every `*norm.weight` of the head). Matrices in --outtype (f32, bf16, q8_0).
 Metadata: the keys llama.cpp's qwen35/qwen35moe/qwen3next loaders read (`load_arch_hparams`), with
@@ -161,8 +162,8 @@ def _encoded(gguf, name: str, values: np.ndarray, outtype: str) -> tuple[np.ndar
         return values, {}
     qtype = {"bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0}[outtype]
     if qtype == gguf.GGMLQuantizationType.Q8_0 and values.shape[-1] % 32:
-        raise CheckpointError(f"{name} has rows of {values.shape[-1]} values; q8_0 needs a multiple of 32. Use "
-                              f"--outtype bf16 or f32.")
+        # rows that are no whole number of Q8_0 blocks: F16, as llama.cpp's converter falls back
+        return values.astype(np.float16), {}
     return gguf.quants.quantize(values, qtype), {"raw_dtype": qtype}
 
 
