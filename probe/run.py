@@ -57,6 +57,10 @@ def adapter_notes(adapter: Adapter) -> list[str]:
     notes = []
     if getattr(adapter, "weights_unverified", None):
         notes.append(f"note: weights not verified against the reference's checkpoint: {adapter.weights_unverified}")
+    if getattr(adapter, "flash_attn", False):
+        notes.append("note: flash attention on: llama.cpp casts K/V to f16, so attn may diverge under the float32 "
+                     "rule; judge it with a measured profile: `mtp-oracle noise CHECKPOINT ... --out noise.json` "
+                     "(the reference's tokens and hidden), then `--profile noise.json:float16`")
     unmapped = getattr(adapter, "unmapped", None)
     if unmapped:
         shown = ", ".join(unmapped[:12]) + (f" … ({len(unmapped) - 12} more)" if len(unmapped) > 12 else "")
