@@ -91,10 +91,13 @@ Examples:
 @click.argument("candidate", type=click.Path(exists=True, path_type=Path))
 @click.option("--checkpoint", type=EXISTING_DIR,
               help="Checkpoint of the reference, for --explain [default: the one it records].")
+@click.option("--names", "names_map", metavar="MAP",
+              help="CANDIDATE is an engine's dump folder named by the engine: llama.cpp, sglang, vllm, or a JSON/TOML "
+                   "map file {\"names\": {\"engine name\": \"stage\"}}.")
 @diff_options
 @click.pass_context
 @invalid_line_on_error
-def diff(ctx, ref, candidate, checkpoint, profile, rtol, atol, stage_tol, json_path, plot_path, fail_fast, verbose,
+def diff(ctx, ref, candidate, checkpoint, names_map, profile, rtol, atol, stage_tol, json_path, plot_path, fail_fast, verbose,
          html_path, quiet, explain) -> None:
     """Compare CANDIDATE (an mtp-trace/1 file, or a raw dir of <stage>.bin) with the oracle trace REF.
 
@@ -108,7 +111,15 @@ def diff(ctx, ref, candidate, checkpoint, profile, rtol, atol, stage_tol, json_p
     inputs = {"REF": ref, "CANDIDATE": candidate, "checkpoint": checkpoint if explain else None}
     refuse_overwriting_inputs(outputs, inputs)
     with reporting(enabled=not quiet):
-        report = diff_traces(ref, candidate, tols, fail_fast=fail_fast)
+        if names_map is None:
+            report = diff_traces(ref, candidate, tols, fail_fast=fail_fast)
+        else:
+            from probe.adapters.engine_dump import diff_named_dump
+
+            report, unmapped = diff_named_dump(ref, candidate, names_map, tols, fail_fast)
+            if unmapped:
+                click.echo(f"note: {len(unmapped)} dumped tensor(s) the map places on no stage (not compared): "
+                           f"{', '.join(unmapped[:12])}{' …' if len(unmapped) > 12 else ''}")
     explanation = None
     if explain:
         from probe.explain import explain_diff  # torch and transformers load only here
