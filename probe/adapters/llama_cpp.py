@@ -153,7 +153,7 @@ def _library_folder(lib: Path) -> Path:
 
 def llama_cpp_available() -> str | None:
     """None when llama-cpp-python imports (with its MTP API), else why not: tests skip with this reason."""
-    code = ("import llama_cpp, sys; sys.exit(0 if hasattr(llama_cpp, 'llama_batch_ext_set_embd_state') and "
+    code = ("import llama_cpp, sys; sys.exit(0 if hasattr(llama_cpp, 'llama_batch_ext_set_embd_token') and "
             "hasattr(llama_cpp, 'llama_model_n_layer_nextn') else 3)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if proc.returncode == 0:

@@ -4,7 +4,7 @@ probe/adapters/llama_cpp.py, so that a crash or abort inside llama.cpp is report
 It drives llama.cpp's own MTP graph (an `LLAMA_CONTEXT_TYPE_MTP` context over the GGUF's MTP block: `graph_mtp` in
 src/models/qwen35.cpp, qwen35moe.cpp, qwen3next.cpp) through llama-cpp-python's ctypes bindings, on the inputs the
 probe wrote into WORK: token_ids.npy (the token each step feeds, x_{i+1}), positions.npy (p_i) and hidden.npy (H_i,
-float32 [T, D], set as the batch's "state" embedding, as common/speculative.cpp's MTP driver does). The T bridge
+float32 [T, D], set as each entry's embedding beside its token id, as common/speculative.cpp's MTP driver does). The T bridge
 steps go in one batch through the head's own KV cache (causal: step i sees steps 0..i), as llama.cpp's draft
 context processes a prompt. The scheduler's eval callback (`cb_eval`) copies every tensor the graph names with
 `cb()` (names end in `-<layer>`) into WORK/captured/<name>.npy, float32 or int32 [T, width]; the logits of each step
@@ -124,11 +124,17 @@ def run(model_path: Path, work: Path) -> dict:
         if idx < 0:
             raise RuntimeError(f"llama_batch_ext_add_token failed at step {i} ({idx})")
         pos = llama_cpp.llama_pos(int(positions[i]))
-        llama_cpp.llama_batch_ext_set_pos(batch, idx, ctypes.pointer(pos))
+        if not llama_cpp.llama_batch_ext_set_pos(batch, idx, ctypes.pointer(pos)):
+            raise RuntimeError(f"llama_batch_ext_set_pos failed at step {i}")
         row = hidden[i]
         embd = llama_cpp.llama_embd(row.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1, width)
-        llama_cpp.llama_batch_ext_set_embd_state(batch, idx, embd)
-        llama_cpp.llama_batch_ext_set_output_logits(batch, idx, True)
+        # H goes in as the entry's embedding beside its token id, as common/speculative.cpp's MTP driver sets it
+        # (common_batch::set_embd): llama_batch_ext_set_embd_state is still a stub returning false in this release,
+        # and the MTP graph reads the hidden from the ubatch's embd ("for now ... provided as an embedding")
+        if not llama_cpp.llama_batch_ext_set_embd_token(batch, idx, embd):
+            raise RuntimeError(f"llama_batch_ext_set_embd_token refused step {i}'s hidden row")
+        if not llama_cpp.llama_batch_ext_set_output_logits(batch, idx, True):
+            raise RuntimeError(f"llama_batch_ext_set_output_logits failed at step {i}")
     rc = llama_cpp.llama_process(ctx, llama_cpp.LLAMA_PROCESS_TYPE_DECODE, batch)
     if rc != 0:
         raise RuntimeError(f"llama_process (decode) returned {rc}")
@@ -150,7 +156,7 @@ def run(model_path: Path, work: Path) -> dict:
     llama_cpp.llama_batch_ext_free(batch)
     llama_cpp.llama_free(ctx)
     llama_cpp.llama_model_free(model)
-    return {"library": str(Path(llama_cpp._lib._name).resolve()), "version": getattr(llama_cpp, "__version__", "?"),
+    return {"library": str(Path(llama_cpp.llama_cpp._lib._name).resolve()), "version": getattr(llama_cpp, "__version__", "?"),
             "captured": names, "skipped": capture.skipped, "steps": int(n)}
 
 
