@@ -242,6 +242,31 @@ def inputs(ref, out_dir) -> None:
                f"directory (<stage>.bin); copy inputs.json and hidden.bin beside them so the probe checks them.")
 
 
+@cli.command(epilog="""\b
+Examples:
+  mtp-oracle gguf fixtures/qwen3_5_tiny --out head.gguf
+  mtp-oracle gguf CHECKPOINT --out head-q8.gguf --outtype q8_0
+  mtp-probe run ref.h5 --impl llama.cpp:head.gguf""")
+@click.argument("checkpoint", type=EXISTING_DIR)
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="GGUF file to write.")
+@click.option("--outtype", type=click.Choice(["f32", "bf16", "q8_0"]), default="f32", show_default=True,
+              help="Type of the matrices (norms stay F32, as llama.cpp stores them).")
+@click.option("-q", "--quiet", is_flag=True, help="No progress messages.")
+def gguf(checkpoint, out, outtype, quiet) -> None:
+    """Write CHECKPOINT's MTP head as the GGUF llama.cpp's MTP context loads (names blk.N.nextn.* and the block's
+    attn_*/ffn_*, (1+w) norms stored as 1 + w, the metadata its loader reads; N = num_hidden_layers).
+
+    The file holds the head, the embedding, the final norm and lm_head (an MTP-only GGUF, as llama.cpp's converter
+    writes with --mtp-only); `mtp-oracle export` reads it back."""
+    from oracle.gguf_writer import write_head_gguf
+
+    refuse_overwriting_inputs({"--out": out}, {"checkpoint": checkpoint})
+    check_writable(out)
+    with reporting(enabled=not quiet):
+        written = write_head_gguf(checkpoint, out, outtype, log=(lambda msg: None) if quiet else say)
+    click.echo(f"wrote {written} ({outtype}): run it with `mtp-probe run REF --impl llama.cpp:{written}`")
+
+
 def _refuse_overwriting_inputs(outputs: dict, checkpoint: Path, tokens_file: Path | None,
                                hidden_file: str | None) -> None:
     from oracle.gguf_source import cache_files, gguf_file

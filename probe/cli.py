@@ -17,7 +17,7 @@ from oracle.progress import reporting, say
 from oracle.stages import KNOWN_STAGE_NAMES
 from oracle.text import printable
 
-from probe.adapters.spec import SPEC_HELP, c_library
+from probe.adapters.spec import SPEC_HELP, c_library, needs_checkpoint
 from probe.errors import ToleranceError
 from probe.tolerance import (DEFAULT, PROFILES, Tol, measured_tol_table, profile_file_spec, reference_facts,
                              tol_table, user_tol)
@@ -91,10 +91,13 @@ Examples:
 @click.argument("candidate", type=click.Path(exists=True, path_type=Path))
 @click.option("--checkpoint", type=EXISTING_DIR,
               help="Checkpoint of the reference, for --explain [default: the one it records].")
+@click.option("--names", "names_map", metavar="MAP",
+              help="CANDIDATE is an engine's dump folder named by the engine: llama.cpp, sglang, vllm, or a JSON/TOML "
+                   "map file {\"names\": {\"engine name\": \"stage\"}}.")
 @diff_options
 @click.pass_context
 @invalid_line_on_error
-def diff(ctx, ref, candidate, checkpoint, profile, rtol, atol, stage_tol, json_path, plot_path, fail_fast, verbose,
+def diff(ctx, ref, candidate, checkpoint, names_map, profile, rtol, atol, stage_tol, json_path, plot_path, fail_fast, verbose,
          html_path, quiet, explain) -> None:
     """Compare CANDIDATE (an mtp-trace/1 file, or a raw dir of <stage>.bin) with the oracle trace REF.
 
@@ -108,7 +111,15 @@ def diff(ctx, ref, candidate, checkpoint, profile, rtol, atol, stage_tol, json_p
     inputs = {"REF": ref, "CANDIDATE": candidate, "checkpoint": checkpoint if explain else None}
     refuse_overwriting_inputs(outputs, inputs)
     with reporting(enabled=not quiet):
-        report = diff_traces(ref, candidate, tols, fail_fast=fail_fast)
+        if names_map is None:
+            report = diff_traces(ref, candidate, tols, fail_fast=fail_fast)
+        else:
+            from probe.adapters.engine_dump import diff_named_dump
+
+            report, unmapped = diff_named_dump(ref, candidate, names_map, tols, fail_fast)
+            if unmapped:
+                click.echo(f"note: {len(unmapped)} dumped tensor(s) the map places on no stage (not compared): "
+                           f"{', '.join(unmapped[:12])}{' …' if len(unmapped) > 12 else ''}")
     explanation = None
     if explain:
         from probe.explain import explain_diff  # torch and transformers load only here
@@ -152,7 +163,13 @@ def run(ctx, ref, spec, checkpoint, out, profile, rtol, atol, stage_tol, json_pa
                  captured stage into trace[stage][:] (rows of poison-filled buffers; never rebind them).
                  The optional impl.capture lists the stages it captures; the impl keeps its own KV cache.
                  Example: fixtures/candidates/numpy_step.py.
-      torch[:cpu|cuda[:float32|bfloat16]]   the built-in transcription from raw tensor ops.
+      llama.cpp:MODEL.gguf[:LIB]   llama.cpp's own MTP graph (LLAMA_CONTEXT_TYPE_MTP) on MODEL.gguf
+                 (write one with `mtp-oracle gguf CHECKPOINT --out MODEL.gguf`), through the pinned
+                 llama-cpp-python's libllama, or LIB: your build's libllama.so (or its folder); its cb()
+                 tensor names are mapped onto the stages. K/V in float32, flash attention off;
+                 llama.cpp-fa: flash attention on (K/V in f16: judge with --profile float16). Needs no
+                 --checkpoint (the GGUF holds the weights), but --explain does.
+      torch[:cpu|cuda[:float32|bfloat16]]   the built-in transcription from raw tensor ops (dense Qwen3.5).
 
     The checkpoint is the one REF records (or one found beside it by its head digest) unless --checkpoint
     is given; its weights are checked against REF's digests (the head's and, for MoE, the routed experts REF
@@ -164,10 +181,11 @@ def run(ctx, ref, spec, checkpoint, out, profile, rtol, atol, stage_tol, json_pa
     # A C library's worker starts now, on the reference's inputs (killed if a check below fails): its start-up,
     # mapping and steps overlap the imports and checks that follow.
     early = ctx.with_resource(early_worker(library, checkpoint, ref))
-    from probe.run import adapter_from_spec, checkpoint_for, reference_conventions, run_and_diff
+    from probe.run import adapter_from_spec, adapter_notes, checkpoint_for, reference_conventions, run_and_diff
 
     tols = _tols(ref, profile, rtol, atol, stage_tol, json_path, plot_path, html_path)
-    checkpoint = checkpoint_for(ref, checkpoint, log=lambda msg: click.echo(msg, err=True))
+    if needs_checkpoint(spec) or explain:
+        checkpoint = checkpoint_for(ref, checkpoint, log=lambda msg: click.echo(msg, err=True))
     refuse_overwriting_inputs({"--out": out, "--json": json_path, "--plot": plot_path, "--html": html_path},
                               {"REF": ref, "checkpoint": checkpoint, "--impl library": library})
     if out:
@@ -181,6 +199,8 @@ def run(ctx, ref, spec, checkpoint, out, profile, rtol, atol, stage_tol, json_pa
     determinism = "" if result.deterministic else " (declares itself NOT deterministic: two runs may differ)"
     click.echo(f"ran {result.adapter}{determinism}"
                + (f"; candidate trace written to {result.written}" if result.written else ""))
+    for note in adapter_notes(adapter):
+        click.echo(note)
     report, explanation = result.report, None
     if explain:
         from probe.explain import explain_run  # torch and transformers load only here

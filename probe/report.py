@@ -119,6 +119,8 @@ def _noise_lines(report: DiffReport) -> list[str]:
 def _inputs_text(report: DiffReport) -> str:
     if report.candidate_kind == "adapter":
         return "handed to the implementation by mtp-probe run: the reference's own inputs and weights"
+    if report.candidate_kind == "adapter, own weights":
+        return "handed to the implementation by mtp-probe run: the reference's own inputs; the weights are its own"
     if not report.inputs_recorded:
         return "inputs not recorded: not verified"
     differ = [i.where.split("/")[1] for i in report.issues if i.kind == "inputs"]

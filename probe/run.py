@@ -40,12 +40,33 @@ def adapter_from_spec(spec: str, checkpoint: Path, conventions: dict | None = No
         from probe.adapters.python import PythonAdapter
 
         return PythonAdapter(rest, checkpoint, conventions or {})
+    if kind in ("llama.cpp", "llama.cpp-fa") and rest:
+        from probe.adapters.llama_cpp import LlamaCppAdapter
+
+        return LlamaCppAdapter(rest, flash_attn=kind == "llama.cpp-fa")
     if kind == "torch":
         from probe.adapters.torch_ref import TorchAdapter
 
         device, _, dtype = rest.partition(":")
         return TorchAdapter(checkpoint, device or "cpu", dtype or "float32")
     raise AdapterError(f"--impl {spec}: unknown implementation; use one of {SPEC_HELP}.")
+
+
+def adapter_notes(adapter: Adapter) -> list[str]:
+    """What an adapter could not vouch for, or found and did not place (llama.cpp: its unmapped tensor names)."""
+    notes = []
+    if getattr(adapter, "weights_unverified", None):
+        notes.append(f"note: weights not verified against the reference's checkpoint: {adapter.weights_unverified}")
+    if getattr(adapter, "flash_attn", False):
+        notes.append("note: flash attention on: llama.cpp casts K/V to f16, so attn may diverge under the float32 "
+                     "rule; judge it with a measured profile: `mtp-oracle noise CHECKPOINT ... --out noise.json` "
+                     "(the reference's tokens and hidden), then `--profile noise.json:float16`")
+    unmapped = getattr(adapter, "unmapped", None)
+    if unmapped:
+        shown = ", ".join(unmapped[:12]) + (f" … ({len(unmapped) - 12} more)" if len(unmapped) > 12 else "")
+        notes.append(f"note: {adapter.name} named {len(unmapped)} tensor(s) the name map places on no stage (not "
+                     f"compared): {shown}")
+    return notes
 
 
 def checkpoint_for(ref_path: Path, given: Path | None, log: Callable[[str], None] = lambda msg: None) -> Path:
@@ -271,7 +292,10 @@ def run_and_diff(ref_path: Path, adapter: Adapter, tols: dict[str, Tol], out: Pa
         _check_weights(adapter, ref_digest, ref_path)
         stages = _checked_result(result, adapter.name, ref.stages)
         written = _write_candidate(out, inputs, stages, adapter, command, ref) if out else None
-        report = diff_sources(ref, ArraySource(adapter.name, inputs, stages), tols, fail_fast)
+        source = ArraySource(adapter.name, inputs, stages)
+        if getattr(adapter, "weights_unverified", None):  # e.g. llama.cpp on its GGUF: said, never claimed
+            source.kind = "adapter, own weights"
+        report = diff_sources(ref, source, tols, fail_fast)
     return RunResult(adapter.name, adapter.deterministic, report, written, stages)
 
 
@@ -306,6 +330,8 @@ def _plain(config: dict) -> dict:
 
 
 def _check_weights(adapter: Adapter, ref_digest: str | None, ref_path: Path) -> None:
+    if getattr(adapter, "weights_unverified", None):  # runs on its own copy (a GGUF): said in the report instead
+        return
     if ref_digest and adapter.weights_digest != ref_digest:
         raise ProbeError(f"{adapter.name} ran with head weights of digest {adapter.weights_digest}, but {ref_path} "
                          f"was exported from weights of digest {ref_digest}; pass the reference's checkpoint.")

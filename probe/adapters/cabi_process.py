@@ -31,19 +31,20 @@ def worker_command(library: Path, checkpoint: Path, work: Path, reference: Path 
             *([str(reference)] if reference is not None else [])]
 
 
-def worker_env() -> dict[str, str]:
-    """The parent's environment, with this package importable by `python -m` whatever the working directory."""
-    env = dict(os.environ)
+def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The parent's environment (plus `extra`), with this package importable by `python -m` whatever the working
+    directory."""
+    env = dict(os.environ) | (extra or {})
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
     return env
 
 
-def start_worker(command: list[str], work: Path) -> subprocess.Popen:
+def start_worker(command: list[str], work: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start the worker with its stdout and stderr in files in `work`: a pipe that nobody reads yet (the probe is
     busy with its own checks) would stall a chatty library once it filled up."""
     with open(work / STDOUT_FILE, "wb") as out, open(work / STDERR_FILE, "wb") as err:
         return killed_on_interrupt(subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                                    env=worker_env()))
+                                                    env=worker_env(extra_env)))
 
 
 def worker_output(work: Path, name: str) -> str:
