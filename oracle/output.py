@@ -136,10 +136,27 @@ _CHILDREN: "weakref.WeakSet" = weakref.WeakSet()  # child processes (subprocess.
 
 def killed_on_interrupt(proc):
     """Have `remove_pending` (the CLIs' interrupt handler) kill the child process `proc` (a subprocess.Popen) before
-    the program ends. A C library's worker stuck in the library's own code never returns to Python to act on a
-    SIGINT; without this an interrupted `mtp-probe run` left it running. Returns `proc`."""
+    the program ends, with its whole process group when it leads one (`kill_process_group`). A C library's worker
+    stuck in the library's own code never returns to Python to act on a SIGINT; without this an interrupted
+    `mtp-probe run` left it running. Returns `proc`."""
     _CHILDREN.add(proc)
     return proc
+
+
+def kill_process_group(proc) -> None:
+    """SIGKILL the child `proc` and, when it was started as the leader of its own process group
+    (`start_new_session=True`), every process left in that group: what a library that forks left behind, which
+    outlived the run and an interrupt. Also after `proc` has ended (its group may still hold its children). Never
+    raises."""
+    if getattr(proc, "leads_its_group", False):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the group keeps the leader's id while any member lives
+        except OSError:
+            pass  # none left
+    try:
+        proc.kill()  # a no-op for one that has ended
+    except OSError:
+        pass
 
 
 @contextmanager
@@ -160,7 +177,7 @@ def remove_pending() -> None:
 
     for proc in list(_CHILDREN):
         try:
-            proc.kill()  # a no-op for one that has ended
+            kill_process_group(proc)
             proc.wait(timeout=5)
         except Exception:
             pass

@@ -177,6 +177,8 @@ def run(ctx, ref, spec, checkpoint, out, profile, rtol, atol, stage_tol, json_pa
     """
     from probe.adapters.cabi_process import early_worker
 
+    # absolute now: a candidate's chdir must not move where the outputs land (it runs in a child process anyway)
+    out, json_path, plot_path, html_path = (p and p.absolute() for p in (out, json_path, plot_path, html_path))
     library = c_library(spec)
     # A C library's worker starts now, on the reference's inputs (killed if a check below fails): its start-up,
     # mapping and steps overlap the imports and checks that follow.
@@ -201,6 +203,7 @@ def run(ctx, ref, spec, checkpoint, out, profile, rtol, atol, stage_tol, json_pa
                + (f"; candidate trace written to {result.written}" if result.written else ""))
     for note in adapter_notes(adapter):
         click.echo(note)
+    _echo_candidate_output(getattr(adapter, "output", ""))
     report, explanation = result.report, None
     if explain:
         from probe.explain import explain_run  # torch and transformers load only here
@@ -265,6 +268,13 @@ def selftest(ctx, reference, checkpoint, build_dir, quiet) -> None:
         rows = run_selftest(reference, checkpoint, build_dir, log=(lambda msg: None) if quiet else say)
     click.echo(render_table(rows))
     ctx.exit(0 if all(r.ok is not False for r in rows) else 1)
+
+
+def _echo_candidate_output(output: str) -> None:
+    """What the candidate printed (captured by its worker, cut and escaped: probe/adapters/cabi.py _printed), each
+    line behind `  | `, so that none of it can pass for the verdict line, which comes last."""
+    if output:
+        click.echo("candidate output:\n" + "\n".join(f"  | {line}" for line in output.splitlines()))
 
 
 def check_output(path: Path, option: str) -> None:

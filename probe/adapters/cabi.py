@@ -21,12 +21,13 @@ from pathlib import Path
 import numpy as np
 
 from oracle.checkpoint import Checkpoint
-from oracle.output import removed_on_interrupt
+from oracle.output import kill_process_group, removed_on_interrupt
 from oracle.progress import Progress
+from oracle.text import printable
 from oracle.trace import TraceInputs, inputs_digest
 from probe.adapters import cabi_worker as worker
-from probe.adapters.cabi_process import (STDERR_FILE, STDOUT_FILE, EarlyWorker, start_worker, worker_command,
-                                         worker_output)
+from probe.adapters.cabi_process import (STDERR_FILE, STDOUT_FILE, EarlyWorker, start_worker, stop_worker,
+                                         worker_command, worker_output)
 from probe.errors import AdapterError, CandidateError, ProbeError
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding probe/ (and, in a checkout, fixtures/)
@@ -88,6 +89,8 @@ class CAbiAdapter:
     deterministic = True
     weights_digest: str | None = None  # known once run() has loaded the weights
     capture_only: tuple[str, ...] | None = None  # set by --explain's observer check: capture at most these
+    output: str = ""  # what the candidate printed in its last run (stdout, then stderr): cut, escaped (`_printed`)
+    _EXIT_HINT = "did the library call exit()?"
 
     def __init__(self, library: Path, checkpoint: Path, conventions: dict | None = None,
                  early: EarlyWorker | None = None):
@@ -124,7 +127,8 @@ class CAbiAdapter:
             if self.capture_only is not None:
                 (work / worker.CAPTURE_ONLY_FILE).write_text(",".join(self.capture_only))
             (work / worker.CONVENTIONS_FILE).write_text(json.dumps(self.conventions))
-            proc = start_worker(worker_command(self.library, self.checkpoint, work), work)
+            self._prepare(work)
+            proc = start_worker(worker_command(self._worker_target(), self.checkpoint, work), work)
             return self._results(proc, work, inputs.num_tokens)
 
     def _results(self, proc: subprocess.Popen, work: Path, num_steps: int,
@@ -132,17 +136,29 @@ class CAbiAdapter:
         """Wait for the worker and read what it wrote; `from_reference`: (inputs digest, conventions) it must have
         read from the reference itself."""
         finished = _wait_worker(proc, work, self.name, num_steps)
+        self.output = _printed(finished)
         if finished.returncode != 0:
             raise self._failure(finished, work)
         if not (work / worker.MANIFEST_FILE).is_file():  # e.g. the library called exit(0) inside a step
             raise CandidateError(f"{self.name}: the process running it exited with status 0 "
                                  f"{_phase_description(work)} without finishing the run "
-                                 f"(did the library call exit()?). Its stderr:\n{_tail(finished.stderr) or '(none)'}")
+                                 f"({self._EXIT_HINT}). Its stderr:\n{_tail(finished.stderr) or '(none)'}")
         manifest = json.loads((work / worker.MANIFEST_FILE).read_text())
         if from_reference is not None:
             _check_same_inputs(manifest, *from_reference)
         self.weights_digest = manifest["weights_digest"]  # of the weights the library was actually given
         return {name: np.load(work / f"{name}.npy") for name in manifest["captured"]}
+
+    def _worker_target(self) -> str:
+        """What the worker runs (its first argument): the library's path."""
+        return str(self.library)
+
+    def _prepare(self, work: Path) -> None:
+        """Anything more the worker reads from `work` before it starts (nothing, for a library)."""
+
+    def _diagnosed(self, message: str, kind: str) -> AdapterError:
+        """The failure the worker diagnosed itself (error.txt; `kind`: its class name)."""
+        return AdapterError(f"{self.name}: {message}")
 
     def _check_inputs(self, inputs: TraceInputs) -> None:
         # inputs.hidden_size is D, the embedding rows' width; a hidden row is hidden_width = hc·D wide (DeepSeek-V4's
@@ -162,7 +178,8 @@ class CAbiAdapter:
         stderr = _tail(proc.stderr) or "(no stderr)"
         if proc.returncode == worker.EXIT_DIAGNOSED and (work / worker.ERROR_FILE).is_file():
             said = f" Its stderr:\n{stderr}" if proc.stderr.strip() else ""  # e.g. which CUDA call failed
-            return AdapterError(f"{self.name}: {(work / worker.ERROR_FILE).read_text()}{said}")
+            kind = worker_output(work, worker.ERROR_KIND_FILE).strip()
+            return self._diagnosed(f"{(work / worker.ERROR_FILE).read_text()}{said}", kind)
         where = _phase_description(work)
         if proc.returncode < 0:
             sig = _signal_name(-proc.returncode)
@@ -171,6 +188,21 @@ class CAbiAdapter:
                                 f"Its stderr:\n{stderr}")
         return AdapterError(f"the worker running {self.name} exited with status {proc.returncode} {where}. "
                             f"Its stderr:\n{stderr}")
+
+
+_OUTPUT_CHARS = 4000  # of what a candidate printed, shown in the report (its last characters)
+
+
+def _printed(proc: subprocess.CompletedProcess) -> str:
+    """What the candidate printed, stdout then stderr, cut to its last _OUTPUT_CHARS characters each, with control
+    and bidi characters escaped (oracle/text.py): the report shows it before the verdict line, never after."""
+    parts = []
+    for stream, text in (("stdout", proc.stdout), ("stderr", proc.stderr)):
+        text = text.rstrip()
+        if text:
+            cut = f", its last {_OUTPUT_CHARS} of {len(text)} characters" if len(text) > _OUTPUT_CHARS else ""
+            parts.append(f"[{stream}{cut}]\n{printable(text[-_OUTPUT_CHARS:], keep_lines=True)}")
+    return "\n".join(parts)
 
 
 def _check_same_inputs(manifest: dict, expected_digest: str, conventions: dict) -> None:
@@ -193,9 +225,10 @@ def _wait_worker(proc: subprocess.Popen, work: Path, name: str, num_steps: int) 
                 except subprocess.TimeoutExpired:
                     bar.update(max(0, _steps_done(work / worker.PROGRESS_FILE, num_steps) - bar.done))
         except BaseException:
-            proc.kill()
-            proc.wait()
+            stop_worker(proc)
             raise
+        finally:
+            kill_process_group(proc)  # it has ended: what it forked must not outlive the run
         if proc.returncode == 0:
             bar.update(num_steps - bar.done)
     return subprocess.CompletedProcess(proc.args, proc.returncode, worker_output(work, STDOUT_FILE),
@@ -227,9 +260,21 @@ def _phase_description(work: Path) -> str:
     progress, abi_file = work / worker.PROGRESS_FILE, work / worker.ABI_FILE
     phases = progress.read_text().splitlines() if progress.is_file() else []
     phase = phases[-1].split("\t")[0] if phases else ""
-    fn = "mtp2_" if abi_file.is_file() and abi_file.read_text().strip() == "2" else "mtp_"
+    abi = abi_file.read_text().strip() if abi_file.is_file() else ""
+    if abi == "python":
+        return _python_phase(phase)
+    fn = "mtp2_" if abi == "2" else "mtp_"
     if phase.startswith("step "):
         return f"in {phase} (the {fn}step call for token row {phase.split()[1]})"
     return {"load": f"while loading the library or the checkpoint (before {fn}create)",
             "create": f"in {fn}create", "destroy": f"in {fn}destroy",
             "save": f"after {fn}destroy, while saving the results"}.get(phase, "before it started (no progress)")
+
+
+def _python_phase(phase: str) -> str:
+    """Where a Python candidate's worker was (probe/adapters/python.py StepDriver's phases)."""
+    if phase.startswith("step "):
+        return f"in {phase} (its step() call for token row {phase.split()[1]})"
+    return {"load": "while importing the candidate or reading the checkpoint",
+            "create": "in its factory (or reading its step and capture)", "destroy": "after its last step",
+            "save": "after its last step, while saving the results"}.get(phase, "before it started (no progress)")

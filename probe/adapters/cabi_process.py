@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from oracle.output import killed_on_interrupt, removed_on_interrupt
+from oracle.output import kill_process_group, killed_on_interrupt, removed_on_interrupt
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding probe/ (and, in a checkout, fixtures/)
 STDOUT_FILE, STDERR_FILE = "stdout.txt", "stderr.txt"  # the worker's own output, read once it has ended
@@ -36,20 +36,31 @@ def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     directory."""
     env = dict(os.environ) | (extra or {})
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
+    env["MTP_PROBE_WORKER_PARENT"] = str(os.getpid())  # cabi_worker.py die_with_the_probe
     return env
 
 
 def start_worker(command: list[str], work: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start the worker with its stdout and stderr in files in `work`: a pipe that nobody reads yet (the probe is
-    busy with its own checks) would stall a chatty library once it filled up."""
+    busy with its own checks) would stall a chatty library once it filled up, and nothing the candidate prints
+    reaches the probe's own stdout (where the verdict line is the last). The worker leads its own process group, so
+    that ending it (`stop_worker`, or an interrupt) also ends whatever the candidate forked."""
     with open(work / STDOUT_FILE, "wb") as out, open(work / STDERR_FILE, "wb") as err:
-        return killed_on_interrupt(subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                                    env=worker_env(extra_env)))
+        proc = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                env=worker_env(extra_env), start_new_session=True)
+    proc.leads_its_group = True  # oracle/output.py kill_process_group
+    return killed_on_interrupt(proc)
+
+
+def stop_worker(proc: subprocess.Popen) -> None:
+    """Kill the worker, if it still runs, and every process it left in its group; reap it."""
+    kill_process_group(proc)
+    proc.wait()
 
 
 def worker_output(work: Path, name: str) -> str:
     try:
-        return (work / name).read_text(errors="replace")
+        return (work / name).read_bytes().decode(errors="replace")  # as written: a "\r" stays one, to be escaped
     except OSError:
         return ""
 
@@ -68,9 +79,7 @@ class EarlyWorker:
         return self.library == Path(library).resolve() and Path(self.checkpoint) == Path(checkpoint)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
+        stop_worker(self.proc)
 
 
 def plain_safetensors(checkpoint: Path) -> bool:

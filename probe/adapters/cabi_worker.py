@@ -1,6 +1,8 @@
 """The child process that drives one C-ABI shared library through ctypes: ABI v1 (fixtures/candidates/mtp_probe.h,
 the dense Qwen3.5 head) or v2 (mtp_probe_v2.h, any family; probe/adapters/cabi_v2.py), told apart by the exported
-symbols: a library that exports `mtp2_abi_version` is v2.
+symbols: a library that exports `mtp2_abi_version` is v2. Given `python:MODULE:FACTORY` instead of LIB, it steps a
+Python candidate (probe/adapters/python.py StepDriver) through the same files; abi.txt then holds `python`.
+The worker ends with os._exit once its results are written: nothing of the candidate's runs after them.
 
 `probe.adapters.cabi.CAbiAdapter` runs `python -m probe.adapters.cabi_worker LIB CHECKPOINT DIR [REFERENCE]`, so a
 segfault or abort in foreign code ends this process, never the probe. Everything passes through files in DIR:
@@ -14,7 +16,9 @@ segfault or abort in foreign code ends this process, never the probe. Everything
            captured.json lists them with the head's weights_digest; abi.txt holds the ABI version detected (1 or 2)
     progress.txt  the phase about to start, one line each, written unbuffered before it starts ("step 3"):
                   after a crash its last line says where the library died
-    error.txt     a failure this worker diagnosed itself (bad library, error code); exit status EXIT_DIAGNOSED
+    error.txt     a failure this worker diagnosed itself (bad library, error code); exit status EXIT_DIAGNOSED;
+                  error_kind.txt names its class (CandidateError: the candidate's own fault)
+    sys_path.json optional (Python candidates): the probe's sys.path, put first in the worker's
 """
 
 import ctypes
@@ -48,6 +52,7 @@ from probe.poison import poison  # noqa: E402
 
 EXIT_DIAGNOSED = 3
 PROGRESS_FILE, ERROR_FILE, MANIFEST_FILE = "progress.txt", "error.txt", "captured.json"
+ERROR_KIND_FILE = "error_kind.txt"  # the class name of the error in error.txt (e.g. CandidateError)
 CAPTURE_ONLY_FILE = "capture_only.txt"  # optional, comma-separated stages: capture at most these (--explain)
 CONVENTIONS_FILE, ABI_FILE = "conventions.json", "abi.txt"
 V1_FAMILY = "qwen3_5"  # the one head ABI v1's fixed structs can describe
@@ -282,19 +287,87 @@ def restore_blas_setting() -> None:
         os.environ[BLAS_THREADS] = _USER_BLAS_THREADS
 
 
+PYTHON_TARGET = "python:"  # a worker target `python:MODULE:FACTORY` runs a Python candidate (probe/adapters/python.py)
+
+
+def run_python(spec: str, checkpoint: Path, work: Path) -> None:
+    """Step the Python candidate `spec` (MODULE:FACTORY) over DIR's inputs, imported with the probe's sys.path."""
+    from probe.adapters.python import SYS_PATH_FILE, StepDriver
+
+    progress = Progress(work / PROGRESS_FILE)
+    progress("load")
+    (work / ABI_FILE).write_text("python")
+    if (work / SYS_PATH_FILE).is_file():
+        probes = json.loads((work / SYS_PATH_FILE).read_text())
+        sys.path[:] = probes + [p for p in sys.path if p not in probes]
+    inputs = directory_inputs(work)
+    driver = StepDriver(spec, checkpoint, inputs.conventions)
+    if (work / CAPTURE_ONLY_FILE).is_file():
+        driver.capture_only = tuple(n for n in (work / CAPTURE_ONLY_FILE).read_text().split(",") if n)
+    buffers = driver.run(inputs.embed, inputs.hidden, inputs.positions, progress)
+    progress("save")
+    for name, buf in buffers.items():
+        np.save(work / f"{name}.npy", buf)
+    (work / MANIFEST_FILE).write_text(json.dumps({"captured": list(buffers), "weights_digest": driver.weights_digest,
+                                                  "abi": "python"}))
+
+
+def end_worker(status: int) -> None:
+    """Flush what the candidate printed (C stdio too) and end at once: an atexit handler, a non-daemon thread or a
+    finalizer of the candidate's never runs after its results are written (nor holds the worker open)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    try:
+        ctypes.CDLL(None).fflush(None)  # the library's printf buffers
+    except (OSError, AttributeError):
+        pass
+    os._exit(status)
+
+
+PARENT_PID = "MTP_PROBE_WORKER_PARENT"  # set by probe/adapters/cabi_process.py worker_env
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_the_probe() -> None:
+    """Linux: have the kernel SIGKILL this worker when the probe dies, even by SIGKILL (the worker leads its own
+    process group, so a Ctrl-C at the terminal never reaches it; the probe's handler kills it, but a killed probe
+    runs no handler). Where prctl is missing nothing changes."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, 9)  # SIGKILL
+    except (OSError, AttributeError):
+        return
+    parent = os.environ.get(PARENT_PID)
+    if parent is not None and parent.isdigit() and os.getppid() != int(parent):
+        os._exit(1)  # the probe died before the request took effect
+
+
 def main(argv: list[str]) -> None:
-    """LIB CHECKPOINT DIR [REFERENCE]: run every step of DIR's (or REFERENCE's) inputs through LIB, writing results
-    into DIR."""
+    """TARGET CHECKPOINT DIR [REFERENCE]: run every step of DIR's (or REFERENCE's) inputs through TARGET (a library,
+    or python:MODULE:FACTORY), writing results into DIR."""
+    die_with_the_probe()
     restore_blas_setting()
-    # absolute before the library is loaded: its constructor may chdir(), which made a relative --checkpoint "not a
-    # directory" (red team)
-    lib_path, checkpoint, work = (Path(a).absolute() for a in argv[:3])
+    # absolute before the candidate is loaded: its constructor may chdir(), which made a relative --checkpoint "not
+    # a directory" (red team)
+    target, (checkpoint, work) = argv[0], (Path(a).absolute() for a in argv[1:3])
     reference = Path(argv[3]).absolute() if len(argv) > 3 else None
     try:
-        run_library(lib_path, checkpoint, work, reference)
+        if target.startswith(PYTHON_TARGET):
+            run_python(target[len(PYTHON_TARGET):], checkpoint, work)
+        else:
+            run_library(Path(target).absolute(), checkpoint, work, reference)
     except MtpError as err:  # AdapterError, CheckpointError, TraceFormatError: the parent re-raises the message
+        (work / ERROR_KIND_FILE).write_text(type(err).__name__)
         (work / ERROR_FILE).write_text(str(err))
-        sys.exit(EXIT_DIAGNOSED)
+        end_worker(EXIT_DIAGNOSED)
+    except BaseException:  # reported by the parent from stderr; never Python's exit, which would wait for threads
+        import traceback
+
+        traceback.print_exc()
+        end_worker(1)
+    end_worker(0)
 
 
 if __name__ == "__main__":

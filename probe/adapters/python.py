@@ -10,41 +10,81 @@ which writes the step's output into `out` and each captured stage into `trace[na
 buffers: write with `trace["fc"][:] = ...`, not by rebinding). `impl.capture` (optional) lists the stages it
 captures, in any order; the others are "not captured". The impl keeps its own KV cache across its step() calls;
 FACTORY is called once per run, so every run starts with an empty cache.
+
+The candidate runs in a child process, the C ABI's worker (`python -m probe.adapters.cabi_worker
+python:MODULE:FACTORY CHECKPOINT DIR`, probe/adapters/cabi_process.py), with the probe's import path: what its code
+does outside its steps (an atexit handler, a non-daemon thread or a __del__ that prints after the verdict line,
+os._exit, a chdir, a hang) cannot forge the probe's verdict, end or stall the probe, or move its outputs. What it
+prints is captured and shown, cut and escaped, before the verdict (`CAbiAdapter.output`). `PythonAdapter` is the
+probe's side; `StepDriver`, the worker's, calls the candidate.
 """
 
 import dataclasses
 import importlib
+import json
+import sys
 import traceback
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
 
 from oracle.checkpoint import Checkpoint
-from oracle.progress import Progress
 from oracle.stages import INDEX_SET
-from oracle.trace import TraceInputs
+from probe.adapters.cabi import CAbiAdapter
 from probe.errors import AdapterError, CandidateError
 from probe.poison import poison
 
+SYS_PATH_FILE = "sys_path.json"  # the probe's sys.path, in the worker's DIR: the candidate imports as it would here
+
 
 # What a Python candidate's own code may raise that the probe reports as INVALID: anything but Ctrl-C, which still
-# interrupts. That includes sys.exit() (a candidate that exits would otherwise end the probe with its exit code and
+# interrupts. That includes sys.exit() (a candidate that exits would otherwise end the run with its exit code and
 # no verdict) and the other BaseExceptions, e.g. asyncio.CancelledError or GeneratorExit leaking from an async engine
-# (they had ended the probe with exit 1, "diverged", and nothing compared). os._exit() cannot be caught: a Python
-# candidate shares the probe's process (a C library runs in a child).
+# (they had ended the probe with exit 1, "diverged", and nothing compared). os._exit() cannot be caught: it ends
+# the worker without its results, which the probe reports (INVALID).
 CANDIDATE_FAULTS = (BaseException,)
 NOT_CANDIDATE_FAULTS = (KeyboardInterrupt,)
 
 
-class PythonAdapter:
-    deterministic = True
-    capture_only: tuple[str, ...] | None = None  # set by --explain's observer check: capture at most these
+class PythonAdapter(CAbiAdapter):
+    """The probe's side: runs `StepDriver` in the worker process over the inputs and reads back its rows, as
+    CAbiAdapter does for a library (the same files, waiting, crash and exit reports)."""
 
     def __init__(self, spec: str, checkpoint: Path, conventions: dict | None = None):
         module_name, _, factory_name = spec.partition(":")
         if not module_name or not factory_name:
             raise AdapterError(f"--impl python:{spec}: expected python:MODULE:FACTORY, e.g. python:my_engine:make_head.")
+        self.spec, self.name = spec, f"python:{spec}"
+        self.checkpoint = Path(checkpoint).absolute()
+        Checkpoint(self.checkpoint)  # a bad checkpoint fails here, before the worker starts
+        self.conventions = dict(conventions or {})
+        self._early = None
+
+    def _check_inputs(self, inputs) -> None:
+        pass  # a Python step takes any position and the rows as they are; the worker checks what it reads
+
+    def _worker_target(self) -> str:
+        return f"python:{self.spec}"
+
+    def _prepare(self, work: Path) -> None:
+        (work / SYS_PATH_FILE).write_text(json.dumps([str(Path(p).absolute()) for p in sys.path]))
+
+    def _diagnosed(self, message: str, kind: str) -> AdapterError:
+        return (CandidateError if kind == CandidateError.__name__ else AdapterError)(message)
+
+    _EXIT_HINT = "did the candidate call os._exit()?"
+
+
+class StepDriver:
+    """The worker's side: imports the candidate, calls FACTORY once per `run` and steps it over the inputs, in the
+    worker process (never the probe's)."""
+
+    capture_only: tuple[str, ...] | None = None  # --explain's observer check: capture at most these
+
+    def __init__(self, spec: str, checkpoint: Path, conventions: dict | None = None):
+        module_name, _, factory_name = spec.partition(":")
+        self.name = f"python:{spec}"
         try:
             factory = getattr(importlib.import_module(module_name), factory_name)
         except NOT_CANDIDATE_FAULTS:
@@ -59,7 +99,6 @@ class PythonAdapter:
             raise CandidateError(f"--impl python:{spec}: importing {module_name} raised {type(err).__name__}: "
                                  f"{err}") from None
         ckpt = Checkpoint(checkpoint)
-        self.name = f"python:{spec}"
         head = ckpt.read_head()
         self.weights_digest = head.digest
         # The reference's conventions (e.g. norm_topk_prob), not config.json's, where the reference records them.
@@ -71,7 +110,11 @@ class PythonAdapter:
         self._stages = ckpt.family.stages(ckpt.config)
         self._dims = ckpt.family.dims(ckpt.config)
 
-    def run(self, inputs: TraceInputs) -> dict[str, np.ndarray]:
+    def run(self, embed: np.ndarray, hidden: np.ndarray, positions: np.ndarray,
+            progress: Callable[[str], None]) -> dict[str, np.ndarray]:
+        """Stage -> [T, width] rows the candidate wrote (poison where it did not), plus `out`; `progress(phase)` is
+        told each step before it starts (cabi_worker.Progress: a crash is located by it)."""
+        progress("create")
         impl = self._candidate(self._make, f"in {self._factory_name}()")  # fresh per run: an empty KV cache
         step = self._candidate(lambda: getattr(impl, "step", None), "reading its step attribute")
         if not callable(step):
@@ -80,15 +123,15 @@ class PythonAdapter:
         capture = self._candidate(lambda: _captured_stages(impl, self.name, traceable), "reading its capture list")
         if self.capture_only is not None:
             capture = tuple(n for n in capture if n in self.capture_only)
-        t, d = inputs.num_tokens, inputs.hidden_size
+        t, d = len(positions), embed.shape[1]
         buffers = {n: _unwritten(self._stages[n], (t, self._stages[n].width(self._dims))) for n in capture}
         buffers["out"] = poison((t, d))
-        with Progress(f"candidate {self.name}", t) as bar:
-            for i in range(t):
-                rows = {n: buffers[n][i] for n in capture}  # views: the impl writes into the buffers
-                self._candidate(lambda: step(int(inputs.positions[i]), inputs.embed[i].copy(),
-                                             inputs.hidden[i].copy(), buffers["out"][i], rows), f"at step {i}")
-                bar.update()
+        for i in range(t):
+            progress(f"step {i}")
+            rows = {n: buffers[n][i] for n in capture}  # views: the impl writes into the buffers
+            self._candidate(lambda: step(int(positions[i]), embed[i].copy(), hidden[i].copy(), buffers["out"][i],
+                                         rows), f"at step {i}")
+        progress("destroy")
         return buffers
 
     def _candidate(self, call, where: str):
