@@ -1,3 +1,3 @@
-from oracle.cli import main
+from oracle.program import oracle_main
 
-main()
+oracle_main()

@@ -104,9 +104,10 @@ def export(obj, checkpoint, out, tokens, tokens_file, hidden_file, hidden_seed, 
     with reporting(enabled=not quiet):
         path = export_trace(checkpoint, out, ids, source, start_pos=start_pos, mode=mode, config_overrides=overrides,
                             command=obj["command"], log=log, warn=lambda msg: click.echo(msg, err=True))
+    from oracle.output import staged_path
     from oracle.trace import read_trace
 
-    with read_trace(path) as written:
+    with read_trace(staged_path(path)) as written:  # put in place when the command ends
         count = len(written.stages)
     click.echo(f"wrote {path}: {len(ids)} step{'s' if len(ids) != 1 else ''} x {count} stages")
 

@@ -55,8 +55,11 @@ class MtpGroup(click.Group):
     (whatever happens around it, e.g. while parsing)."""
 
     def invoke(self, ctx: click.Context):
+        from oracle.output import published_at_end  # the command's outputs are put in place when it ends
+
         try:
-            return super().invoke(ctx)
+            with published_at_end(before_publishing=self._over):
+                return super().invoke(ctx)
         except MtpError as err:
             raise UserError(printable(str(err), keep_lines=True)) from None  # it may quote a file's strings
         except (click.exceptions.Exit, click.ClickException):
@@ -74,9 +77,17 @@ class MtpGroup(click.Group):
             click.echo(_INTERNAL_NOTE, err=True)
             ctx.exit(EXIT_INTERNAL)
 
+    def _over(self) -> None:
+        """The command is over and its outputs are about to be put in place: as the program, an interrupt from here
+        on is ignored (it would end the process with 130 once they had been replaced)."""
+        if getattr(self, "_owns_process", False):
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(signum, signal.SIG_IGN)
+
     def main(self, *args, standalone_mode: bool = True, **kwargs):
         if not standalone_mode:
             return super().main(*args, standalone_mode=False, **kwargs)
+        self._owns_process = _owns_the_process(args, kwargs)
         if _owns_the_process(args, kwargs):
             for signum in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(signum, _end_now)

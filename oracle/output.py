@@ -44,13 +44,22 @@ def check_writable(path: Path, option: str = "--out") -> None:
                           f"the output would replace it. Choose a file name.")
     trial = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # the name atomic_output writes, removed at once
     try:
-        os.close(os.open(trial, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600))
-        os.unlink(trial)
+        _create_and_remove(trial)
     except FileExistsError:
         pass  # this process's own pending write: creatable
     except OSError as err:
         raise OutputError(f"{option} {path}: a file cannot be created in {parent} ({err.strerror}), so it cannot "
                           f"write {path}; choose another location.") from None
+
+
+def _create_and_remove(trial: Path) -> None:
+    """Create `trial` and remove it again. An interrupt between the two removes it too: it is pending from before
+    it exists (a SIGTERM there had left the trial file beside --out)."""
+    if trial in _PENDING:
+        raise FileExistsError(trial)  # atomic_output is writing it now
+    with removed_on_interrupt(trial):
+        os.close(os.open(trial, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600))
+        os.unlink(trial)
 
 
 def refuse_overwriting_inputs(outputs: dict[str, Path | None], inputs: dict[str, Path | None]) -> None:
@@ -59,7 +68,8 @@ def refuse_overwriting_inputs(outputs: dict[str, Path | None], inputs: dict[str,
     `outputs` maps an option (e.g. "--out") to its path; `inputs` maps a label (e.g. "checkpoint") to a file, or to
     a directory whose files are all inputs (a checkpoint, a raw trace directory). Two paths are the same file when
     their resolved paths are equal (symlinks) or when both exist with the same device and inode (hard links);
-    None entries are skipped."""
+    None entries are skipped. Inside `published_at_end` (every CLI command), `outputs` are the command's outputs:
+    they are put in place when it ends."""
     known: list[tuple[str, Path]] = []
     for label, path in inputs.items():
         if path is None:
@@ -71,6 +81,8 @@ def refuse_overwriting_inputs(outputs: dict[str, Path | None], inputs: dict[str,
     for option, path in outputs.items():
         if path is None:
             continue
+        if _COMMAND is not None:
+            _COMMAND.declared.add(os.path.abspath(path))
         for label, other in known:
             if _same_file(Path(path), other):
                 raise OutputError(f"{option} {path} is the {label} ({other}): writing it would destroy an input "
@@ -109,7 +121,8 @@ def atomic_output(path: Path, option: str = "--out") -> Iterator[Path]:
     - SIGINT/SIGTERM during the block are held until it ends (an exception raised inside HDF5's close could be
       swallowed, and the run would end with exit 0 and a complete file); then the temporary file is removed and
       the signal delivered to the previous handler. A second signal is delivered at once.
-    - A temporary file left beside `path` by a killed run (its process gone) is removed first."""
+    - A temporary file left beside `path` by a killed run (its process gone) is removed first.
+    - Inside `published_at_end`, an output the command declared is renamed only when the command ends."""
     path = Path(path)
     check_writable(path, option)
     _remove_stale_temporaries(path)
@@ -121,13 +134,79 @@ def atomic_output(path: Path, option: str = "--out") -> Iterator[Path]:
                 raise lost[0]
             if held:
                 raise _Interrupted()
-            os.replace(tmp, path)
+            if _COMMAND is not None and os.path.abspath(path) in _COMMAND.declared:
+                _COMMAND.staged[path] = tmp  # put in place with the command's other outputs, when it ends
+            else:
+                os.replace(tmp, path)
         except OSError as err:
             tmp.unlink(missing_ok=True)
             raise OutputError(_write_error_message(path, option, err)) from None
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+
+
+class _CommandOutputs:
+    """The outputs of the command running now: declared (absolute paths), and those written, by final path, with
+    the temporary file that holds each until the command ends."""
+
+    def __init__(self):
+        self.declared: set[str] = set()
+        self.staged: dict[Path, Path] = {}
+
+    def publish(self) -> None:
+        """Rename every staged output into place; OutputError (the others are discarded) if one cannot be."""
+        staged, self.staged = self.staged, {}
+        for path, tmp in list(staged.items()):
+            try:
+                os.replace(tmp, path)
+            except OSError as err:
+                for left in staged.values():
+                    Path(left).unlink(missing_ok=True)
+                raise OutputError(_write_error_message(path, "output", err)) from None
+            del staged[path]
+
+    def discard(self) -> None:
+        for tmp in self.staged.values():
+            Path(tmp).unlink(missing_ok=True)
+        self.staged = {}
+
+
+_COMMAND: _CommandOutputs | None = None
+
+
+@contextmanager
+def published_at_end(before_publishing=lambda: None) -> Iterator[None]:
+    """One command: the outputs it declares (`refuse_overwriting_inputs`) and writes (`atomic_output`) stay under
+    their temporary names until the block ends, and are then renamed into place together, also when it ends with
+    an error (as they were before); an interrupt (KeyboardInterrupt, or the CLIs' handler) removes them instead. So
+    an interrupted command leaves every previous output as it was: a report written, then a Ctrl-C while the next
+    one was drawn, had exited 130 with the first one replaced. `before_publishing()` runs just before the renames
+    (the CLIs stop listening to SIGINT/SIGTERM there: the command is over)."""
+    global _COMMAND
+    outer, _COMMAND = _COMMAND, _CommandOutputs()
+    ours = _COMMAND
+    try:
+        yield
+    except KeyboardInterrupt:
+        ours.discard()
+        raise
+    except BaseException:
+        _COMMAND = outer
+        before_publishing()
+        ours.publish()
+        raise
+    else:
+        _COMMAND = outer
+        before_publishing()
+        ours.publish()
+    finally:
+        _COMMAND = outer
+
+
+def staged_path(path: Path) -> Path:
+    """Where the command's output `path` can be read before it is put in place: its temporary file while staged."""
+    return Path(_COMMAND.staged.get(Path(path), path)) if _COMMAND is not None else Path(path)
 
 
 _PENDING: set[Path] = set()  # unfinished outputs and scratch directories, removed if the program is interrupted
@@ -143,11 +222,18 @@ def killed_on_interrupt(proc):
     return proc
 
 
-def kill_process_group(proc) -> None:
+def kill_process_group(proc, grace: float = 0.0) -> None:
     """SIGKILL the child `proc` and, when it was started as the leader of its own process group
     (`start_new_session=True`), every process left in that group: what a library that forks left behind, which
-    outlived the run and an interrupt. Also after `proc` has ended (its group may still hold its children). Never
-    raises."""
+    outlived the run and an interrupt. Also after `proc` has ended (its group may still hold its children). With
+    `grace`, SIGTERM first and up to `grace` seconds to end (a compiler then removes its own temporary files).
+    Never raises."""
+    if grace and getattr(proc, "leads_its_group", False) and proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=grace)
+        except Exception:
+            pass
     if getattr(proc, "leads_its_group", False):
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # the group keeps the leader's id while any member lives
@@ -177,11 +263,12 @@ def remove_pending() -> None:
 
     for proc in list(_CHILDREN):
         try:
-            kill_process_group(proc)
+            kill_process_group(proc, getattr(proc, "stop_grace", 0.0))
             proc.wait(timeout=5)
         except Exception:
             pass
-    for path in list(_PENDING):
+    staged = list(_COMMAND.staged.values()) if _COMMAND is not None else []
+    for path in list(_PENDING) + staged:
         try:
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
         except OSError:

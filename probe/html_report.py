@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from oracle.output import atomic_output
+from oracle.output import atomic_output, removed_on_interrupt
 from oracle.stages import STAGE_BY_NAME, STAGE_NAMES
 
 from probe.compare import DIVERGENT_STATUSES, INVALID_STATUSES, most_severe
@@ -92,7 +92,7 @@ def write_html(report: DiffReport, path: Path) -> None:
     """Write render_html(report), with the heatmap, to `path` atomically (oracle/output.py)."""
     from probe.plot import write_heatmap  # matplotlib only when a picture is asked for
 
-    with tempfile.TemporaryDirectory(prefix="mtp-probe-html-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="mtp-probe-html-") as tmp, removed_on_interrupt(Path(tmp)):
         png = Path(tmp) / "heatmap.png"
         write_heatmap(report, png)
         page = render_html(report, png.read_bytes())

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from oracle.output import removed_on_interrupt
 from oracle.progress import tracked
 from oracle.trace import TraceInputs, read_trace, write_trace
 from probe.adapters.cabi import CAbiAdapter, build_library
@@ -86,7 +87,7 @@ def run_selftest(reference: Path | None = None, checkpoint: Path | None = None, 
     if not reference.is_file() or not checkpoint.is_dir() or not (CANDIDATES / "mtp_step.c").is_file():
         raise ProbeError(f"selftest needs the bundled fixtures and candidates ({BUNDLED_REFERENCE}, "
                          f"{CANDIDATES}); run it from a checkout, or pass --reference and --checkpoint.")
-    with tempfile.TemporaryDirectory(prefix="mtp-selftest-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="mtp-selftest-") as tmp, removed_on_interrupt(Path(tmp)):
         builds = Path(build_dir or tmp)
         builds.mkdir(parents=True, exist_ok=True)
         one_step = first_step_reference(reference, Path(tmp) / "t1.h5")

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from oracle.checkpoint import Checkpoint
-from oracle.output import kill_process_group, removed_on_interrupt
+from oracle.output import kill_process_group, killed_on_interrupt, removed_on_interrupt
 from oracle.progress import Progress
 from oracle.text import printable
 from oracle.trace import TraceInputs, inputs_digest
@@ -70,7 +70,8 @@ def build_library(source: Path, out_dir: Path, defines: tuple[str, ...] = ()) ->
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")  # a half-written .so must never carry the final name
     cmd = [compiler, *flags, f"-I{HEADER_DIR}", f"-I{source.parent}", *(f"-D{d}" for d in defines), str(source),
            "-o", str(tmp), *libs]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    with removed_on_interrupt(tmp):
+        proc = _compile(cmd)
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
         shown = [str(out) if arg == str(tmp) else arg for arg in cmd]
@@ -78,6 +79,21 @@ def build_library(source: Path, out_dir: Path, defines: tuple[str, ...] = ()) ->
                            f"  {shlex.join(shown)}\n{_tail(proc.stderr + proc.stdout)}")
     os.replace(tmp, out)
     return out
+
+
+def _compile(cmd: list[str]) -> subprocess.CompletedProcess:
+    """Run the compiler in its own process group, ended with it on an interrupt (SIGTERM first, so that gcc
+    removes its own files in TMPDIR; cc1, as and ld with it: killing the driver alone left ld to write the .so)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+    proc.leads_its_group, proc.stop_grace = True, 2.0  # oracle/output.py kill_process_group
+    try:
+        stdout, stderr = killed_on_interrupt(proc).communicate()
+    except BaseException:
+        kill_process_group(proc, proc.stop_grace)
+        proc.wait()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 class CAbiAdapter:
