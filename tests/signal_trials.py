@@ -112,15 +112,16 @@ def run_trial(command: Command, signum: int, delay: float, base: Path, marker: s
     proc = subprocess.Popen(command.argv(folder), cwd=folder, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True)
     _wait_for_the_guard(proc.pid)
-    time.sleep(delay)
-    if proc.poll() is None:
-        proc.send_signal(signum)
     try:
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=delay)  # ended before the signal: a trial of its normal end
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        return Trial(command.name, signum, delay, proc.returncode, ["did not end within 120 s of the signal"])
+        proc.send_signal(signum)
+        try:
+            out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            return Trial(command.name, signum, delay, proc.returncode, ["did not end within 120 s of the signal"])
     problems = _problems(command, proc.returncode, signum, folder, tmpdir, err.decode(errors="replace"))
     problems += _survivors(proc.pid, pidfile)
     return Trial(command.name, signum, delay, proc.returncode, problems)
