@@ -235,8 +235,10 @@ def inputs(ref, out_dir) -> None:
       my_engine --inputs engine_inputs --dump dump && cp engine_inputs/{inputs.json,hidden.bin} dump/ \\
           && mtp-probe diff ref.h5 dump
     """
-    from oracle.dump_inputs import dump_inputs, shapes_text
+    from oracle.dump_inputs import INPUT_FILES, dump_inputs, shapes_text
+    from oracle.output import declare_outputs
 
+    declare_outputs(*(out_dir / name for name in INPUT_FILES))  # put in place together, when the command ends
     written = dump_inputs(ref, out_dir)
     click.echo(f"wrote {', '.join(str(p) for p in written)}: step i reads token_ids[i], positions[i], row i of "
                f"hidden.bin and embed.bin (little-endian float32, {shapes_text(ref)}). Dump the stages to another "

@@ -81,8 +81,7 @@ def refuse_overwriting_inputs(outputs: dict[str, Path | None], inputs: dict[str,
     for option, path in outputs.items():
         if path is None:
             continue
-        if _COMMAND is not None:
-            _COMMAND.declared.add(os.path.abspath(path))
+        declare_outputs(path)
         for label, other in known:
             if _same_file(Path(path), other):
                 raise OutputError(f"{option} {path} is the {label} ({other}): writing it would destroy an input "
@@ -202,6 +201,13 @@ def published_at_end(before_publishing=lambda: None) -> Iterator[None]:
         ours.publish()
     finally:
         _COMMAND = outer
+
+
+def declare_outputs(*paths: Path) -> None:
+    """Within `published_at_end`, make `paths` the command's outputs (`refuse_overwriting_inputs` does it for those
+    it checks)."""
+    if _COMMAND is not None:
+        _COMMAND.declared.update(os.path.abspath(p) for p in paths)
 
 
 def staged_path(path: Path) -> Path:

@@ -48,6 +48,7 @@ def commands(library: Path | None = None) -> dict[str, Command]:
                 ["ref.h5"]),
         Command("accept", "oracle", ["accept", tiny, "--tokens", ",".join([TOKENS] * 3), "--hidden-seed", "0", "--json",
                                      "{dir}/acc.json", "--plot", "{dir}/acc.png", "-q"], ["acc.json", "acc.png"]),
+        Command("inputs", "oracle", ["inputs", ref, "--out-dir", "{dir}"], ["inputs.json", "hidden.bin", "embed.bin"]),
         Command("noise", "oracle", ["noise", tiny, "--tokens", TOKENS, "--hidden-seed", "0", "--out",
                                     "{dir}/noise.json"], ["noise.json"]),
         Command("diff", "probe", ["diff", ref, ref, "--html", "{dir}/r.html", "--json", "{dir}/r.json", "--plot",

@@ -21,7 +21,7 @@ def forking_library(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["export", "accept", "noise", "diff", "selftest", "run_python", "run_c"])
+@pytest.mark.parametrize("name", ["export", "accept", "inputs", "noise", "diff", "selftest", "run_python", "run_c"])
 def test_an_interrupt_at_any_point_leaves_the_previous_outputs_and_nothing_else(name, forking_library, tmp_path):
     command = trials.commands(forking_library)[name]
     marker = trials.FORK_PIDFILE if name == "run_c" else None

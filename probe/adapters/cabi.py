@@ -216,7 +216,7 @@ def _printed(proc: subprocess.CompletedProcess) -> str:
     for stream, text in (("stdout", proc.stdout), ("stderr", proc.stderr)):
         text = text.rstrip()
         if text:
-            cut = f", its last {_OUTPUT_CHARS} of {len(text)} characters" if len(text) > _OUTPUT_CHARS else ""
+            cut = f", its last {_OUTPUT_CHARS} characters" if len(text) > _OUTPUT_CHARS else ""
             parts.append(f"[{stream}{cut}]\n{printable(text[-_OUTPUT_CHARS:], keep_lines=True)}")
     return "\n".join(parts)
 

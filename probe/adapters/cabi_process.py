@@ -58,9 +58,16 @@ def stop_worker(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+_OUTPUT_READ = 1 << 20  # of a worker's stdout or stderr, the last bytes read (reports show far less of them)
+
+
 def worker_output(work: Path, name: str) -> str:
+    """The end of a file the worker wrote (at most _OUTPUT_READ bytes: a candidate may print without end), as
+    written: a "\r" stays one, for the report to escape."""
     try:
-        return (work / name).read_bytes().decode(errors="replace")  # as written: a "\r" stays one, to be escaped
+        with open(work / name, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - _OUTPUT_READ))
+            return f.read().decode(errors="replace")
     except OSError:
         return ""
 

@@ -111,3 +111,13 @@ def chdir_in_factory(config, weights):
     """Changes the working directory (to MTP_TEST_CHDIR) before its steps, as some engines' loaders do."""
     os.chdir(os.environ["MTP_TEST_CHDIR"])
     return numpy_step.make_head(config, weights)
+
+
+class _Floods(numpy_step.NumpyHead):
+    def step(self, pos, embed_row, hidden, out, trace):
+        print("x" * 50_000)  # 400 000 characters over the 8 steps
+        super().step(pos, embed_row, hidden, out, trace)
+
+
+def floods(config, weights):
+    return _Floods(config, weights)

@@ -105,3 +105,10 @@ def test_the_adapter_runs_the_candidate_outside_the_probes_process():
         del os.environ["MTP_TEST_CHDIR"]
     assert os.getcwd() == cwd and "tests.probe.fault_candidates" not in sys.modules
     assert rows["out"].shape == (8, 64) and adapter.weights_digest
+
+
+def test_a_flood_of_output_is_shown_cut_to_a_bounded_size():
+    proc = run_candidate("floods")
+    assert proc.returncode == 0 and last_line(proc).startswith("PASSED"), proc.stderr
+    block = proc.stdout.split("candidate output:\n", 1)[1]
+    assert block.startswith("  | [stdout, its last 4000 characters]") and len(proc.stdout) < 10_000
