@@ -110,3 +110,26 @@ def test_export_reads_its_own_trace_before_it_is_put_in_place(tmp_path):
     result = run_cli(cli, ["export", TINY, "--tokens", "17,42,3", "--hidden-seed", "0", "--out", out, "-q"])
     assert result.exit_code == 0 and f"wrote {out}: 3 steps x 11 stages" in result.output, result.output
     assert [p.name for p in tmp_path.iterdir()] == ["ref.h5"]
+
+
+def test_an_interrupt_between_the_writability_trial_files_creation_and_removal_removes_it(tmp_path, monkeypatch):
+    """Red team: a SIGTERM right after check_writable created its trial file `.NAME.tmp-PID` left it beside --out.
+    Here the CLIs' handler (remove_pending, then the end of the program) runs at that very point."""
+    import os
+
+    import oracle.output as output
+
+    real_close, seen = os.close, []
+
+    def close_then_interrupt(fd):
+        real_close(fd)
+        monkeypatch.setattr(output.os, "close", real_close)
+        seen.append(sorted(p.name for p in tmp_path.iterdir()))
+        output.remove_pending()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(output.os, "close", close_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        output.check_writable(tmp_path / "out.h5")
+    assert seen == [[f".out.h5.tmp-{os.getpid()}"]]  # it did exist then: the check below could fail
+    assert list(tmp_path.iterdir()) == []
