@@ -128,7 +128,8 @@ def test_leaving_the_block_kills_a_running_early_worker_and_removes_its_folder(l
     with pytest.raises(RuntimeError, match="a check failed"):
         with early_worker(libs["slow"], TINY, TINY_REF) as early:
             deadline = time.monotonic() + 30
-            while not record.is_file() and time.monotonic() < deadline:  # the library is in its 60 s mtp2_create
+            # the library is in its 60 s mtp2_create once it has written its pid (fopen creates the file first)
+            while not (record.is_file() and record.read_text().endswith("\n")) and time.monotonic() < deadline:
                 time.sleep(0.02)
             pid, work = int(record.read_text().split()[0]), early.work
             os.kill(pid, 0)  # alive until the block is left
