@@ -82,17 +82,19 @@ def build_library(source: Path, out_dir: Path, defines: tuple[str, ...] = ()) ->
 
 
 def _compile(cmd: list[str]) -> subprocess.CompletedProcess:
-    """Run the compiler in its own process group, ended with it on an interrupt (SIGTERM first, so that gcc
-    removes its own files in TMPDIR; cc1, as and ld with it: killing the driver alone left ld to write the .so)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-                            start_new_session=True)
-    proc.leads_its_group, proc.stop_grace = True, 2.0  # oracle/output.py kill_process_group
-    try:
-        stdout, stderr = killed_on_interrupt(proc).communicate()
-    except BaseException:
-        kill_process_group(proc, proc.stop_grace)
-        proc.wait()
-        raise
+    """Run the compiler in its own process group, ended with it on an interrupt (SIGTERM first; cc1, as and ld with
+    it: killing the driver alone left ld to write the .so), with a TMPDIR of its own that an interrupt removes after
+    it (gcc's ccXXXX.s files had stayed in the user's TMPDIR)."""
+    with tempfile.TemporaryDirectory(prefix="mtp-cc-") as scratch, removed_on_interrupt(Path(scratch)):
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                text=True, start_new_session=True, env={**os.environ, "TMPDIR": scratch})
+        proc.leads_its_group, proc.stop_grace = True, 2.0  # oracle/output.py kill_process_group
+        try:
+            stdout, stderr = killed_on_interrupt(proc).communicate()
+        except BaseException:
+            kill_process_group(proc, proc.stop_grace)
+            proc.wait()
+            raise
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
