@@ -94,6 +94,7 @@ class Trial:
     delay: float
     status: int
     problems: list[str]
+    elapsed: float = 0.0  # from the program's first instruction to its end
 
     @property
     def interrupted(self) -> bool:
@@ -116,6 +117,7 @@ def run_trial(command: Command, signum: int, delay: float, base: Path, marker: s
     proc = subprocess.Popen(command.argv(folder), cwd=folder, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True)
     _wait_for_the_guard(proc.pid)
+    started = time.monotonic()
     try:
         out, err = proc.communicate(timeout=delay)  # ended before the signal: a trial of its normal end
     except subprocess.TimeoutExpired:
@@ -126,9 +128,10 @@ def run_trial(command: Command, signum: int, delay: float, base: Path, marker: s
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
             return Trial(command.name, signum, delay, proc.returncode, ["did not end within 120 s of the signal"])
+    elapsed = time.monotonic() - started
     problems = _problems(command, proc.returncode, signum, folder, tmpdir, err.decode(errors="replace"))
     problems += _survivors(proc.pid, pidfile)
-    return Trial(command.name, signum, delay, proc.returncode, problems)
+    return Trial(command.name, signum, delay, proc.returncode, problems, elapsed)
 
 
 def _wait_for_the_guard(pid: int, limit: float = 30.0) -> None:
