@@ -114,6 +114,19 @@ def uniform_weights(config):
 
 
 @contextmanager
+def replayed_projections():
+    """Within the block, every recording `reused_projections` memo replays what it recorded (the q/k-part variant
+    passes, oracle/qk_parts.py, feed the attention projections the same `ah` rows as the real pass)."""
+    for memo in _UNIFORM.memo:
+        memo.replaying = _UNIFORM.reuse
+    try:
+        yield
+    finally:
+        for memo in _UNIFORM.memo:
+            memo.replaying = False
+
+
+@contextmanager
 def specified_uniform_weights():
     """Within the block, `uniform_weights` runs the specification: `uniform_attention` (scores and softmax) after
     every projection computed again, as the export did before the means and the memo."""

@@ -118,12 +118,13 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
             else:
                 stages = impl.run_stepwise(head, rotary, inputs, on_step=lambda t: bar.update())
         uniform = impl.attention_with_uniform_weights(head, rotary, inputs, stages["ah"])
+        part_rows, qk_parts = qk_part_evidence(impl, head, rotary, inputs, stages["ah"], stages["attn"])
     heap.close()
     stage_list = family.stages(cfg)
     recorded = {k: stages.pop(k) for k in list(stages) if k in EVIDENCE_DOCS}  # e.g. topk_margin: evidence
     if set(stages) != set(stage_list.names):  # a bug in the family's head, never the user's input
         raise RuntimeError(f"the {family.name} head recorded {sorted(stages)}, its stage list is {stage_list.names}")
-    evidence = recorded | {"attn_uniform": uniform}
+    evidence = recorded | {"attn_uniform": uniform} | part_rows
     check_finite_reference(ckpt, inputs, stages, stage_list.names, evidence)  # NaN/Inf: refused, naming the tensor
     blind = qk_blind_tokens(stages["attn"], evidence["attn_uniform"])
     if blind.all():
@@ -139,7 +140,7 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
 
     attrs = {
         "family": family.name,
-        "evidence_rules": family.evidence_rules(cfg, inputs.positions),
+        "evidence_rules": family.evidence_rules(cfg, inputs.positions) | {"qk_parts": qk_parts},
         "producer": reads.producer.result(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "h5py": h5py.__version__, "numpy": np.__version__},
@@ -162,6 +163,16 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     log(f"writing {out}")
     write_trace(out, inputs, stages, attrs, evidence=evidence, stage_list=stage_list, dims=family.dims(cfg))
     return Path(out)
+
+
+def qk_part_evidence(impl, head, rotary, inputs: TraceInputs, ah: np.ndarray,
+                     attn: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, list[str]]]:
+    """Per q/k-path part the family's head has, how far each of its wrong variants moves every attn row
+    (oracle/qk_parts.py): ({/evidence dataset: [T, V]}, {part: [variant names]}). One step's rows at a time, any
+    caller (a chain's depth too) gives its own inputs, `ah` and `attn`."""
+    from oracle.qk_parts import measure
+
+    return measure(impl.qk_part_variants(head, rotary, inputs, ah), attn)
 
 
 class _Prefetch:

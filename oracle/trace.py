@@ -11,7 +11,8 @@ Root attributes
                        absent: the default order (e, h, fc_in, fc, ah, attn, res1, mh, mlp, res2, out)
     family             e.g. "qwen3_5", "qwen3_5_moe" (oracle/families/registry.py); absent: LEGACY_FAMILY (oracle/stages.py)
     dims               JSON {"D", "E", "k", "hc"}: the sizes stage shapes are written in (absent: D = hidden_size)
-    evidence_rules     JSON {"qk_dependent": [stages that see q/k only through attention], "absolute_positions"}
+    evidence_rules     JSON {"qk_dependent": [stages that see q/k only through attention], "absolute_positions",
+                       "qk_parts": {part: [variant names]} (the columns of /evidence/qk_<part>), ...}
     producer           package and version, e.g. "mtp-oracle 0.1.0"
     versions           JSON: {"torch", "transformers", "h5py", "numpy"}
     config             JSON of the head config used
@@ -39,7 +40,17 @@ Datasets
                                         `ah` rows with uniform attention weights over the visible keys. Where it
                                         passes the tolerance rule against /stages/attn, that row cannot witness
                                         q, k, q_norm, k_norm or RoPE (oracle/attention_evidence.py); a reference
-                                        without it can at best give an inconclusive verdict.
+                                        without it can at best give an inconclusive verdict. It evidences the
+                                        attention weights as a whole, never one part of the q/k path:
+    /evidence/qk_<part>
+                       float32 [T, V]   optional (the oracle writes one per part its family has: rope, q_norm,
+                                        k_norm, kv_append, window, sink; QK_PARTS): column v = max_i |attn_i under
+                                        the part's wrong variant v - attn_i| of that row, rounded toward zero; the
+                                        variants' names, in column order, are evidence_rules.qk_parts {part:
+                                        [names]} (oracle/qk_parts.py). The probe judges each column with the attn
+                                        tolerance (max_rel = max_abs / max|attn row|): a row evidences a variant
+                                        only where the variant would fail there; a reference without these
+                                        datasets has the parts "not measured" (never claimed).
 
 Every dataset above (and its group) is stored in the file itself: a hard link, not virtual. External and soft
 links, virtual datasets and external raw storage are refused (TraceFormatError): the direct reader reads this
@@ -69,11 +80,25 @@ from oracle.stages import KINDS, ROWS, SHAPES, STAGE_BY_NAME, STAGE_NAMES, STAGE
 SCHEMA = "mtp-trace/1"
 INPUT_NAMES = ("token_ids", "positions", "hidden", "embed")
 HASH_BLOCK_BYTES = 4 << 20  # rows of /inputs and /evidence hashed at a time when a reader verifies their digests
+# The parts of the q/k path whose wrong variants the export measures (oracle/qk_parts.py), each in its own
+# /evidence/qk_<part> dataset, and what a row that evidences the part rules out (reports quote these).
+QK_PARTS = {
+    "rope": "RoPE (absent, over all head dims instead of the rotary ones, the other pairing of dims)",
+    "q_norm": "q_norm (absent, or in the other RMSNorm form: w instead of 1+w or the reverse)",
+    "k_norm": "k_norm (absent, or in the other RMSNorm form)",
+    "kv_append": "the KV append (the current step's key missing from the keys it attends)",
+    "window": "the sliding window (one key fewer, one key more, or no window)",
+    "sink": "the attention sink (absent)",
+}
 # Per-token evidence records, [T, D] float32 like a stage, with the one-line meaning stored as the dataset's `doc`.
 EVIDENCE_DOCS = {
     "attn_uniform": "attn recomputed from the same ah rows with uniform attention weights over the visible keys: "
                     "where it passes the tolerance rule against attn, that attn row cannot witness q, k, q_norm, "
                     "k_norm or RoPE",
+    **{f"qk_{part}": f"[T, V] per token and wrong variant of {what}, in the order evidence_rules.qk_parts "
+                     f"names them: max |variant attn row - attn row| (oracle/qk_parts.py). Judged by the attn "
+                     f"tolerance (max_rel = that / max|attn row|): where a variant passes, the row cannot witness "
+                     f"that part" for part, what in QK_PARTS.items()},
     "topk_margin": "[T, 1] per token, the k-th selected expert's selection score minus the best unselected one's, "
                    "in router-logit units: where it is within the router_logits tolerance, a topk_ids flip is a "
                    "near-tie (rounding), not a wiring bug",

@@ -5,22 +5,25 @@
 half is oracle/families/deepseek_v3_layout.py.
 """
 
+import numpy as np
 import torch
 from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3DecoderLayer, DeepseekV3Model,
                                                                   DeepseekV3RMSNorm, DeepseekV3RotaryEmbedding)
 
 from oracle.families.deepseek_v3_layout import HeadConfig, layout
-from oracle.families.mtp_layer import (MtpLayerHead, attention_with_uniform_weights, build_mtp_layer_head,
+from oracle.families.mtp_layer import (AttentionPass, MtpLayerHead, attention_with_uniform_weights, build_mtp_layer_head,
                                        causal_mask, embedding_rows, load_official_main_model,
                                        main_model_hidden, official_layer_stepwise, run_batched, run_stepwise,
                                        torch_weights)
 from oracle.families.mtp_layer_explain import DEEPSEEK_V3 as EXPLAIN_VARIANTS
 from oracle.families.mtp_layer_explain import explain_ops
+from oracle.qk_parts import PartVariant, rotary_off, swapped
+from oracle.trace import TraceInputs
 
 __all__ = ["EXPLAIN_VARIANTS", "MtpLayerHead", "attention_with_uniform_weights", "build_head", "causal_mask",
            "embedding_rows", "explain_ops", "head_text_config", "load_main_model", "main_model_hidden",
-           "main_text_config", "official_layer_stepwise", "run_batched", "run_stepwise", "torch_weights"]
+           "main_text_config", "official_layer_stepwise", "qk_part_variants", "run_batched", "run_stepwise", "torch_weights"]
 
 
 def head_text_config(cfg: HeadConfig) -> DeepseekV3Config:
@@ -58,3 +61,17 @@ def text_config(cfg: HeadConfig, **layers) -> DeepseekV3Config:
 def build_head(cfg: HeadConfig, weights: dict[str, torch.Tensor]):
     return build_mtp_layer_head(cfg, head_text_config(cfg), DeepseekV3DecoderLayer, DeepseekV3RMSNorm,
                                 DeepseekV3RotaryEmbedding, layout(cfg, set(weights)), weights)
+
+
+def qk_part_variants(head: MtpLayerHead, rotary, inputs: TraceInputs, ah: np.ndarray) -> list[PartVariant]:
+    """The wrong variants of each q/k-path part of MLA DeepseekV3Attention (oracle/qk_parts.py): RoPE (cos = 1 and
+    sin = 0; the other pairing: config.rope_interleave flipped, so the module runs its other official RoPE
+    function) and the KV append. MLA has no per-head q_norm/k_norm (its q_a_layernorm and kv_a_layernorm act on
+    the latents, weights the --explain coverage measures), and RoPE covers exactly the qk_rope_head_dim slice by
+    construction (the split comes before it), so there is no "all dims" variant."""
+    p = AttentionPass.of(head, rotary, inputs, ah)
+    config = head.text_config
+    other = "neox_halves" if config.rope_interleave else "interleaved"
+    return [PartVariant("rope", "absent", p.run(rope=rotary_off(*p.rope))),
+            PartVariant("rope", other, p.under(swapped, config, "rope_interleave", not config.rope_interleave)),
+            p.kv_append()]

@@ -23,6 +23,7 @@ qwen3_5.UpcastLinear); FP8 e4m3 linears are dequantized with their `.scale` bloc
 scales) — the routed experts only where a token routes to them, one expert at a time.
 """
 
+import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -44,6 +45,8 @@ from oracle.families.mtp_layer_main_model import load_main_model as load_main
 from oracle.families.qwen3_5 import UpcastLinear, selection_margin
 from oracle.families.routing_evidence import topk_flip_distances
 from oracle.fp8 import E4M3, dequantize
+from oracle.qk_parts import (PartVariant, angles, neox_on_trailing_slice, other_norm_form, rotary_off, skipped,
+                             swapped, without_own_key)
 from oracle.trace import TraceInputs
 
 Stages = dict[str, torch.Tensor]
@@ -360,6 +363,50 @@ def attention_with_uniform_weights(head: V4MtpHead, rotary, inputs: TraceInputs,
     return attn[0].numpy()
 
 
+def qk_part_variants(head: V4MtpHead, rotary, inputs: TraceInputs, ah: np.ndarray) -> list[PartVariant]:
+    """The wrong variants of each q/k-path part of the official DeepseekV4Attention (oracle/qk_parts.py), one pass
+    each on the trace's own `ah` rows: RoPE (cos = 1 and sin = 0; over all head dims instead of the trailing rope
+    slice; the slice as NeoX halves instead of V4's layout: the module's own RoPE function swapped, so the output's
+    de-rotation changes with it), q_norm (the unweighted q_b_norm: skipped), k_norm (kv_norm, which also norms the
+    values, K = V: skipped, or scaling by 1 + w), the KV append (own key masked out), the sliding window (W - 1,
+    W + 1, none: the module attends what the mask lets through) and the sink (absent: its logit -inf)."""
+    attention = head.layer.self_attn
+    embed, _, positions = _step_tensors(inputs)
+    config, num_tokens = head.text_config, inputs.num_tokens
+    rope, window = _rope(rotary, embed, positions), config.sliding_window
+    mask, x = sliding_mask(num_tokens, window), torch.from_numpy(np.ascontiguousarray(ah))[None]
+
+    def run(position_embeddings=rope, attention_mask=mask):
+        return lambda: attention(x, position_embeddings=position_embeddings, position_ids=positions,
+                                 attention_mask=attention_mask)[0][0]
+
+    def under(context, *args):
+        def go():
+            with context(*args):
+                return run()()
+        return go
+
+    cos, sin = rope["main"]
+    module = sys.modules[type(attention).__module__]
+    variants = [PartVariant("rope", "absent", run({"main": rotary_off(cos, sin)}))]
+    if 2 * cos.shape[-1] < attention.head_dim:
+        full = angles(positions, config.rope_theta, attention.head_dim)
+        variants.append(PartVariant("rope", "all_dims", run({"main": (full.cos(), full.sin())})))
+    variants += [
+        PartVariant("rope", "neox_halves", under(swapped, module, "apply_rotary_pos_emb", neox_on_trailing_slice)),
+        PartVariant("q_norm", "absent", under(skipped, attention.q_b_norm)),
+        PartVariant("k_norm", "absent", under(skipped, attention.kv_norm)),
+        PartVariant("k_norm", "1_plus_w_not_w",
+                    under(swapped, attention.kv_norm, "weight", other_norm_form(attention.kv_norm, False))),
+        PartVariant("kv_append", "own_key_missing", run(attention_mask=without_own_key(mask))),
+    ]
+    windows = {"one_less": window - 1, "one_more": window + 1, "none": num_tokens + 1}
+    variants += [PartVariant("window", name, run(attention_mask=sliding_mask(num_tokens, w)))
+                 for name, w in windows.items() if w >= 1]
+    no_sink = nn.Parameter(torch.full_like(attention.sinks, -torch.inf), requires_grad=False)
+    return variants + [PartVariant("sink", "absent", under(swapped, attention, "sinks", no_sink))]
+
+
 @torch.inference_mode()
 def official_layer_stepwise(head: V4MtpHead, rotary, inputs: TraceInputs, x_in: np.ndarray) -> np.ndarray:
     """block_out [T, hc·D] as the official DeepseekV4DecoderLayer's own forward computes it from the `x_in` rows,
@@ -458,4 +505,4 @@ def main_lm_head_input(checkpoint: Checkpoint, hidden: np.ndarray) -> np.ndarray
 
 __all__ = ["V4MtpHead", "attention_with_uniform_weights", "build_head", "embedding_rows", "head_text_config",
            "load_main_model", "main_lm_head_input", "main_model_hidden", "main_text_config",
-           "official_layer_stepwise", "run_batched", "run_stepwise", "sliding_mask", "torch_weights"]
+           "official_layer_stepwise", "qk_part_variants", "run_batched", "run_stepwise", "sliding_mask", "torch_weights"]

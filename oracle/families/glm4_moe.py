@@ -5,22 +5,28 @@ Stages are recorded by hooks (oracle/families/mtp_layer.py); the torch-free half
 oracle/families/glm4_moe_layout.py.
 """
 
+import sys
+
+import numpy as np
 import torch
 from transformers.models.glm4_moe.configuration_glm4_moe import Glm4MoeConfig
 from transformers.models.glm4_moe.modeling_glm4_moe import (Glm4MoeDecoderLayer, Glm4MoeModel, Glm4MoeRMSNorm,
                                                             Glm4MoeRotaryEmbedding)
 
 from oracle.families.glm4_moe_layout import HeadConfig, layout
-from oracle.families.mtp_layer import (MtpLayerHead, attention_with_uniform_weights, build_mtp_layer_head,
+from oracle.families.mtp_layer import (AttentionPass, MtpLayerHead, attention_with_uniform_weights, build_mtp_layer_head,
                                        causal_mask, embedding_rows, load_official_main_model,
                                        main_model_hidden, official_layer_stepwise, run_batched, run_stepwise,
                                        torch_weights)
 from oracle.families.mtp_layer_explain import GLM4_MOE as EXPLAIN_VARIANTS
 from oracle.families.mtp_layer_explain import explain_ops
+from oracle.qk_parts import (PartVariant, interleaved_on_rotary_slice, neox_cos_sin, other_norm_form, rotary_off,
+                             skipped, swapped)
+from oracle.trace import TraceInputs
 
 __all__ = ["EXPLAIN_VARIANTS", "MtpLayerHead", "attention_with_uniform_weights", "build_head", "causal_mask",
            "embedding_rows", "explain_ops", "head_text_config", "load_main_model", "main_model_hidden",
-           "main_text_config", "official_layer_stepwise", "run_batched", "run_stepwise", "torch_weights"]
+           "main_text_config", "official_layer_stepwise", "qk_part_variants", "run_batched", "run_stepwise", "torch_weights"]
 
 
 def head_text_config(cfg: HeadConfig) -> Glm4MoeConfig:
@@ -57,3 +63,24 @@ def text_config(cfg: HeadConfig, **layers) -> Glm4MoeConfig:
 def build_head(cfg: HeadConfig, weights: dict[str, torch.Tensor]):
     return build_mtp_layer_head(cfg, head_text_config(cfg), Glm4MoeDecoderLayer, Glm4MoeRMSNorm,
                                 Glm4MoeRotaryEmbedding, layout(cfg, set(weights)), weights)
+
+
+def qk_part_variants(head: MtpLayerHead, rotary, inputs: TraceInputs, ah: np.ndarray) -> list[PartVariant]:
+    """The wrong variants of each q/k-path part of Glm4MoeAttention (oracle/qk_parts.py): RoPE (cos = 1 and
+    sin = 0; NeoX over all head dims instead of the partial rotary ones; interleaved pairs on the rotary slice),
+    q_norm and k_norm where use_qk_norm ((w) norms: skipped, or scaling by 1 + w) and the KV append."""
+    p = AttentionPass.of(head, rotary, inputs, ah)
+    theta, head_dim = head.text_config.rope_parameters["rope_theta"], p.module.head_dim
+    variants = [PartVariant("rope", "absent", p.run(rope=rotary_off(*p.rope)))]
+    if p.rope[0].shape[-1] < head_dim:
+        variants.append(PartVariant("rope", "all_dims", p.run(rope=neox_cos_sin(p.positions, theta, head_dim))))
+    module = sys.modules[type(p.module).__module__]
+    variants.append(PartVariant("rope", "interleaved",
+                                p.under(swapped, module, "apply_rotary_pos_emb", interleaved_on_rotary_slice)))
+    if getattr(p.module, "use_qk_norm", False):
+        for part in ("q_norm", "k_norm"):
+            norm = getattr(p.module, part)
+            variants += [PartVariant(part, "absent", p.under(skipped, norm)),
+                         PartVariant(part, "1_plus_w_not_w", p.under(swapped, norm, "weight",
+                                                                      other_norm_form(norm, False)))]
+    return variants + [p.kv_append()]

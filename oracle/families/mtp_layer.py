@@ -17,6 +17,7 @@ are dequantized with their block scales (oracle/fp8.py) in use: the dense ones a
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -35,6 +36,7 @@ from oracle.families.routing_evidence import grouped_flip_distances
 from oracle.families.qwen3_5 import (UpcastLinear, _is_linear_weight, _step_tensors, _to_numpy,
                                      _widen_non_linear_parameters, causal_mask)
 from oracle.fp8 import E4M3, check_scale_shape, dequantize
+from oracle.qk_parts import PartVariant, without_own_key
 from oracle.trace import TraceInputs
 
 try:
@@ -389,6 +391,40 @@ def attention_with_uniform_weights(head: MtpLayerHead, rotary, inputs: TraceInpu
     return attn[0].numpy()
 
 
+@dataclass(frozen=True)
+class AttentionPass:
+    """The official attention module of an MtpLayer head on the trace's own `ah` rows, for the q/k-part variants
+    (oracle/qk_parts.py) of DeepSeek-V3 and GLM-4.5 (their files list which parts they have)."""
+
+    module: nn.Module
+    rope: tuple
+    mask: torch.Tensor
+    positions: torch.Tensor
+    x: torch.Tensor
+
+    @classmethod
+    def of(cls, head: MtpLayerHead, rotary, inputs: TraceInputs, ah: np.ndarray) -> "AttentionPass":
+        embed, _, positions = _step_tensors(inputs)
+        return cls(head.layer.mtp_block.self_attn, rotary(embed, positions), causal_mask(inputs.num_tokens),
+                   positions, torch.from_numpy(np.ascontiguousarray(ah))[None])
+
+    def run(self, rope=None, mask=None):
+        """A pass returning attn [T, D], with other cos/sin or another mask where given."""
+        rope = self.rope if rope is None else rope
+        mask = self.mask if mask is None else mask
+        return lambda: self.module(hidden_states=self.x, position_embeddings=rope, attention_mask=mask)[0][0]
+
+    def under(self, context, *args):
+        """A pass run within `context(*args)` (a norm skipped, a weight or module function swapped)."""
+        def go():
+            with context(*args):
+                return self.run()()
+        return go
+
+    def kv_append(self) -> "PartVariant":
+        return PartVariant("kv_append", "own_key_missing", self.run(mask=without_own_key(self.mask)))
+
+
 @torch.inference_mode()
 def official_layer_stepwise(head: MtpLayerHead, rotary, inputs: TraceInputs, fc: np.ndarray) -> np.ndarray:
     """res2 [T, D] as the official decoder layer (MtpLayer.mtp_block) computes it from the `fc` rows, one step at a
@@ -445,6 +481,6 @@ def main_model_hidden(model, sequence: np.ndarray) -> np.ndarray:
     return run_main_model(model, sequence)[0].float().numpy()
 
 
-__all__ = ["MtpLayerHead", "attention_with_uniform_weights", "build_mtp_layer_head", "causal_mask", "embedding_rows",
+__all__ = ["AttentionPass", "MtpLayerHead", "attention_with_uniform_weights", "build_mtp_layer_head", "causal_mask", "embedding_rows",
            "load_official_main_model", "main_layout", "main_model_hidden", "official_layer_stepwise", "run_batched",
            "run_stepwise", "torch_weights"]

@@ -11,6 +11,7 @@ Step i consumes (token t_{i+1}, main-model hidden H_i, position p_i). Teacher-fo
 so `run_batched` runs all T steps as one causal pass; `run_stepwise` feeds one step at a time through the cache.
 """
 
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (Qwen3_5DecoderLayer, Q
                                                           Qwen3_5TextModel, Qwen3_5TextRotaryEmbedding)
 
 from oracle.attention_evidence import uniform_weights
+from oracle.qk_parts import (PartVariant, interleaved_on_rotary_slice, neox_cos_sin, other_norm_form, rotary_off,
+                             skipped, swapped, without_own_key)
 from oracle.checkpoint import Checkpoint, HeadWeights
 from oracle.errors import CheckpointError
 from oracle.families.moe_experts import RoutedExperts
@@ -329,6 +332,40 @@ def attention_with_uniform_weights(head: MtpHead, rotary: Qwen3_5TextRotaryEmbed
         attn = head.layers[0].self_attn(torch.from_numpy(ah)[None], position_embeddings=rope,
                                         attention_mask=causal_mask(inputs.num_tokens))[0]
     return attn[0].numpy()
+
+
+def qk_part_variants(head: MtpHead, rotary, inputs: TraceInputs, ah: np.ndarray) -> list[PartVariant]:
+    """The wrong variants of each q/k-path part of a Qwen gated-attention head (oracle/qk_parts.py), each one pass
+    of the official attention module on the trace's own `ah` rows: RoPE (cos = 1 and sin = 0; NeoX over all head
+    dims; interleaved pairs on the rotary slice), q_norm and k_norm ((1+w) norms: skipped, or scaling by w) and the
+    KV append (each step's own key masked out). Any Qwen-stem family (3.5, 3.5-MoE, Next): its module's function."""
+    attention = head.layers[0].self_attn
+    embed, _, positions = _step_tensors(inputs)
+    rope, mask, x = rotary(embed, positions), causal_mask(inputs.num_tokens), torch.from_numpy(ah)[None]
+    config = head.text_config
+
+    def run(position_embeddings=rope, attention_mask=mask):
+        return lambda: attention(x, position_embeddings=position_embeddings, attention_mask=attention_mask)[0][0]
+
+    def under(context, *args):
+        def go():
+            with context(*args):
+                return run()()
+        return go
+
+    theta, head_dim = config.rope_parameters["rope_theta"], attention.head_dim
+    module = sys.modules[type(attention).__module__]
+    variants = [PartVariant("rope", "absent", run(rotary_off(*rope)))]
+    if rope[0].shape[-1] < head_dim:  # partial rotary: a RoPE over the whole head is a variant
+        variants.append(PartVariant("rope", "all_dims", run(neox_cos_sin(positions, theta, head_dim))))
+    variants.append(PartVariant("rope", "interleaved",
+                                under(swapped, module, "apply_rotary_pos_emb", interleaved_on_rotary_slice)))
+    for part in ("q_norm", "k_norm"):
+        norm = getattr(attention, part)
+        variants += [PartVariant(part, "absent", under(skipped, norm)),
+                     PartVariant(part, "w_not_1_plus_w", under(swapped, norm, "weight", other_norm_form(norm, True)))]
+    variants.append(PartVariant("kv_append", "own_key_missing", run(attention_mask=without_own_key(mask))))
+    return variants
 
 
 @torch.inference_mode()

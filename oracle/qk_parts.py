@@ -1,0 +1,154 @@
+"""Measuring, at export, which attn rows evidence each PART of the q/k path: RoPE, q_norm, k_norm, the KV append,
+the sliding window and the attention sink.
+
+`/evidence/attn_uniform` (oracle/attention_evidence.py) says where the attention weights matter at all. It says
+nothing about one part: in a head whose attention is saturated (a query's own key wins by a huge margin, or a sink
+takes almost all the mass), uniform weights move every row while RoPE removed, the KV append skipped or a window
+off by one move none. Evidence about a part must come from that part, so the export runs the family's OFFICIAL
+attention module again once per wrong variant of each part (rotary disabled or altered cos/sin, a norm skipped or
+in its other form, the current key masked out, another window, no sink) and records, per row, how far the
+variant's attn row lies from the real one.
+
+Record: `/evidence/qk_<part>` float32 [T, V], column v = max_i |variant_v attn_i - attn_i| of that row (rounded
+toward zero, so a variant is never recorded as farther than it is), and `evidence_rules["qk_parts"]` =
+{part: [variant names, in column order]} (inside the evidence digest). The probe judges each column with the attn
+stage's own tolerance rule (max_rel = max_abs / max|attn row|): a row evidences variant v of a part only where v
+would fail there (probe/evidence.py). A part is evidenced when each of its variants is caught at some compared row.
+
+Families own their variants (oracle/families/*.py `qk_part_variants`: which parts the head has, and how each is
+altered in their module); this module holds the family-neutral pieces: the record, the measurement and the small
+context managers the families alter their modules with. Every variant pass gets the real pass's q/k/v projections
+back where their input is the same (attention_evidence.replayed_projections), so only attention itself and the
+output projection run again.
+"""
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from oracle.attention_evidence import replayed_projections
+from oracle.trace import QK_PARTS
+
+PARTS = QK_PARTS  # part -> what a row that evidences it rules out (oracle/trace.py: the record's schema)
+PREFIX = "qk_"
+
+
+def dataset_name(part: str) -> str:
+    """The /evidence dataset that records `part`'s variants."""
+    return PREFIX + part
+
+
+@dataclass(frozen=True)
+class PartVariant:
+    """One wrong variant of one part: `run()` returns attn [T, D] as the official module computes it under it."""
+
+    part: str
+    name: str
+    run: Callable[[], torch.Tensor]
+
+
+def measure(variants: list[PartVariant], attn: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, list[str]]]:
+    """Run every variant (projections replayed) and return ({dataset: [T, V] max_abs}, {part: [variant names]})."""
+    real = np.asarray(attn, dtype=np.float64).reshape(len(attn), -1)
+    columns: dict[str, list[np.ndarray]] = {}
+    names: dict[str, list[str]] = {}
+    with torch.inference_mode(), replayed_projections():
+        for variant in variants:
+            rows = variant.run().detach().to(torch.float64).reshape(len(real), -1).numpy()
+            columns.setdefault(variant.part, []).append(max_abs_toward_zero(rows, real))
+            names.setdefault(variant.part, []).append(variant.name)
+    return {dataset_name(p): np.stack(c, axis=1) for p, c in columns.items()}, names
+
+
+def max_abs_toward_zero(rows: np.ndarray, real: np.ndarray) -> np.ndarray:
+    """Per row, max |rows - real| as float32 rounded toward zero; a non-finite variant row (it could never pass)
+    is recorded as float32's largest value."""
+    with np.errstate(invalid="ignore"):
+        d = np.abs(rows - real).max(axis=1, initial=0.0)
+    d = np.where(np.isfinite(d), d, np.finfo(np.float32).max)
+    d32 = d.astype(np.float32)
+    return np.where(d32.astype(np.float64) > d, np.nextafter(d32, np.float32(0)), d32).astype(np.float32)
+
+
+# --- how families alter their official modules for one pass --------------------------------------------------------
+
+@contextmanager
+def swapped(owner, name: str, value) -> Iterator[None]:
+    """`owner.name` is `value` within the block (a module's weight, sinks, a config flag, a module function)."""
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
+
+
+@contextmanager
+def skipped(module: nn.Module) -> Iterator[None]:
+    """`module` (a norm) returns its input unchanged within the block: the part is absent."""
+    module.forward = lambda x, *args, **kwargs: x  # an instance attribute over the class's forward
+    try:
+        yield
+    finally:
+        del module.forward
+
+
+def other_norm_form(norm: nn.Module, one_plus: bool) -> nn.Parameter:
+    """A weight that makes `norm` scale by w where it scales by (1 + w) (`one_plus`), or by (1 + w) where it scales
+    by w: the norm's own forward then computes the other form (in float32, as both forms multiply)."""
+    w = norm.weight.detach().float()
+    return nn.Parameter(w - 1.0 if one_plus else w + 1.0, requires_grad=False)
+
+
+def rotary_off(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos = 1, sin = 0: the module's own RoPE code rotates by nothing (RoPE absent)."""
+    return torch.ones_like(cos), torch.zeros_like(sin)
+
+
+def angles(positions: torch.Tensor, theta: float, dim: int) -> torch.Tensor:
+    """(B, T, dim/2) RoPE angles p · theta^(-2i/dim): the frequencies of a RoPE over `dim` dims."""
+    inv_freq = 1.0 / (float(theta) ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    return (positions.to(torch.float64)[..., None] * inv_freq).to(torch.float32)
+
+
+def neox_cos_sin(positions: torch.Tensor, theta: float, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin in the NeoX-halves layout (cat(freqs, freqs)) for a RoPE over `dim` dims."""
+    a = angles(positions, theta, dim)
+    a = torch.cat([a, a], dim=-1)
+    return a.cos(), a.sin()
+
+
+def interleaved_on_rotary_slice(q, k, cos, sin, unsqueeze_dim=1):
+    """A NeoX family's `apply_rotary_pos_emb` (rotary slice first, the rest passed through) with the rotary slice
+    rotated on interleaved (GPT-J) pairs instead of halves: transformers' own DeepSeek-V3 interleaved RoPE on it."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
+
+    r = cos.shape[-1]
+    q_rot, k_rot = apply_rotary_pos_emb_interleave(q[..., :r], k[..., :r], cos, sin, unsqueeze_dim)
+    return torch.cat([q_rot, q[..., r:]], dim=-1), torch.cat([k_rot, k[..., r:]], dim=-1)
+
+
+def neox_on_trailing_slice(x, cos, sin, unsqueeze_dim=1):
+    """DeepSeek-V4's `apply_rotary_pos_emb` (half-size cos/sin, the trailing rope slice of each head rotated, the
+    nope channels first) with the slice rotated as NeoX halves (cos = cat(freqs, freqs)) instead of V4's layout:
+    transformers' own Llama RoPE on the slice."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+    r = cos.shape[-1]
+    rope = x[..., -r:]
+    rotated = apply_rotary_pos_emb(rope.float(), rope.float(), cos, sin, unsqueeze_dim=unsqueeze_dim)[0]
+    return torch.cat([x[..., :-r], rotated.to(x.dtype)], dim=-1)
+
+
+def without_own_key(mask: torch.Tensor) -> torch.Tensor:
+    """The additive (1, 1, T, T) mask with each step's own key blocked (the KV append skipped), from step 1 on;
+    step 0 keeps its one key (attending to nothing is no attention row), so the variant never moves row 0."""
+    out = mask.clone()
+    steps = torch.arange(1, out.shape[-2])
+    out[..., steps, steps] = torch.finfo(out.dtype).min
+    return out
