@@ -318,8 +318,10 @@ def _block_rows(ref_path: Path, name: str, start: int, width: int, sums: np.ndar
 
 
 def qk_sensitivity(ref: TraceSource, tol: Tol) -> QkSensitivity:
-    """Which reference tokens' attn rows depend on the attention weights: where /evidence/attn_uniform FAILS the
-    attn stage's tolerance against /stages/attn (probe/evidence.py). None are, without the record."""
+    """Which reference tokens' attn rows depend on the attention weights (where /evidence/attn_uniform FAILS the
+    attn stage's tolerance against /stages/attn) and, per q/k-path part the reference measured, where each of the
+    part's wrong variants would fail it (/evidence/qk_<part>, judged by the same tolerance; probe/evidence.py).
+    None are, without the records."""
     total = ref.num_tokens
     # Every stage from attn on is q/k-dependent unless the (digest-verified) rules say which; attn always is.
     default = tuple(ref.stages[list(ref.stages).index(ATTENTION):])
@@ -329,6 +331,8 @@ def qk_sensitivity(ref: TraceSource, tol: Tol) -> QkSensitivity:
         return QkSensitivity(np.zeros(total, dtype=bool), recorded=False, dependent=dependent,
                              window=_window(rules))
     sensitive = np.zeros(total, dtype=bool)
+    parts = _part_records(ref, rules)
+    caught = {part: np.zeros((total, len(names)), dtype=bool) for part, (names, _) in parts.items()}
     step = read_rows({n: ref.stage_shape(n)[1] for n in ref.stages}, total, ref.stages)  # as the comparison reads
     for start in range(0, total, step):
         stop = min(start + step, total)
@@ -343,7 +347,38 @@ def qk_sensitivity(ref: TraceSource, tol: Tol) -> QkSensitivity:
                                       f"{start}. Regenerate it with mtp-oracle export.")
         rows = rows_from_sums(ATTENTION, start, attn.shape[1], sums, tol, zero_is_unwritten=False)
         sensitive[start:stop] = ~rows.has_status({"ok"})
-    return QkSensitivity(sensitive, recorded=True, dependent=dependent, window=_window(rules))
+        for part, (_, distances) in parts.items():  # a variant is caught where its row would FAIL the rule
+            caught[part][start:stop] = ~RULE.passes_at(distances[start:stop], sums["e_max"][:, None], tol)
+    measured = {part: dict(zip(names, caught[part].T)) for part, (names, _) in parts.items()}
+    return QkSensitivity(sensitive, recorded=True, dependent=dependent, window=_window(rules),
+                         parts=measured if "qk_parts" in rules else None)
+
+
+def _part_records(ref: TraceSource, rules: dict) -> dict[str, tuple[list[str], np.ndarray]]:
+    """{part: (variant names, [T, V] max_abs)} from the (verified) rules' qk_parts and /evidence/qk_<part>; {}
+    for a reference that predates them. A record that contradicts its rules is refused (exit 2)."""
+    declared = rules.get("qk_parts")
+    if declared is None:
+        return {}
+    if not isinstance(declared, dict) or not all(isinstance(k, str) and isinstance(v, list) and v and
+                                                 all(isinstance(n, str) for n in v) for k, v in declared.items()):
+        raise ReferenceTraceError(f"reference {ref.path}: evidence_rules.qk_parts is not {{part: [variant names]}}. "
+                                  f"Regenerate it with mtp-oracle export.")
+    records = {}
+    for part, names in declared.items():
+        name = f"qk_{part}"
+        if not ref.has_evidence(name):
+            raise ReferenceTraceError(f"reference {ref.path}: evidence_rules.qk_parts names {part} but "
+                                      f"/evidence/{name} is missing. Regenerate it with mtp-oracle export.")
+        values = np.asarray(ref.evidence_rows(name, 0, ref.num_tokens))
+        if values.dtype != np.float32 or values.shape != (ref.num_tokens, len(names)) or \
+                not (np.isfinite(values) & (values >= 0)).all():
+            raise ReferenceTraceError(f"reference {ref.path}: /evidence/{name} is {values.dtype} {values.shape}, "
+                                      f"expected finite non-negative float32 ({ref.num_tokens}, {len(names)}) (one "
+                                      f"column per variant: {', '.join(names)}). Regenerate it with mtp-oracle "
+                                      f"export.")
+        records[part] = (names, values)
+    return records
 
 
 def _window(rules: dict) -> int | None:
@@ -363,14 +398,16 @@ def evidence_notes(ref: TraceSource) -> tuple[str, ...]:
         limited = int(np.count_nonzero(np.asarray(ref.evidence_rows("router_group_limited", 0, ref.num_tokens))))
         notes.append(f"{limited} of {ref.num_tokens} tokens had a routing decision that depended on the group "
                      f"limit (n_group/topk_group): a group-limit error can show only at those tokens")
-    window = _window(rules)
+    # A window the reference measured (qk_parts) is stated with the other parts (report.qk_lines), not assumed here.
+    window = None if "window" in (rules.get("qk_parts") or {}) else _window(rules)
     if window is not None and ref.num_tokens > window:
         notes.append(f"sliding window W={window}: steps t >= {window} ({ref.num_tokens - window} of "
                      f"{ref.num_tokens}) attend to W keys and drop the earlier ones, so their attn rows evidence "
                      f"the window")
     elif window is not None:
         notes.append(window_reason(window, ref.num_tokens))
-    known = {"qk_dependent", "routing_dependent", "absolute_positions", "router_group_limited", "window"}
+    known = {"qk_dependent", "routing_dependent", "absolute_positions", "router_group_limited", "window",
+             "qk_parts"}
     notes += [str(v) for k, v in sorted(rules.items()) if k not in known and isinstance(v, str)]
     return tuple(notes)
 

@@ -8,6 +8,17 @@ so `attn` and every stage after it (which see q/k only through `attn`) are not e
 are `qk_blind`. That is always so at t=0 (one key: softmax ≡ 1) and at every t when the value rows coincide
 (repeated token and hidden). A reference without the record is blind everywhere: at best `inconclusive`.
 
+That measures the attention weights as a whole, never one part of the q/k path: in a saturated head (a query's
+own key wins by a huge margin, or a sink takes almost all the mass) uniform weights move every row while RoPE
+removed or the KV append skipped move none. So the oracle also records, per q/k-path part its family has (RoPE,
+q_norm, k_norm, the KV append, the sliding window, the sink), how far each of the part's wrong variants moves every
+attn row (`/evidence/qk_<part>`, oracle/qk_parts.py), and the probe judges those distances with the attn
+tolerance: a compared attn row evidences a variant only where that variant would fail there. "The q/k path is
+evidenced" (needed to pass) means: the attention weights at some compared attn row (t >= 1 in practice), AND each
+variant of every part the reference measured at some compared attn row; else the verdict is inconclusive, naming
+the parts and variants not evidenced. A reference without the part records (an older oracle) keeps the first
+condition only, and every report says its parts were not measured (never that they are evidenced).
+
 A row that failed a self-check (unwritten, wrong shape or dtype) is never evidence of anything.
 """
 
@@ -29,9 +40,16 @@ REQUIRED_FOR_PASS = (ATTENTION, HEAD_OUTPUT)
 QK_DEPENDENT = STAGE_NAMES[stage_index(ATTENTION):]
 EXIT_CODES = {"pass": 0, "diverged": 1, "invalid": 2, "inconclusive": 3}
 
-QK_NOTE = (f"an {ATTENTION} row witnesses q, k, q_norm, k_norm and RoPE only where uniform attention weights would "
+QK_NOTE = (f"an {ATTENTION} row witnesses the attention weights (q·k) only where uniform attention weights would "
            f"have failed the tolerance there (measured by the oracle: /evidence/attn_uniform); elsewhere, t=0 "
-           f"always, {', '.join(QK_DEPENDENT)} are marked not evidential (~)")
+           f"always, {', '.join(QK_DEPENDENT)} are marked not evidential (~). It witnesses a part of the q/k path "
+           f"(RoPE, q_norm, k_norm, KV append, window, sink) only where that part's own wrong variants would have "
+           f"failed there (/evidence/qk_<part>)")
+PART_NAMES = {"rope": "RoPE", "q_norm": "q_norm", "k_norm": "k_norm", "kv_append": "KV append",
+              "window": "sliding window", "sink": "attention sink"}
+NOT_MEASURED = ("q/k path parts (RoPE, q_norm, k_norm, KV append, window, sink) not measured: the reference "
+                "records no /evidence/qk_<part> (it was exported by an older oracle), so none of them is claimed "
+                "evidenced; re-export it with this version of mtp-oracle to measure them")
 POSITION_NOTE = ("absolute positions are not evidenced by a self-contained trace: RoPE scores depend only on "
                  "relative positions, so a candidate that runs every step at a uniform offset p+k matches it "
                  "to rounding")
@@ -58,6 +76,9 @@ class QkSensitivity:
     recorded: bool  # False: the reference holds no /evidence/attn_uniform (every row counts as blind)
     dependent: tuple[str, ...] = QK_DEPENDENT  # stages that see q/k only through attention (the family's rule)
     window: int | None = None  # a sliding-window head's W (evidence_rules "window"): only T > W evidences it
+    # {part: {variant: bool [T]}}: where the variant's attn row would FAIL the tolerance (/evidence/qk_<part>);
+    # None when the reference predates the part records (the parts are "not measured")
+    parts: dict[str, dict[str, np.ndarray]] | None = None
 
     def blind(self, stage: str, start: int, stop: int) -> np.ndarray:
         """Rows start..stop of `stage` that cannot witness the q/k path."""
@@ -91,6 +112,26 @@ def qk_evidenced(rows: Iterable[StageRows]) -> bool:
     return bool(qk_evidence_tokens(rows))
 
 
+def part_evidence(rows: Iterable[StageRows], qk: QkSensitivity | None) -> dict[str, dict[str, list[int]]]:
+    """{part: {variant: tokens}}: the compared, valid attn rows where each variant of each measured part would have
+    failed the tolerance ({} when the parts were not measured or attn was not compared)."""
+    if qk is None or not qk.parts:
+        return {}
+    attn = next((r for r in rows if r.stage == ATTENTION), None)
+    if attn is None:
+        return {part: {v: [] for v in variants} for part, variants in qk.parts.items()}
+    valid = ~attn.has_status(NOT_EVIDENCE)
+    return {part: {v: attn.tokens[valid & caught[attn.start:attn.start + len(attn)]].tolist()
+                   for v, caught in variants.items()} for part, variants in qk.parts.items()}
+
+
+def parts_not_evidenced(rows: Iterable[StageRows], qk: QkSensitivity | None) -> dict[str, list[str]]:
+    """{part: [variants no compared attn row catches]} for the measured parts that are not evidenced."""
+    found = part_evidence(rows, qk)
+    return {part: [v for v, tokens in variants.items() if not tokens]
+            for part, variants in found.items() if not all(variants.values())}
+
+
 def decide(rows: Iterable[StageRows], problems: Sequence[str], captured: Sequence[str],
            qk: QkSensitivity | None = None) -> Verdict:
     """The verdict from self-check problems, the compared rows of each stage and the captured stages."""
@@ -113,7 +154,12 @@ def inconclusive_reasons(rows: Sequence[StageRows], captured: Sequence[str],
         reasons.append(f"not captured: {', '.join(missing)} (pass needs {' and '.join(REQUIRED_FOR_PASS)} compared)")
     if ATTENTION in captured and (not qk_evidenced(rows) or (qk is not None and not qk.recorded)):
         reasons.append(_no_qk_reason(rows, qk))
-    if ATTENTION in captured and qk is not None and qk.window is not None and len(qk.sensitive) <= qk.window:
+    missing_parts = parts_not_evidenced(rows, qk) if ATTENTION in captured else {}
+    if missing_parts:
+        reasons.append(parts_reason(missing_parts))
+    window_measured = qk is not None and qk.parts is not None and "window" in qk.parts
+    if (ATTENTION in captured and qk is not None and qk.window is not None and not window_measured
+            and len(qk.sensitive) <= qk.window):
         reasons.append(window_reason(qk.window, len(qk.sensitive)))
     tie = tie_reason(rows)
     if tie:
@@ -138,6 +184,16 @@ def tie_reason(rows: Sequence[StageRows]) -> str | None:
             f"{count} (stage, token) rows after the router ({', '.join(excused)}) differ and were not compared; "
             f"the rest is within tolerance. Compare at inputs without near-ties (other tokens or hidden rows), or "
             f"capture the candidate's own topk_ids so only the rows a flip explains are excused")
+
+
+def parts_reason(missing: dict[str, list[str]]) -> str:
+    """Why an all-within-tolerance comparison cannot pass while parts of the q/k path are not evidenced."""
+    named = "; ".join(f"{PART_NAMES.get(p, p)} ({', '.join(v)})" for p, v in missing.items())
+    return (f"q/k path parts not evidenced: {named}: no compared {ATTENTION} row would have failed the tolerance "
+            f"had the candidate made that mistake (measured by the oracle: /evidence/qk_<part>; a saturated "
+            f"attention, where one key or the sink takes almost all the weight, hides them), so a candidate with "
+            f"it gives the same rows; compare a reference whose inputs move them (other tokens, hidden rows, more "
+            f"steps)")
 
 
 def window_reason(window: int, num_tokens: int) -> str:

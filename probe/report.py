@@ -16,7 +16,8 @@ from probe.adapters.trace_file import CHECKED_INPUTS
 
 from probe.compare import DIVERGENT_STATUSES, STATUSES, Cell, RowStats, StageDiff, StageRows, most_severe
 from probe.diff import DiffReport
-from probe.evidence import ATTENTION, NO_RECORD, POSITION_NOTE, QK_DEPENDENT, QK_NOTE, cell_at, evidential_rows, qk_evidence_tokens
+from probe.evidence import (ATTENTION, NO_RECORD, NOT_MEASURED, PART_NAMES, POSITION_NOTE, QK_DEPENDENT, QK_NOTE,
+                            cell_at, evidential_rows, part_evidence, qk_evidence_tokens)
 from probe.rule import RULE
 from probe.selfcheck import Issue
 
@@ -316,23 +317,58 @@ def _worst_per_stage(report: DiffReport) -> str:
 
 
 def qk_text(report: DiffReport) -> str:
-    """How many attn rows witnessed the q/k path, out of how many the reference makes sensitive."""
+    """The q/k path's evidence in one statement, part by part (qk_lines)."""
+    return "; ".join(qk_lines(report))
+
+
+def qk_lines(report: DiffReport) -> list[str]:
+    """Per part of the q/k path: the attention weights (uniform-weights test), then each part the reference
+    measured (RoPE, q_norm, k_norm, KV append, window, sink): evidenced by which compared attn rows, or NOT
+    evidenced and why; for a reference without the part records, that they were not measured."""
+    return [_weights_line(report), *_part_lines(report)]
+
+
+def _weights_line(report: DiffReport) -> str:
     qk = qk_evidence_tokens(report.rows.values())
     sensitive = int(report.qk.sensitive.sum())
     if not report.qk.recorded:
-        return f"q/k path NOT evidenced: {NO_RECORD}"
+        return f"q/k path, attention weights: NOT evidenced: {NO_RECORD}"
     if qk:
-        return (f"q/k path evidenced by {len(qk)} {ATTENTION} row(s) at t={_ranges(tuple(qk))} (the reference has "
-                f"{sensitive} of {report.num_tokens} tokens whose attention output depends on the weights)")
+        return (f"q/k path, attention weights (q·k): evidenced by {len(qk)} {ATTENTION} row(s) at "
+                f"t={_ranges(tuple(qk))}, where uniform weights would fail (the reference has {sensitive} of "
+                f"{report.num_tokens} such tokens)")
     if ATTENTION not in report.captured:
-        return f"q/k path NOT evidenced: {ATTENTION} not captured"
-    return (f"q/k path NOT evidenced: no valid {ATTENTION} row at a token whose output depends on the attention "
-            f"weights ({sensitive} of {report.num_tokens} reference tokens do)")
+        return f"q/k path, attention weights: NOT evidenced: {ATTENTION} not captured"
+    return (f"q/k path, attention weights: NOT evidenced: no valid {ATTENTION} row at a token whose output depends "
+            f"on the attention weights ({sensitive} of {report.num_tokens} reference tokens do)")
+
+
+def _part_lines(report: DiffReport) -> list[str]:
+    if not report.qk.recorded:
+        return []
+    if report.qk.parts is None:
+        return [NOT_MEASURED]
+    found = part_evidence(report.rows.values(), report.qk)
+    lines = []
+    for part, variants in found.items():
+        name = PART_NAMES.get(part, part)
+        missing = [v for v, tokens in variants.items() if not tokens]
+        counts = ", ".join(f"{v} at {len(tokens)}" for v, tokens in variants.items())
+        if ATTENTION not in report.captured:
+            lines.append(f"q/k path, {name}: NOT evidenced: {ATTENTION} not captured")
+        elif missing:
+            lines.append(f"q/k path, {name}: NOT evidenced: no compared {ATTENTION} row would fail with "
+                         f"{', '.join(missing)} (rows that would fail, per variant: {counts})")
+        else:
+            rows = sorted({t for tokens in variants.values() for t in tokens})
+            lines.append(f"q/k path, {name}: evidenced: each wrong variant fails some compared {ATTENTION} row "
+                         f"(rows, per variant: {counts}; t={_ranges(tuple(rows))})")
+    return lines
 
 
 def _evidence(report: DiffReport) -> str:
     note = QK_NOTE.replace(", ".join(QK_DEPENDENT), ", ".join(report.qk.dependent))
-    lines = ["evidence:", f"  - {note}", f"  - {qk_text(report)}"]
+    lines = ["evidence:", f"  - {note}", *(f"  - {line}" for line in qk_lines(report))]
     lines += [f"  - {n}" for n in (report.evidence_notes or (POSITION_NOTE,))]
     if report.routing_ties:
         lines.append(f"  - routing near-ties at token(s) {_ranges(report.routing_ties)}: the reference's own top-k "
@@ -380,7 +416,10 @@ def _report_head(report: DiffReport) -> dict:
         "evidence_notes": [QK_NOTE, qk_text(report), *(report.evidence_notes or (POSITION_NOTE,))],
         "routing_ties": list(report.routing_ties),
         "qk_evidence": {"recorded": report.qk.recorded, "sensitive_tokens": int(report.qk.sensitive.sum()),
-                        "evidencing_tokens": qk_evidence_tokens(report.rows.values())},
+                        "evidencing_tokens": qk_evidence_tokens(report.rows.values()),
+                        "parts_measured": report.qk.parts is not None,
+                        "parts": {part: {"evidenced": all(variants.values()), "variants": variants}
+                                  for part, variants in part_evidence(report.rows.values(), report.qk).items()}},
         "findings": list(report.findings),
         "written_check": _written_text(report),
         "first_divergence": {"stage": first.stage, "token": first.token,

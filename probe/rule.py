@@ -82,6 +82,13 @@ class RowRule:
         budget = np.where(finite, np.minimum(ratios(max_rel, tol.rtol), ratios(sums["max_abs"], tol.atol)), np.inf)
         return Judgement(max_rel, budget, finite, finite & (budget < 1))
 
+    def passes_at(self, max_abs: np.ndarray, e_max: np.ndarray, tol: Tol) -> np.ndarray:
+        """Per row, from its max_abs and max|e| alone (all the rule reads of a finite row): whether it passes.
+        The probe judges the oracle's recorded q/k-part variant distances (/evidence/qk_<part>) with it."""
+        max_abs, e_max = np.asarray(max_abs, dtype=np.float64), np.asarray(e_max, dtype=np.float64)
+        budget = np.minimum(ratios(ratios(max_abs, e_max), tol.rtol), ratios(max_abs, tol.atol))
+        return np.isfinite(max_abs) & (budget < 1)
+
     def passes(self, actual: np.ndarray, expected: np.ndarray, tol: Tol) -> np.ndarray:
         """Per row of two float32 [rows, width] arrays: whether the rule passes it."""
         return self.judge(self.sums(actual, expected, tol), tol).passes
