@@ -152,3 +152,19 @@ def without_own_key(mask: torch.Tensor) -> torch.Tensor:
     steps = torch.arange(1, out.shape[-2])
     out[..., steps, steps] = torch.finfo(out.dtype).min
     return out
+
+
+def only_own_key(mask: torch.Tensor) -> torch.Tensor:
+    """The additive (1, 1, T, T) mask with each step seeing its own key only (a KV cache never appended to: each
+    step attends to the entry it just wrote)."""
+    out = torch.full_like(mask, torch.finfo(mask.dtype).min)
+    steps = torch.arange(out.shape[-2])
+    out[..., steps, steps] = 0.0
+    return out
+
+
+def kv_append_variants(run: Callable, mask: torch.Tensor) -> list[PartVariant]:
+    """The KV append's two wrong variants, from a family's pass factory `run(attention_mask=...)` and its real
+    mask: the current key missing, and only the current key (the cache never grows)."""
+    return [PartVariant("kv_append", "own_key_missing", run(attention_mask=without_own_key(mask))),
+            PartVariant("kv_append", "only_own_key", run(attention_mask=only_own_key(mask)))]

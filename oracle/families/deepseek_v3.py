@@ -74,4 +74,4 @@ def qk_part_variants(head: MtpLayerHead, rotary, inputs: TraceInputs, ah: np.nda
     other = "neox_halves" if config.rope_interleave else "interleaved"
     return [PartVariant("rope", "absent", p.run(rope=rotary_off(*p.rope))),
             PartVariant("rope", other, p.under(swapped, config, "rope_interleave", not config.rope_interleave)),
-            p.kv_append()]
+            *p.kv_append()]

@@ -46,7 +46,7 @@ from oracle.families.qwen3_5 import UpcastLinear, selection_margin
 from oracle.families.routing_evidence import topk_flip_distances
 from oracle.fp8 import E4M3, dequantize
 from oracle.qk_parts import (PartVariant, angles, neox_on_trailing_slice, other_norm_form, rotary_off, skipped,
-                             swapped, without_own_key)
+                             kv_append_variants, swapped)
 from oracle.trace import TraceInputs
 
 Stages = dict[str, torch.Tensor]
@@ -398,8 +398,7 @@ def qk_part_variants(head: V4MtpHead, rotary, inputs: TraceInputs, ah: np.ndarra
         PartVariant("k_norm", "absent", under(skipped, attention.kv_norm)),
         PartVariant("k_norm", "1_plus_w_not_w",
                     under(swapped, attention.kv_norm, "weight", other_norm_form(attention.kv_norm, False))),
-        PartVariant("kv_append", "own_key_missing", run(attention_mask=without_own_key(mask))),
-    ]
+    ] + kv_append_variants(run, mask)
     windows = {"one_less": window - 1, "one_more": window + 1, "none": num_tokens + 1}
     variants += [PartVariant("window", name, run(attention_mask=sliding_mask(num_tokens, w)))
                  for name, w in windows.items() if w >= 1]

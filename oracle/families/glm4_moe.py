@@ -83,4 +83,4 @@ def qk_part_variants(head: MtpLayerHead, rotary, inputs: TraceInputs, ah: np.nda
             variants += [PartVariant(part, "absent", p.under(skipped, norm)),
                          PartVariant(part, "1_plus_w_not_w", p.under(swapped, norm, "weight",
                                                                       other_norm_form(norm, False)))]
-    return variants + [p.kv_append()]
+    return variants + p.kv_append()

@@ -36,7 +36,7 @@ from oracle.families.routing_evidence import grouped_flip_distances
 from oracle.families.qwen3_5 import (UpcastLinear, _is_linear_weight, _step_tensors, _to_numpy,
                                      _widen_non_linear_parameters, causal_mask)
 from oracle.fp8 import E4M3, check_scale_shape, dequantize
-from oracle.qk_parts import PartVariant, without_own_key
+from oracle.qk_parts import PartVariant, kv_append_variants
 from oracle.trace import TraceInputs
 
 try:
@@ -421,8 +421,8 @@ class AttentionPass:
                 return self.run()()
         return go
 
-    def kv_append(self) -> "PartVariant":
-        return PartVariant("kv_append", "own_key_missing", self.run(mask=without_own_key(self.mask)))
+    def kv_append(self) -> list[PartVariant]:
+        return kv_append_variants(lambda attention_mask: self.run(mask=attention_mask), self.mask)
 
 
 @torch.inference_mode()

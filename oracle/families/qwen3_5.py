@@ -27,7 +27,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (Qwen3_5DecoderLayer, Q
 
 from oracle.attention_evidence import uniform_weights
 from oracle.qk_parts import (PartVariant, interleaved_on_rotary_slice, neox_cos_sin, other_norm_form, rotary_off,
-                             skipped, swapped, without_own_key)
+                             kv_append_variants, skipped, swapped)
 from oracle.checkpoint import Checkpoint, HeadWeights
 from oracle.errors import CheckpointError
 from oracle.families.moe_experts import RoutedExperts
@@ -338,7 +338,7 @@ def qk_part_variants(head: MtpHead, rotary, inputs: TraceInputs, ah: np.ndarray)
     """The wrong variants of each q/k-path part of a Qwen gated-attention head (oracle/qk_parts.py), each one pass
     of the official attention module on the trace's own `ah` rows: RoPE (cos = 1 and sin = 0; NeoX over all head
     dims; interleaved pairs on the rotary slice), q_norm and k_norm ((1+w) norms: skipped, or scaling by w) and the
-    KV append (each step's own key masked out). Any Qwen-stem family (3.5, 3.5-MoE, Next): its module's function."""
+    KV append (each step's own key masked out; each step seeing only its own key). Any Qwen-stem family (3.5, 3.5-MoE, Next): its module's function."""
     attention = head.layers[0].self_attn
     embed, _, positions = _step_tensors(inputs)
     rope, mask, x = rotary(embed, positions), causal_mask(inputs.num_tokens), torch.from_numpy(ah)[None]
@@ -364,8 +364,7 @@ def qk_part_variants(head: MtpHead, rotary, inputs: TraceInputs, ah: np.ndarray)
         norm = getattr(attention, part)
         variants += [PartVariant(part, "absent", under(skipped, norm)),
                      PartVariant(part, "w_not_1_plus_w", under(swapped, norm, "weight", other_norm_form(norm, True)))]
-    variants.append(PartVariant("kv_append", "own_key_missing", run(attention_mask=without_own_key(mask))))
-    return variants
+    return variants + kv_append_variants(run, mask)
 
 
 @torch.inference_mode()
