@@ -50,6 +50,11 @@ class PartVariant:
     name: str
     run: Callable[[], torch.Tensor]
 
+    def rows(self) -> np.ndarray:
+        """attn [T, D] float32 under this variant (no autograd: the export's inference mode)."""
+        with torch.inference_mode():
+            return self.run().detach().to(torch.float32).numpy()
+
 
 def measure(variants: list[PartVariant], attn: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, list[str]]]:
     """Run every variant (projections replayed) and return ({dataset: [T, V] max_abs}, {part: [variant names]})."""
@@ -58,7 +63,7 @@ def measure(variants: list[PartVariant], attn: np.ndarray) -> tuple[dict[str, np
     names: dict[str, list[str]] = {}
     with torch.inference_mode(), replayed_projections():
         for variant in variants:
-            rows = variant.run().detach().to(torch.float64).reshape(len(real), -1).numpy()
+            rows = variant.rows().astype(np.float64).reshape(len(real), -1)
             columns.setdefault(variant.part, []).append(max_abs_toward_zero(rows, real))
             names.setdefault(variant.part, []).append(variant.name)
     return {dataset_name(p): np.stack(c, axis=1) for p, c in columns.items()}, names

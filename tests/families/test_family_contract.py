@@ -1,6 +1,8 @@
 """The family contract: every family in the registry, on a tiny checkpoint of its own, must
 
-1. export with the CLI, writing exactly its stage list (with docs and kinds) and evidence;
+1. export with the CLI, writing exactly its stage list (with docs and kinds) and evidence, the q/k-path parts its
+   head has measured from its own variants (each caught somewhere on these distinct inputs; a candidate whose attn
+   is a variant's diverges);
 2. agree with the official transformers decoder layer stepping through its KV cache (the transcribed tail);
 3. agree between its stepwise and batched runs;
 4. load strictly: a missing or an extra head tensor is an error naming it;
@@ -23,7 +25,7 @@ from oracle.families.registry import FAMILIES, head_module
 from oracle.trace import read_trace
 from probe.diff import diff_traces
 from tests.helpers import load_script, run_cli
-from tests.probe.tracekit import load_trace
+from tests.probe.tracekit import load_trace, write_raw
 
 FIXTURES = load_script("make_fixtures")
 TOKENS = "5,17,3,99,200,7,42,5"
@@ -77,6 +79,56 @@ def test_export_writes_the_familys_stage_list_with_docs_and_evidence(family):
         assert {s.name: s.kind for s in trace.stage_list} == {s.name: s.kind for s in spec.stages(cfg)}
         assert trace.has_evidence("attn_uniform")
         assert trace.attrs["evidence_rules"]["qk_dependent"][0] == spec.qk_dependent_from
+
+
+QK_PARTS = {  # the q/k-path parts each family's head has (oracle/families/*.py qk_part_variants)
+    "qwen3_5": {"rope", "q_norm", "k_norm", "kv_append"}, "qwen3_5_moe": {"rope", "q_norm", "k_norm", "kv_append"},
+    "qwen3_next": {"rope", "q_norm", "k_norm", "kv_append"}, "deepseek_v3": {"rope", "kv_append"},
+    "glm4_moe": {"rope", "q_norm", "k_norm", "kv_append"},
+    "deepseek_v4": {"rope", "q_norm", "k_norm", "kv_append", "window", "sink"},
+}
+
+
+def test_export_measures_each_qk_part_from_the_familys_own_variants(family):
+    """The record equals each variant's attn rows (the official module re-run) against the real ones, and every
+    variant moves some row of these distinct inputs: a diff of the reference with itself evidences every part."""
+    name, ckpt, batched, _ = family
+    inputs, stages = load_trace(batched)
+    checkpoint = Checkpoint(ckpt)
+    impl = head_module(checkpoint.family)
+    head, rotary = impl.build_head(checkpoint.config, impl.torch_weights(checkpoint.read_head(widen=False)))
+    variants = impl.qk_part_variants(head, rotary, inputs, stages["ah"])
+    with read_trace(batched) as trace:
+        parts = trace.attrs["evidence_rules"]["qk_parts"]
+        records = {p: trace.evidence_rows(f"qk_{p}") for p in parts}
+    assert set(parts) == QK_PARTS[name]
+    assert [(v.part, v.name) for v in variants] == [(p, n) for p in dict.fromkeys(v.part for v in variants)
+                                                     for n in parts[p]]
+    columns = {p: 0 for p in parts}
+    for v in variants:
+        rows = v.rows()
+        distance = np.abs(rows.astype(np.float64) - stages["attn"]).max(axis=1)
+        np.testing.assert_allclose(records[v.part][:, columns[v.part]], distance, rtol=1e-6, atol=1e-12,
+                                   err_msg=f"{v.part} {v.name}")
+        assert (distance > 1e-3 * np.abs(stages["attn"]).max()).any(), f"{v.part} {v.name} moves no row"
+        columns[v.part] += 1
+    report = diff_traces(batched, batched)
+    assert report.verdict.name == "pass", report.verdict.reasons
+    assert set(report.qk.parts) == QK_PARTS[name]
+
+
+def test_twin_a_candidate_whose_attn_is_a_variants_diverges(family, tmp_path):
+    """RoPE absent (every family has RoPE): a candidate computing attn that way diverges at attn."""
+    name, ckpt, batched, _ = family
+    inputs, stages = load_trace(batched)
+    checkpoint = Checkpoint(ckpt)
+    impl = head_module(checkpoint.family)
+    head, rotary = impl.build_head(checkpoint.config, impl.torch_weights(checkpoint.read_head(widen=False)))
+    variant = next(v for v in impl.qk_part_variants(head, rotary, inputs, stages["ah"])
+                   if (v.part, v.name) == ("rope", "absent"))
+    cand = write_raw(tmp_path / "cand", {"attn": variant.rows(), "out": stages["out"]})
+    report = diff_traces(batched, cand)
+    assert report.verdict.name == "diverged" and report.first.stage == "attn"
 
 
 def test_the_transcribed_tail_equals_the_official_decoder_layer_stepping_through_its_cache(family):
