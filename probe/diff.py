@@ -25,7 +25,7 @@ from probe.compare import (ALIGNED_BY_IDS, DIVERGENT_STATUSES, INDEX_STAGE, Cell
                            compare_index_sets, in_expected_id_order, join_rows, mark_ties, most_severe,
                            not_compared_rows, oracle_finite, rows_from_sums, stream_detail)
 from probe.errors import ProbeError, ReferenceTraceError
-from probe.evidence import ATTENTION, POSITION_NOTE, QkSensitivity, Verdict, cell_at, decide, window_reason
+from probe.evidence import ATTENTION, PART_NAMES, POSITION_NOTE, QkSensitivity, Verdict, cell_at, decide, window_reason
 from probe.localize import first_divergence, first_divergence_per_token
 from probe.rule import RULE
 from probe.findings import candidate_findings
@@ -349,7 +349,9 @@ def qk_sensitivity(ref: TraceSource, tol: Tol) -> QkSensitivity:
         sensitive[start:stop] = ~rows.has_status({"ok"})
         for part, (_, distances) in parts.items():  # a variant is caught where its row would FAIL the rule
             caught[part][start:stop] = ~RULE.passes_at(distances[start:stop], sums["e_max"][:, None], tol)
-    measured = {part: dict(zip(names, caught[part].T)) for part, (names, _) in parts.items()}
+    order = list(PART_NAMES)  # RoPE, q_norm, k_norm, KV append, window, sink: the reports' order
+    measured = {part: dict(zip(parts[part][0], caught[part].T))
+                for part in sorted(parts, key=lambda p: (order.index(p) if p in order else len(order), p))}
     return QkSensitivity(sensitive, recorded=True, dependent=dependent, window=_window(rules),
                          parts=measured if "qk_parts" in rules else None)
 

@@ -14,7 +14,7 @@ removed or the KV append skipped move none. So the oracle also records, per q/k-
 q_norm, k_norm, the KV append, the sliding window, the sink), how far each of the part's wrong variants moves every
 attn row (`/evidence/qk_<part>`, oracle/qk_parts.py), and the probe judges those distances with the attn
 tolerance: a compared attn row evidences a variant only where that variant would fail there. "The q/k path is
-evidenced" (needed to pass) means: the attention weights at some compared attn row (t >= 1 in practice), AND each
+evidenced" (needed to pass) means: the attention pattern at some compared attn row (t >= 1 in practice), AND each
 variant of every part the reference measured at some compared attn row; else the verdict is inconclusive, naming
 the parts and variants not evidenced. A reference without the part records (an older oracle) keeps the first
 condition only, and every report says its parts were not measured (never that they are evidenced).
@@ -40,7 +40,7 @@ REQUIRED_FOR_PASS = (ATTENTION, HEAD_OUTPUT)
 QK_DEPENDENT = STAGE_NAMES[stage_index(ATTENTION):]
 EXIT_CODES = {"pass": 0, "diverged": 1, "invalid": 2, "inconclusive": 3}
 
-QK_NOTE = (f"an {ATTENTION} row witnesses the attention weights (q·k) only where uniform attention weights would "
+QK_NOTE = (f"an {ATTENTION} row witnesses the attention pattern (softmax(q·k)) only where uniform attention weights would "
            f"have failed the tolerance there (measured by the oracle: /evidence/attn_uniform); elsewhere, t=0 "
            f"always, {', '.join(QK_DEPENDENT)} are marked not evidential (~). It witnesses a part of the q/k path "
            f"(RoPE, q_norm, k_norm, KV append, window, sink) only where that part's own wrong variants would have "

@@ -292,20 +292,23 @@ def _coverage(explainer, report: DiffReport, tokens: int, row_ok, ref, cand) -> 
     captured = tuple(report.captured)
     tensors = explainer.coverage(captured, tokens, row_ok)
     short = {t["tensor"]: _short(t["tensor"]) for t in tensors}
+    # Tensor VALUES (a 1% error), in words apart from the evidence section's q/k-path PARTS (wiring variants), so
+    # "q/k path, RoPE: evidenced" there and "k_proj: a 1% error moves no row" here never read as a contradiction.
     lines, evidenced = [], [short[t["tensor"]] for t in tensors if t["evidenced"]]
     if evidenced:
-        lines.append(f"{', '.join(evidenced)}: evidenced")
+        lines.append(f"{', '.join(evidenced)}: values evidenced (a 1% error fails a compared row)")
     blind = [t for t in tensors if not t["evidenced"]]
     qk_rows = int(report.qk.sensitive[:tokens].sum()) if report.qk.recorded else 0
     qk_path = getattr(explainer.ops, "qk_path", QK_PATH)
     qk = [short[t["tensor"]] for t in blind if short[t["tensor"]] in qk_path]
     if qk:
-        why = ("no sensitive attention row" if qk_rows == 0 or "attn" not in captured
-               else f"the {qk_rows} attention row(s) that depend on the weights do not move beyond tolerance")
-        lines.append(f"{', '.join(qk)}: not evidenced ({why})")
+        why = ("no attn row where the attention pattern matters" if qk_rows == 0 or "attn" not in captured
+               else f"it stays within tolerance at the {qk_rows} attn row(s) where the attention pattern matters")
+        lines.append(f"{', '.join(qk)}: values NOT evidenced: a 1% error moves no compared row ({why}; the q/k "
+                     f"path's parts are stated under evidence)")
     other = [short[t["tensor"]] for t in blind if short[t["tensor"]] not in qk_path]
     if other:
-        lines.append(f"{', '.join(other)}: not evidenced (no compared row moves beyond tolerance)")
+        lines.append(f"{', '.join(other)}: values NOT evidenced: a 1% error moves no compared row beyond tolerance")
     experts = _experts(explainer, report, ref, cand, tokens)
     if experts:
         never, unseen = experts["never_routed"], experts["not_evidenced"]

@@ -322,7 +322,7 @@ def qk_text(report: DiffReport) -> str:
 
 
 def qk_lines(report: DiffReport) -> list[str]:
-    """Per part of the q/k path: the attention weights (uniform-weights test), then each part the reference
+    """Per part of the q/k path: the attention pattern (uniform-weights test), then each part the reference
     measured (RoPE, q_norm, k_norm, KV append, window, sink): evidenced by which compared attn rows, or NOT
     evidenced and why; for a reference without the part records, that they were not measured."""
     return [_weights_line(report), *_part_lines(report)]
@@ -332,14 +332,14 @@ def _weights_line(report: DiffReport) -> str:
     qk = qk_evidence_tokens(report.rows.values())
     sensitive = int(report.qk.sensitive.sum())
     if not report.qk.recorded:
-        return f"q/k path, attention weights: NOT evidenced: {NO_RECORD}"
+        return f"q/k path, attention pattern: NOT evidenced: {NO_RECORD}"
     if qk:
-        return (f"q/k path, attention weights (q·k): evidenced by {len(qk)} {ATTENTION} row(s) at "
-                f"t={_ranges(tuple(qk))}, where uniform weights would fail (the reference has {sensitive} of "
-                f"{report.num_tokens} such tokens)")
+        return (f"q/k path, attention pattern (softmax(q·k), not uniform weights): evidenced by {len(qk)} "
+                f"{ATTENTION} row(s) at t={_ranges(tuple(qk))}, where uniform weights would fail (the reference has "
+                f"{sensitive} of {report.num_tokens} such tokens)")
     if ATTENTION not in report.captured:
-        return f"q/k path, attention weights: NOT evidenced: {ATTENTION} not captured"
-    return (f"q/k path, attention weights: NOT evidenced: no valid {ATTENTION} row at a token whose output depends "
+        return f"q/k path, attention pattern: NOT evidenced: {ATTENTION} not captured"
+    return (f"q/k path, attention pattern: NOT evidenced: no valid {ATTENTION} row at a token whose output depends "
             f"on the attention weights ({sensitive} of {report.num_tokens} reference tokens do)")
 
 

@@ -90,7 +90,7 @@ def test_t1_all_matching_is_inconclusive_and_t8_passes(ref_t1):
     assert result.exit_code == 3
     assert last_line(result).startswith("INCONCLUSIVE | all compared rows within tolerance, but attn compared "
                                         "only at t=0")
-    assert "q/k path NOT evidenced" in result.output
+    assert "q/k path, attention pattern: NOT evidenced" in result.output
     assert diff_cli(TINY_REF, TINY_REF).exit_code == 0
 
 
@@ -110,7 +110,9 @@ def test_attn_missing_still_diverges_when_something_differs(tmp_path, ref_data):
 def test_every_report_states_what_a_trace_cannot_evidence():
     result = diff_cli(TINY_REF, TINY_REF)
     assert "absolute positions are not evidenced" in result.output
-    assert "q/k path evidenced by 7 attn row(s) at t=1-7" in result.output
+    assert ("q/k path, attention pattern (softmax(q·k), not uniform weights): evidenced by 7 attn row(s) at t=1-7"
+            in result.output)
+    assert "q/k path, RoPE: evidenced" in result.output and "q/k path, KV append: evidenced" in result.output
     assert "the candidate is the reference file itself" in result.output.splitlines()[-1]
     assert "0~" in result.output  # t=0 attention cells are marked not evidential
 

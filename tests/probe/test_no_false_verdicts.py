@@ -46,7 +46,7 @@ def test_degenerate_attention_is_not_q_k_evidence_and_a_q_k_bug_cannot_pass(dege
     result = run_cli(cli, ["run", degenerate_ref, "--impl", PY + "no_qk_norm", "--checkpoint", TINY])
     assert result.exit_code == 3, result.output
     assert last_line(result).startswith("INCONCLUSIVE |") and "no attn row depends on the attention" in result.output
-    assert "q/k path NOT evidenced" in result.output and "0 of 6 reference tokens" in result.output
+    assert "q/k path, attention pattern: NOT evidenced" in result.output and "0 of 6 reference tokens" in result.output
 
 
 def test_twin_the_same_q_k_bug_diverges_at_attention_on_distinct_inputs():
