@@ -76,7 +76,9 @@ def child_evidence(ckpt: str, t: int) -> None:
     head, rotary = impl.build_head(c.config, impl.torch_weights(c.read_head(widen=False, digest=False)))
     inputs = TraceInputs(token_ids=token_ids(t), positions=positions_from_start(t, 0),
                          hidden=hidden_from_seed(0, t, c.config.hidden_size), embed=c.embedding_rows(token_ids(t)))
-    best = {"forward": float("inf"), "spec": float("inf"), "fast": float("inf")}
+    from oracle.export import qk_part_evidence
+
+    best = {"forward": float("inf"), "spec": float("inf"), "fast": float("inf"), "parts": float("inf")}
 
     def timed(key, fn):
         begin = time.perf_counter()
@@ -88,6 +90,7 @@ def child_evidence(ckpt: str, t: int) -> None:
         with reused_projections(head):
             stages = timed("forward", lambda: impl.run_batched(head, rotary, inputs))
             fast = timed("fast", lambda: impl.attention_with_uniform_weights(head, rotary, inputs, stages["ah"]))
+            timed("parts", lambda: qk_part_evidence(impl, head, rotary, inputs, stages["ah"], stages["attn"]))
         with specified_uniform_weights():
             spec = timed("spec", lambda: impl.attention_with_uniform_weights(head, rotary, inputs, stages["ah"]))
     print(json.dumps({**best, "max_rel": float(np.abs(fast - spec).max() / np.abs(spec).max())}))
@@ -348,6 +351,8 @@ def bench_export(ckpt: Path, work: Path, rate: float, gemm: dict[int, float], ro
         rows.append((f"export evidence pass (attn_uniform), T={t}", f"{ev['fast']:.3f} s",
                      f"before: {ev['spec']:.3f} s; forward {ev['forward']:.2f} s", f"{ev['fast'] / ev['spec']:.2f}x",
                      f"max rel diff {ev['max_rel']:.1e}"))
+        rows.append((f"export evidence pass (q/k parts, oracle/qk_parts.py), T={t}", f"{ev['parts']:.3f} s",
+                     f"forward {ev['forward']:.2f} s", f"{ev['parts'] / ev['forward']:.2f}x of the forward", ""))
         naive_wall, naive_rss, naive_out = run_child([PY, __file__, "child-naive", str(ckpt), str(t)])
         naive = json.loads(naive_out)["naive_s"]
         rows.append((f"naive (default init + load_state_dict), T={t}", f"{naive:.2f} s", f"RSS {naive_rss:.2f} GB",
