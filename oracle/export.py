@@ -172,7 +172,7 @@ def qk_part_evidence(impl, head, rotary, inputs: TraceInputs, ah: np.ndarray,
     caller (a chain's depth too) gives its own inputs, `ah` and `attn`."""
     from oracle.qk_parts import measure
 
-    return measure(impl.qk_part_variants(head, rotary, inputs, ah), attn)
+    return measure(impl.qk_part_variants(head, rotary, inputs, ah), attn, impl.qk_output_projection(head))
 
 
 class _Prefetch:

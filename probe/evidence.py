@@ -40,9 +40,9 @@ REQUIRED_FOR_PASS = (ATTENTION, HEAD_OUTPUT)
 QK_DEPENDENT = STAGE_NAMES[stage_index(ATTENTION):]
 EXIT_CODES = {"pass": 0, "diverged": 1, "invalid": 2, "inconclusive": 3}
 
-QK_NOTE = (f"an {ATTENTION} row witnesses the attention pattern (softmax(q·k)) only where uniform attention weights would "
-           f"have failed the tolerance there (measured by the oracle: /evidence/attn_uniform); elsewhere, t=0 "
-           f"always, {', '.join(QK_DEPENDENT)} are marked not evidential (~). It witnesses a part of the q/k path "
+QK_NOTE = (f"an {ATTENTION} row witnesses the attention pattern (softmax(q·k)) only where uniform attention "
+           f"weights would have failed the tolerance there (measured by the oracle: /evidence/attn_uniform); "
+           f"elsewhere, t=0 always, {', '.join(QK_DEPENDENT)} are marked not evidential (~). It witnesses a part of the q/k path "
            f"(RoPE, q_norm, k_norm, KV append, window, sink) only where that part's own wrong variants would have "
            f"failed there (/evidence/qk_<part>)")
 PART_NAMES = {"rope": "RoPE", "q_norm": "q_norm", "k_norm": "k_norm", "kv_append": "KV append",

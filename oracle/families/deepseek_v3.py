@@ -12,10 +12,10 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3Deco
                                                                   DeepseekV3RMSNorm, DeepseekV3RotaryEmbedding)
 
 from oracle.families.deepseek_v3_layout import HeadConfig, layout
-from oracle.families.mtp_layer import (AttentionPass, MtpLayerHead, attention_with_uniform_weights, build_mtp_layer_head,
-                                       causal_mask, embedding_rows, load_official_main_model,
-                                       main_model_hidden, official_layer_stepwise, run_batched, run_stepwise,
-                                       torch_weights)
+from oracle.families.mtp_layer import (AttentionPass, MtpLayerHead, attention_with_uniform_weights,
+                                       build_mtp_layer_head, causal_mask, embedding_rows, load_official_main_model,
+                                       main_model_hidden, official_layer_stepwise, qk_output_projection, run_batched,
+                                       run_stepwise, torch_weights)
 from oracle.families.mtp_layer_explain import DEEPSEEK_V3 as EXPLAIN_VARIANTS
 from oracle.families.mtp_layer_explain import explain_ops
 from oracle.qk_parts import PartVariant, rotary_off, swapped
@@ -23,7 +23,8 @@ from oracle.trace import TraceInputs
 
 __all__ = ["EXPLAIN_VARIANTS", "MtpLayerHead", "attention_with_uniform_weights", "build_head", "causal_mask",
            "embedding_rows", "explain_ops", "head_text_config", "load_main_model", "main_model_hidden",
-           "main_text_config", "official_layer_stepwise", "qk_part_variants", "run_batched", "run_stepwise", "torch_weights"]
+           "main_text_config", "official_layer_stepwise", "qk_output_projection", "qk_part_variants", "run_batched",
+           "run_stepwise", "torch_weights"]
 
 
 def head_text_config(cfg: HeadConfig) -> DeepseekV3Config:

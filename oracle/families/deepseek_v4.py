@@ -363,6 +363,12 @@ def attention_with_uniform_weights(head: V4MtpHead, rotary, inputs: TraceInputs,
     return attn[0].numpy()
 
 
+def qk_output_projection(head: V4MtpHead) -> nn.Module:
+    """The attention module's last linear (o_b_proj after the grouped o_a_proj), whose output it returns as is
+    (oracle/qk_parts.py `measure`)."""
+    return head.layer.self_attn.o_b_proj
+
+
 def qk_part_variants(head: V4MtpHead, rotary, inputs: TraceInputs, ah: np.ndarray) -> list[PartVariant]:
     """The wrong variants of each q/k-path part of the official DeepseekV4Attention (oracle/qk_parts.py), one pass
     each on the trace's own `ah` rows: RoPE (cos = 1 and sin = 0; over all head dims instead of the trailing rope
@@ -504,4 +510,5 @@ def main_lm_head_input(checkpoint: Checkpoint, hidden: np.ndarray) -> np.ndarray
 
 __all__ = ["V4MtpHead", "attention_with_uniform_weights", "build_head", "embedding_rows", "head_text_config",
            "load_main_model", "main_lm_head_input", "main_model_hidden", "main_text_config",
-           "official_layer_stepwise", "qk_part_variants", "run_batched", "run_stepwise", "sliding_mask", "torch_weights"]
+           "official_layer_stepwise", "qk_output_projection", "qk_part_variants", "run_batched", "run_stepwise",
+           "sliding_mask", "torch_weights"]

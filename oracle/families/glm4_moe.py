@@ -14,10 +14,10 @@ from transformers.models.glm4_moe.modeling_glm4_moe import (Glm4MoeDecoderLayer,
                                                             Glm4MoeRotaryEmbedding)
 
 from oracle.families.glm4_moe_layout import HeadConfig, layout
-from oracle.families.mtp_layer import (AttentionPass, MtpLayerHead, attention_with_uniform_weights, build_mtp_layer_head,
-                                       causal_mask, embedding_rows, load_official_main_model,
-                                       main_model_hidden, official_layer_stepwise, run_batched, run_stepwise,
-                                       torch_weights)
+from oracle.families.mtp_layer import (AttentionPass, MtpLayerHead, attention_with_uniform_weights,
+                                       build_mtp_layer_head, causal_mask, embedding_rows, load_official_main_model,
+                                       main_model_hidden, official_layer_stepwise, qk_output_projection, run_batched,
+                                       run_stepwise, torch_weights)
 from oracle.families.mtp_layer_explain import GLM4_MOE as EXPLAIN_VARIANTS
 from oracle.families.mtp_layer_explain import explain_ops
 from oracle.qk_parts import (PartVariant, interleaved_on_rotary_slice, neox_cos_sin, other_norm_form, rotary_off,
@@ -26,7 +26,8 @@ from oracle.trace import TraceInputs
 
 __all__ = ["EXPLAIN_VARIANTS", "MtpLayerHead", "attention_with_uniform_weights", "build_head", "causal_mask",
            "embedding_rows", "explain_ops", "head_text_config", "load_main_model", "main_model_hidden",
-           "main_text_config", "official_layer_stepwise", "qk_part_variants", "run_batched", "run_stepwise", "torch_weights"]
+           "main_text_config", "official_layer_stepwise", "qk_output_projection", "qk_part_variants", "run_batched",
+           "run_stepwise", "torch_weights"]
 
 
 def head_text_config(cfg: HeadConfig) -> Glm4MoeConfig:

@@ -391,6 +391,11 @@ def attention_with_uniform_weights(head: MtpLayerHead, rotary, inputs: TraceInpu
     return attn[0].numpy()
 
 
+def qk_output_projection(head: MtpLayerHead) -> nn.Module:
+    """The attention module's last linear, whose output it returns as is (oracle/qk_parts.py `measure`)."""
+    return head.layer.mtp_block.self_attn.o_proj
+
+
 @dataclass(frozen=True)
 class AttentionPass:
     """The official attention module of an MtpLayer head on the trace's own `ah` rows, for the q/k-part variants
@@ -481,6 +486,6 @@ def main_model_hidden(model, sequence: np.ndarray) -> np.ndarray:
     return run_main_model(model, sequence)[0].float().numpy()
 
 
-__all__ = ["AttentionPass", "MtpLayerHead", "attention_with_uniform_weights", "build_mtp_layer_head", "causal_mask", "embedding_rows",
-           "load_official_main_model", "main_layout", "main_model_hidden", "official_layer_stepwise", "run_batched",
-           "run_stepwise", "torch_weights"]
+__all__ = ["AttentionPass", "MtpLayerHead", "attention_with_uniform_weights", "build_mtp_layer_head", "causal_mask",
+           "embedding_rows", "load_official_main_model", "main_layout", "main_model_hidden", "official_layer_stepwise",
+           "qk_output_projection", "run_batched", "run_stepwise", "torch_weights"]

@@ -334,11 +334,17 @@ def attention_with_uniform_weights(head: MtpHead, rotary: Qwen3_5TextRotaryEmbed
     return attn[0].numpy()
 
 
+def qk_output_projection(head: MtpHead) -> nn.Module:
+    """The attention module's last linear, whose output it returns as is (oracle/qk_parts.py `measure`)."""
+    return head.layers[0].self_attn.o_proj
+
+
 def qk_part_variants(head: MtpHead, rotary, inputs: TraceInputs, ah: np.ndarray) -> list[PartVariant]:
     """The wrong variants of each q/k-path part of a Qwen gated-attention head (oracle/qk_parts.py), each one pass
     of the official attention module on the trace's own `ah` rows: RoPE (cos = 1 and sin = 0; NeoX over all head
     dims; interleaved pairs on the rotary slice), q_norm and k_norm ((1+w) norms: skipped, or scaling by w) and the
-    KV append (each step's own key masked out; each step seeing only its own key). Any Qwen-stem family (3.5, 3.5-MoE, Next): its module's function."""
+    KV append (each step's own key masked out; each step seeing only its own key). Any Qwen-stem family (3.5,
+    3.5-MoE, Next): RoPE's function is swapped in the attention class's own module."""
     attention = head.layers[0].self_attn
     embed, _, positions = _step_tensors(inputs)
     rope, mask, x = rotary(embed, positions), causal_mask(inputs.num_tokens), torch.from_numpy(ah)[None]

@@ -19,7 +19,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (Qwen3_5MoeDeco
 
 from oracle.families.qwen3_5 import (MtpHead, QwenClasses, attention_with_uniform_weights, build_qwen_head,
                                      causal_mask, load_main_model as _load_main_model, main_model_hidden,
-                                     official_layer_stepwise, qk_part_variants,
+                                     official_layer_stepwise, qk_output_projection, qk_part_variants,
                                      routed_experts, run_batched, run_stepwise, torch_weights)
 from oracle.families.qwen3_5_layout import HeadConfig
 from oracle.families.qwen3_5_moe_layout import moe_layout
@@ -27,8 +27,8 @@ from oracle.families.qwen3_5_moe_layout import moe_layout
 CLASSES = QwenClasses(Qwen3_5MoeTextConfig, Qwen3_5MoeDecoderLayer, Qwen3_5MoeRMSNorm, Qwen3_5MoeTextRotaryEmbedding,
                       Qwen3_5MoeTextModel)
 __all__ = ["CLASSES", "MtpHead", "attention_with_uniform_weights", "build_head", "causal_mask", "head_text_config",
-           "load_main_model", "main_model_hidden", "official_layer_stepwise", "qk_part_variants", "run_batched", "run_stepwise",
-           "torch_weights"]
+           "load_main_model", "main_model_hidden", "official_layer_stepwise", "qk_output_projection",
+           "qk_part_variants", "run_batched", "run_stepwise", "torch_weights"]
 
 
 def head_text_config(cfg: HeadConfig) -> Qwen3_5MoeTextConfig:

@@ -15,7 +15,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (Qwen3NextDecoder
 
 from oracle.families.qwen3_5 import (MtpHead, QwenClasses, attention_with_uniform_weights, build_qwen_head,
                                      causal_mask, load_main_model as _load_main_model, main_model_hidden,
-                                     official_layer_stepwise, qk_part_variants,
+                                     official_layer_stepwise, qk_output_projection, qk_part_variants,
                                      routed_experts, run_batched, run_stepwise, torch_weights)
 from oracle.families.qwen3_5_layout import HeadConfig
 from oracle.families.qwen3_5_moe_layout import moe_layout
@@ -23,8 +23,8 @@ from oracle.families.qwen3_5_moe_layout import moe_layout
 CLASSES = QwenClasses(Qwen3NextConfig, Qwen3NextDecoderLayer, Qwen3NextRMSNorm, Qwen3NextRotaryEmbedding,
                       Qwen3NextModel)
 __all__ = ["CLASSES", "MtpHead", "attention_with_uniform_weights", "build_head", "causal_mask", "head_text_config",
-           "load_main_model", "main_model_hidden", "official_layer_stepwise", "qk_part_variants", "run_batched", "run_stepwise",
-           "torch_weights"]
+           "load_main_model", "main_model_hidden", "official_layer_stepwise", "qk_output_projection",
+           "qk_part_variants", "run_batched", "run_stepwise", "torch_weights"]
 
 
 def head_text_config(cfg: HeadConfig) -> Qwen3NextConfig:
