@@ -129,6 +129,12 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     blind = qk_blind_tokens(stages["attn"], evidence["attn_uniform"])
     if blind.all():
         warn(qk_warning(inputs.num_tokens))
+    else:
+        from oracle.qk_parts import parts_warning, parts_without_evidence
+
+        missing = parts_without_evidence(part_rows, qk_parts, stages["attn"])
+        if missing:
+            warn(parts_warning(missing))
     if "topk_margin" in evidence and "router_logits" in stages:
         from oracle.families.routing_evidence import near_tie_tokens, near_tie_warning
 

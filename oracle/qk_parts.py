@@ -78,6 +78,32 @@ def measure(variants: list[PartVariant], attn: np.ndarray,
     return {dataset_name(p): np.stack(c, axis=1) for p, c in columns.items()}, names
 
 
+def parts_without_evidence(records: dict[str, np.ndarray], names: dict[str, list[str]],
+                           attn: np.ndarray) -> dict[str, list[str]]:
+    """{part: [variants]} that move no row past the probe's default float32 tolerance (attention_evidence's
+    WARN_RTOL/WARN_ATOL): only to decide whether the export warns; the probe judges with the candidate's own."""
+    from oracle.attention_evidence import WARN_ATOL, WARN_RTOL
+
+    e_max = np.abs(np.asarray(attn, dtype=np.float64)).max(axis=1, initial=0.0)[:, None]
+    missing = {}
+    for part, variants in names.items():
+        d = records[dataset_name(part)].astype(np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            caught = (d >= WARN_ATOL) & ~(d < WARN_RTOL * e_max)
+        lost = [v for v, hit in zip(variants, caught.any(axis=0)) if not hit]
+        if lost:
+            missing[part] = lost
+    return missing
+
+
+def parts_warning(missing: dict[str, list[str]]) -> str:
+    named = "; ".join(f"{part} ({', '.join(variants)})" for part, variants in missing.items())
+    return (f"warning: on these inputs no attn row moves past the float32 tolerance under these wrong variants of "
+            f"the q/k path: {named}. A diff against this trace is at best inconclusive about those parts (a "
+            f"saturated attention, where one key or the sink takes almost all the weight, hides them); export with "
+            f"other tokens, hidden rows or more steps.")
+
+
 class _Deferred:
     """The inputs a deferred linear was called with; `finish` runs it once on all of them (rows axis -2)."""
 

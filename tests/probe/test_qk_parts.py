@@ -56,7 +56,16 @@ def saturated_checkpoint(out: Path) -> Path:
 def saturated(tmp_path_factory):
     root = tmp_path_factory.mktemp("saturated")
     ckpt = saturated_checkpoint(root / "ckpt")
-    return ckpt, export_trace(ckpt, root / "ref.h5", TOKENS, HiddenSource(seed=0))
+    warnings = []
+    ref = export_trace(ckpt, root / "ref.h5", TOKENS, HiddenSource(seed=0), warn=warnings.append)
+    assert any("wrong variants of the q/k path: rope (absent, all_dims, interleaved)" in w for w in warnings), warnings
+    return ckpt, ref
+
+
+def test_twin_the_normal_fixture_exports_without_a_q_k_warning(tmp_path):
+    warnings = []
+    export_trace(TINY, tmp_path / "ref.h5", TOKENS, HiddenSource(seed=0), warn=warnings.append)
+    assert not [w for w in warnings if "q/k" in w], warnings
 
 
 @pytest.fixture(scope="module")
