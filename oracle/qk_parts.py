@@ -196,27 +196,36 @@ def neox_cos_sin(positions: torch.Tensor, theta: float, dim: int) -> tuple[torch
     return a.cos(), a.sin()
 
 
-def interleaved_on_rotary_slice(q, k, cos, sin, unsqueeze_dim=1):
-    """A NeoX family's `apply_rotary_pos_emb` (rotary slice first, the rest passed through) with the rotary slice
-    rotated on interleaved (GPT-J) pairs instead of halves: transformers' own DeepSeek-V3 interleaved RoPE on it."""
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
+def interleaved_pairs(apply_rotary: Callable) -> Callable:
+    """A NeoX family's `apply_rotary_pos_emb(q, k, cos, sin)` (its own function: rotary slice first, the rest
+    passed through) made to rotate interleaved (GPT-J) pairs (2i, 2i+1) instead of halves (i, i + r/2): each pair is
+    de-interleaved first, as transformers' DeepSeek-V3 interleaved RoPE does. q and k get the same permutation, so
+    q·k is exactly that of an interleaved RoPE (the module's output reads only q·k). Nothing beyond the family's
+    own modules is imported (an export loads only its family's transformers models)."""
+    def apply(q, k, cos, sin, *args, **kwargs):
+        r = cos.shape[-1]
 
-    r = cos.shape[-1]
-    q_rot, k_rot = apply_rotary_pos_emb_interleave(q[..., :r], k[..., :r], cos, sin, unsqueeze_dim)
-    return torch.cat([q_rot, q[..., r:]], dim=-1), torch.cat([k_rot, k[..., r:]], dim=-1)
+        def pairs_to_halves(x):
+            rot = x[..., :r]
+            rot = rot.reshape(*rot.shape[:-1], r // 2, 2).transpose(-1, -2).reshape(rot.shape)
+            return torch.cat([rot, x[..., r:]], dim=-1)
+
+        return apply_rotary(pairs_to_halves(q), pairs_to_halves(k), cos, sin, *args, **kwargs)
+    return apply
 
 
-def neox_on_trailing_slice(x, cos, sin, unsqueeze_dim=1):
-    """DeepSeek-V4's `apply_rotary_pos_emb` (half-size cos/sin, the trailing rope slice of each head rotated, the
-    nope channels first) with the slice rotated as NeoX halves (cos = cat(freqs, freqs)) instead of V4's layout:
-    transformers' own Llama RoPE on the slice."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-    cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
-    r = cos.shape[-1]
-    rope = x[..., -r:]
-    rotated = apply_rotary_pos_emb(rope.float(), rope.float(), cos, sin, unsqueeze_dim=unsqueeze_dim)[0]
-    return torch.cat([x[..., :-r], rotated.to(x.dtype)], dim=-1)
+def neox_on_trailing_slice(rotate_half: Callable) -> Callable:
+    """DeepSeek-V4's `apply_rotary_pos_emb(x, cos, sin)` (half-size cos/sin, the trailing rope slice of each head
+    rotated, the nope channels first) rotating the slice as NeoX halves (cos = cat(freqs, freqs)) instead of V4's
+    layout, with the V4 module's own `rotate_half` (in float32, as V4's function)."""
+    def apply(x, cos, sin, unsqueeze_dim=1):
+        cos = torch.cat([cos, cos], dim=-1).unsqueeze(unsqueeze_dim)
+        sin = torch.cat([sin, sin], dim=-1).unsqueeze(unsqueeze_dim)
+        r = cos.shape[-1]
+        rope = x[..., -r:]
+        rotated = (rope.float() * cos + rotate_half(rope).float() * sin).to(x.dtype)
+        return torch.cat([x[..., :-r], rotated], dim=-1)
+    return apply
 
 
 def without_own_key(mask: torch.Tensor) -> torch.Tensor:

@@ -90,7 +90,7 @@ QK_PARTS = {
     "window": "the sliding window (one key fewer, one key more, or no window)",
     "sink": "the attention sink (absent)",
 }
-# Per-token evidence records, [T, D] float32 like a stage, with the one-line meaning stored as the dataset's `doc`.
+# Per-token evidence records, [T, w] float32 like a stage, with the one-line meaning stored as the dataset's `doc`.
 EVIDENCE_DOCS = {
     "attn_uniform": "attn recomputed from the same ah rows with uniform attention weights over the visible keys: "
                     "where it passes the tolerance rule against attn, that attn row cannot witness q, k, q_norm, "

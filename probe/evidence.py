@@ -42,9 +42,9 @@ EXIT_CODES = {"pass": 0, "diverged": 1, "invalid": 2, "inconclusive": 3}
 
 QK_NOTE = (f"an {ATTENTION} row witnesses the attention pattern (softmax(q·k)) only where uniform attention "
            f"weights would have failed the tolerance there (measured by the oracle: /evidence/attn_uniform); "
-           f"elsewhere, t=0 always, {', '.join(QK_DEPENDENT)} are marked not evidential (~). It witnesses a part of the q/k path "
-           f"(RoPE, q_norm, k_norm, KV append, window, sink) only where that part's own wrong variants would have "
-           f"failed there (/evidence/qk_<part>)")
+           f"elsewhere, t=0 always, {', '.join(QK_DEPENDENT)} are marked not evidential (~). It witnesses a part "
+           f"of the q/k path (RoPE, q_norm, k_norm, KV append, window, sink) only where that part's own wrong "
+           f"variants would have failed there (/evidence/qk_<part>)")
 PART_NAMES = {"rope": "RoPE", "q_norm": "q_norm", "k_norm": "k_norm", "kv_append": "KV append",
               "window": "sliding window", "sink": "attention sink"}
 NOT_MEASURED = ("q/k path parts (RoPE, q_norm, k_norm, KV append, window, sink) not measured: the reference "
@@ -154,7 +154,9 @@ def inconclusive_reasons(rows: Sequence[StageRows], captured: Sequence[str],
         reasons.append(f"not captured: {', '.join(missing)} (pass needs {' and '.join(REQUIRED_FOR_PASS)} compared)")
     if ATTENTION in captured and (not qk_evidenced(rows) or (qk is not None and not qk.recorded)):
         reasons.append(_no_qk_reason(rows, qk))
-    missing_parts = parts_not_evidenced(rows, qk) if ATTENTION in captured else {}
+    # Parts are named only where the attention pattern is evidenced: otherwise the reason above says why no
+    # part can be (T=1, repeated inputs), and "a saturated attention hides them" would point the wrong way.
+    missing_parts = parts_not_evidenced(rows, qk) if ATTENTION in captured and qk_evidenced(rows) else {}
     if missing_parts:
         reasons.append(parts_reason(missing_parts))
     window_measured = qk is not None and qk.parts is not None and "window" in qk.parts

@@ -372,8 +372,8 @@ def qk_output_projection(head: V4MtpHead) -> nn.Module:
 def qk_part_variants(head: V4MtpHead, rotary, inputs: TraceInputs, ah: np.ndarray) -> list[PartVariant]:
     """The wrong variants of each q/k-path part of the official DeepseekV4Attention (oracle/qk_parts.py), one pass
     each on the trace's own `ah` rows: RoPE (cos = 1 and sin = 0; over all head dims instead of the trailing rope
-    slice; the slice as NeoX halves instead of V4's layout: the module's own RoPE function swapped, so the output's
-    de-rotation changes with it), q_norm (the unweighted q_b_norm: skipped), k_norm (kv_norm, which also norms the
+    slice; the slice as NeoX halves instead of V4's layout: the module's own RoPE function swapped, built on its own
+    rotate_half, so the output's de-rotation changes with it), q_norm (the unweighted q_b_norm: skipped), k_norm (kv_norm, which also norms the
     values, K = V: skipped, or scaling by 1 + w), the KV append (own key masked out), the sliding window (W - 1,
     W + 1, none: the module attends what the mask lets through) and the sink (absent: its logit -inf)."""
     attention = head.layer.self_attn
@@ -399,7 +399,8 @@ def qk_part_variants(head: V4MtpHead, rotary, inputs: TraceInputs, ah: np.ndarra
         full = angles(positions, config.rope_theta, attention.head_dim)
         variants.append(PartVariant("rope", "all_dims", run({"main": (full.cos(), full.sin())})))
     variants += [
-        PartVariant("rope", "neox_halves", under(swapped, module, "apply_rotary_pos_emb", neox_on_trailing_slice)),
+        PartVariant("rope", "neox_halves", under(swapped, module, "apply_rotary_pos_emb",
+                                                      neox_on_trailing_slice(module.rotate_half))),
         PartVariant("q_norm", "absent", under(skipped, attention.q_b_norm)),
         PartVariant("k_norm", "absent", under(skipped, attention.kv_norm)),
         PartVariant("k_norm", "1_plus_w_not_w",

@@ -20,7 +20,7 @@ from oracle.families.mtp_layer import (AttentionPass, MtpLayerHead, attention_wi
                                        run_stepwise, torch_weights)
 from oracle.families.mtp_layer_explain import GLM4_MOE as EXPLAIN_VARIANTS
 from oracle.families.mtp_layer_explain import explain_ops
-from oracle.qk_parts import (PartVariant, interleaved_on_rotary_slice, neox_cos_sin, other_norm_form, rotary_off,
+from oracle.qk_parts import (PartVariant, interleaved_pairs, neox_cos_sin, other_norm_form, rotary_off,
                              skipped, swapped)
 from oracle.trace import TraceInputs
 
@@ -77,7 +77,8 @@ def qk_part_variants(head: MtpLayerHead, rotary, inputs: TraceInputs, ah: np.nda
         variants.append(PartVariant("rope", "all_dims", p.run(rope=neox_cos_sin(p.positions, theta, head_dim))))
     module = sys.modules[type(p.module).__module__]
     variants.append(PartVariant("rope", "interleaved",
-                                p.under(swapped, module, "apply_rotary_pos_emb", interleaved_on_rotary_slice)))
+                                p.under(swapped, module, "apply_rotary_pos_emb",
+                                        interleaved_pairs(module.apply_rotary_pos_emb))))
     if getattr(p.module, "use_qk_norm", False):
         for part in ("q_norm", "k_norm"):
             norm = getattr(p.module, part)

@@ -26,7 +26,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (Qwen3_5DecoderLayer, Q
                                                           Qwen3_5TextModel, Qwen3_5TextRotaryEmbedding)
 
 from oracle.attention_evidence import uniform_weights
-from oracle.qk_parts import (PartVariant, interleaved_on_rotary_slice, neox_cos_sin, other_norm_form, rotary_off,
+from oracle.qk_parts import (PartVariant, interleaved_pairs, neox_cos_sin, other_norm_form, rotary_off,
                              kv_append_variants, skipped, swapped)
 from oracle.checkpoint import Checkpoint, HeadWeights
 from oracle.errors import CheckpointError
@@ -365,7 +365,8 @@ def qk_part_variants(head: MtpHead, rotary, inputs: TraceInputs, ah: np.ndarray)
     if rope[0].shape[-1] < head_dim:  # partial rotary: a RoPE over the whole head is a variant
         variants.append(PartVariant("rope", "all_dims", run(neox_cos_sin(positions, theta, head_dim))))
     variants.append(PartVariant("rope", "interleaved",
-                                under(swapped, module, "apply_rotary_pos_emb", interleaved_on_rotary_slice)))
+                                under(swapped, module, "apply_rotary_pos_emb",
+                                      interleaved_pairs(module.apply_rotary_pos_emb))))
     for part in ("q_norm", "k_norm"):
         norm = getattr(attention, part)
         variants += [PartVariant(part, "absent", under(skipped, norm)),
