@@ -373,8 +373,9 @@ def qk_part_variants(head: V4MtpHead, rotary, inputs: TraceInputs, ah: np.ndarra
     """The wrong variants of each q/k-path part of the official DeepseekV4Attention (oracle/qk_parts.py), one pass
     each on the trace's own `ah` rows: RoPE (cos = 1 and sin = 0; over all head dims instead of the trailing rope
     slice; the slice as NeoX halves instead of V4's layout: the module's own RoPE function swapped, built on its own
-    rotate_half, so the output's de-rotation changes with it), q_norm (the unweighted q_b_norm: skipped), k_norm (kv_norm, which also norms the
-    values, K = V: skipped, or scaling by 1 + w), the KV append (own key masked out), the sliding window (W - 1,
+    rotate_half, so the output's de-rotation changes with it), q_norm (the unweighted q_b_norm: skipped), k_norm
+    (kv_norm, which also norms the values, K = V: skipped, or scaling by 1 + w), the KV append (own key masked out;
+    only the own key), the sliding window (W - 1,
     W + 1, none: the module attends what the mask lets through) and the sink (absent: its logit -inf)."""
     attention = head.layer.self_attn
     embed, _, positions = _step_tensors(inputs)
