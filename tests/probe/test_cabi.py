@@ -26,7 +26,7 @@ FIRST_DIVERGENCE = {  # mutant -> first divergent (stage, token), stages then to
     "CONCAT_SWAP": ("fc_in", 0), "W_NORM": ("e", 0), "QGATE_HALVES": ("attn", 0), "NO_GATE": ("attn", 0),
     # At t = 0 attention sees one key (softmax = 1): q, k, their norms and RoPE are invisible until t = 1.
     "NO_QK_NORM": ("attn", 1), "ROPE_ALL_DIMS": ("attn", 1), "ROPE_GPTJ": ("attn", 1),
-    "POS_FROZEN": ("attn", 1), "NO_KV_APPEND": ("attn", 1),
+    "POS_FROZEN": ("attn", 1), "NO_KV_APPEND": ("attn", 1), "NO_ROPE": ("attn", 1),
 }
 FAKE_SOURCE = r"""
 #include <stddef.h>
