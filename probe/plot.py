@@ -11,6 +11,7 @@ token among thousands still shows) and a window of ZOOM_WIDTH tokens around the 
 resolution with every mark.
 """
 
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,7 @@ PASS_BLUE, LIMIT_GREY, FAIL_VERMILLION = "#0072B2", "#EEEEEE", "#D55E00"  # Okab
 INVALID_BLACK, NONFINITE_PURPLE, GAP_GREY = "#000000", "#CC79A7", "#BDBDBD"
 ZOOM_ABOVE, ZOOM_WIDTH, OVERVIEW_COLUMNS = 200, 48, 200  # tokens
 _TEXT_CELLS = 64  # up to this many tokens in a panel, every mark is written in its cell
+TITLE_CHARS_PER_INCH = 13  # 10-point title characters per inch of figure width, with a margin
 BLIND_NOTE = "compared, but not evidence: q/k unwitnessed\n(uniform attention would pass too) or a routing near-tie"
 
 
@@ -68,20 +70,30 @@ def _heatmap_figure(report: DiffReport):
     else:
         image = _panel(axes[0], budget, marks, np.arange(report.num_tokens), names, first,
                        detail="text" if report.num_tokens <= _TEXT_CELLS else "markers")
-    fig.suptitle(title(report), fontsize=10)
-    fig.colorbar(image, ax=axes, label="tolerance budget used (1 = limit, log)", shrink=0.9)
+    fig.suptitle(title(report, width=int(width * TITLE_CHARS_PER_INCH)), fontsize=10)
+    bar = fig.colorbar(image, ax=axes, label="tolerance budget used (1 = limit, log)", shrink=0.9)
+    _plain_ticks(bar.ax.yaxis)
     fig.legend(handles=_legend_handles(), loc="outside lower center", ncol=3 if width >= 11 else 2, fontsize=7,
                frameon=False)
     return fig
 
 
-def title(report: DiffReport) -> str:
-    """Three lines: the verdict (with its reason unless pass/diverged), the first divergent (stage, token) or
-    that there is none, and what was compared."""
+def _plain_ticks(axis) -> None:
+    """Colour-bar ticks as plain numbers (0.001 … 1000). matplotlib's log formatter writes `$\\mathdefault{10^{3}}$`,
+    mathtext that the plain-text labels (heatmap_figure) would print as it is."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    axis.set_major_formatter(FuncFormatter(lambda value, _pos: f"{value:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def title(report: DiffReport, width: int = 120) -> str:
+    """The verdict (with its whole reason unless pass/diverged, wrapped at `width` characters, never cut), the
+    first divergent (stage, token) or that there is none, and what was compared."""
     verdict, first = {"pass": "PASSED"}.get(report.verdict.name, report.verdict.name.upper()), report.first
     reason = report.verdict.reasons[0] if report.verdict.reasons else ""
     if report.verdict.name not in ("pass", "diverged") and reason:
-        verdict += f": {reason[:100]}{'…' if len(reason) > 100 else ''}"
+        verdict = textwrap.fill(f"{verdict}: {reason}", width=max(width, 40), break_long_words=True)
     where = (f"first divergence: {first.stage} at token {first.token} (budget {budget_text(first.diff.budget_used)},"
              f" outlined)" if first is not None else "no divergent row")
     names = report.stage_names or tuple(report.rows)

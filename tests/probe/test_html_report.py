@@ -159,3 +159,74 @@ def test_twin_screenshot_check_fails_on_a_blank_page(tmp_path):
     shot = _screenshot(page, tmp_path / "blank.png")
     assert _share(shot[5:60], VERDICT_COLOURS["pass"][0]) < 0.8
     assert _share(shot[120:], "#ffffff", tolerance=0) >= 0.97
+
+
+# --- the heatmap as Chromium shows it: the picture drawn, with colour-bar ticks a person reads ---------------------
+
+def _heatmap_in_chromium(page: Path, tmp_path: Path) -> np.ndarray:
+    """The page's embedded heatmap PNG, shown alone at 1:1 in headless Chromium: the screenshot's picture area."""
+    from PIL import Image
+
+    data = re.search(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page.read_text()).group(1)
+    width, height = Image.open(io.BytesIO(base64.b64decode(data))).size
+    alone = tmp_path / "heatmap_alone.html"
+    alone.write_text(f'<!DOCTYPE html><html><body style="margin:0;background:#fff">'
+                     f'<img style="display:block" src="data:image/png;base64,{data}"></body></html>')
+    return _screenshot(alone, tmp_path / "heatmap_alone.png", size=(width + 40, height + 40))[:height, :width]
+
+
+def _drawn(fig) -> np.ndarray:
+    fig.canvas.draw()
+    return np.asarray(fig.canvas.buffer_rgba())[..., :3].astype(int)
+
+
+def _tick_region(fig) -> tuple[slice, slice]:
+    """Pixel rows and columns (top-left origin) of the colour bar's tick labels, as drawn."""
+    from tests.probe.test_plot import _colour_bar
+
+    fig.canvas.draw()
+    boxes = [t.get_window_extent() for t in _colour_bar(fig).get_yticklabels() if t.get_text()]
+    height = int(fig.bbox.height)
+    x0, x1 = int(min(b.x0 for b in boxes)), int(max(b.x1 for b in boxes)) + 1
+    y0, y1 = int(min(b.y0 for b in boxes)), int(max(b.y1 for b in boxes)) + 1
+    return slice(max(0, height - y1), height - y0), slice(x0, x1)
+
+
+@pytest.mark.skipif(BROWSER is None, reason="no Chromium installed (apt-get install chromium; .ci/run does)")
+def test_chromium_shows_the_heatmap_with_plain_colour_bar_ticks(candidates, tmp_path):
+    """What a reader sees in the browser is the figure whose colour-bar tick labels read 0.001 … 1000 (checked as
+    drawn text in tests/probe/test_plot.py): the screenshot equals that drawing, tick labels included."""
+    from probe.diff import diff_traces
+    from probe.plot import heatmap_figure
+    from tests.probe.test_plot import PLAIN_TICKS, _drawn_tick_labels, _readable
+
+    _html(tmp_path, candidates["diverged"], 1)
+    shot = _heatmap_in_chromium(tmp_path / "diverged.html", tmp_path)
+    fig = heatmap_figure(diff_traces(TINY_REF, candidates["diverged"]))
+    labels = _drawn_tick_labels(fig)
+    assert [text for text, _ in labels] == PLAIN_TICKS and _readable(labels)
+    drawn = _drawn(fig)
+    assert shot.shape == drawn.shape and np.abs(shot - drawn).mean() < 2
+    rows, cols = _tick_region(fig)
+    assert (np.abs(shot[rows, cols] - drawn[rows, cols]).max(axis=-1) > 48).mean() < 0.01
+    assert (shot[rows, cols].max(axis=-1) < 100).any()  # the labels are there, in ink
+
+
+@pytest.mark.skipif(BROWSER is None, reason="no Chromium installed (apt-get install chromium; .ci/run does)")
+def test_twin_chromium_check_sees_mathtext_tick_labels(candidates, tmp_path):
+    """The comparison has power: the same figure with matplotlib's mathtext ticks (drawn as raw text, the bug)
+    differs from what Chromium shows in the tick-label region."""
+    from matplotlib.ticker import LogFormatterSciNotation
+
+    from probe.diff import diff_traces
+    from probe.plot import heatmap_figure
+    from tests.probe.test_plot import _colour_bar
+
+    _html(tmp_path, candidates["diverged"], 1)
+    shot = _heatmap_in_chromium(tmp_path / "diverged.html", tmp_path)
+    broken = heatmap_figure(diff_traces(TINY_REF, candidates["diverged"]))
+    _colour_bar(broken).yaxis.set_major_formatter(LogFormatterSciNotation())
+    drawn = _drawn(broken)
+    rows, cols = _tick_region(broken)
+    differs = shot.shape != drawn.shape or (np.abs(shot[rows, cols] - drawn[rows, cols]).max(axis=-1) > 48).mean() > 0.01
+    assert differs

@@ -47,7 +47,7 @@ def test_title_names_the_verdict_and_first_divergence_and_that_cell_is_outlined(
     fig = heatmap_figure(diverged)
     assert diverged.first.stage == "fc" and diverged.first.token == 3
     lines = fig._suptitle.get_text().splitlines()
-    assert lines[0].startswith("INVALID") and lines[1].startswith("first divergence: fc at token 3 (budget")
+    assert lines[0].startswith("INVALID") and lines[-2].startswith("first divergence: fc at token 3 (budget")
     ax = fig.axes[0]
     [box] = _outlines(ax)
     row = [t.get_text() for t in ax.get_yticklabels()].index("fc")
@@ -130,3 +130,61 @@ def test_pooling_keeps_one_bad_token_among_thousands_visible():
     assert worst.shape == (2, 200) and starts[1] == 20
     assert worst[1, 3001 // 20] == 500.0  # the maximum: a mean would show 25
     assert np.isnan(worst[0, 0]) and kinds[0, -1] == "invalid"
+
+
+# --- the colour bar as a person reads it ------------------------------------------------------------------------
+
+PLAIN_TICKS = ["0.001", "0.01", "0.1", "1", "10", "100", "1000"]
+
+
+def _colour_bar(fig):
+    return next(ax for ax in fig.axes if ax.get_ylabel().startswith("tolerance budget used"))
+
+
+def _drawn_tick_labels(fig) -> list:
+    """The colour bar's tick labels as drawn: (text, width in pixels), after a real draw on the Agg canvas."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    bar = _colour_bar(fig)
+    low, high = sorted(bar.get_ylim())
+    return [(t.get_text(), t.get_window_extent(renderer).width)
+            for value, t in zip(bar.get_yticks(), bar.get_yticklabels())
+            if low <= value <= high and t.get_visible() and t.get_text()]
+
+
+def _readable(labels: list) -> bool:
+    """Each label a plain number (no `$`, no mathtext), drawn about as wide as its few characters (10 px each)."""
+    def plain_number(text: str) -> bool:
+        try:
+            return float(text) > 0 and f"{float(text):g}" == text
+        except ValueError:
+            return False
+
+    return bool(labels) and all("$" not in text and "mathdefault" not in text and plain_number(text)
+                                and width <= 10 * len(text) for text, width in labels)
+
+
+def test_the_colour_bar_ticks_are_plain_numbers_as_drawn(diverged):
+    labels = _drawn_tick_labels(heatmap_figure(diverged))
+    assert [text for text, _ in labels] == PLAIN_TICKS and _readable(labels)
+
+
+def test_twin_the_tick_check_fails_on_matplotlibs_mathtext_labels_drawn_as_plain_text(diverged):
+    """Before the fix: LogFormatterSciNotation's mathtext, drawn with parse_math off, reads $\\mathdefault{10^{3}}$."""
+    from matplotlib.ticker import LogFormatterSciNotation
+
+    fig = heatmap_figure(diverged)
+    _colour_bar(fig).yaxis.set_major_formatter(LogFormatterSciNotation())
+    labels = _drawn_tick_labels(fig)
+    assert any("mathdefault" in text for text, _ in labels) and not _readable(labels)
+
+
+def test_an_invalid_runs_title_keeps_its_whole_reason_wrapped(diverged):
+    """The INVALID reason is wrapped onto lines that fit the figure, never cut with an ellipsis."""
+    fig = heatmap_figure(diverged)
+    text = fig._suptitle.get_text()
+    reason = diverged.verdict.reasons[0]
+    assert "…" not in text and " ".join(text.split()).startswith(" ".join(f"INVALID: {reason}".split()))
+    fig.canvas.draw()
+    title_box, fig_box = fig._suptitle.get_window_extent(), fig.bbox
+    assert title_box.x0 >= fig_box.x0 and title_box.x1 <= fig_box.x1  # wrapped inside the picture
