@@ -338,7 +338,7 @@ def _render(report: "DiffReport", json_path: Path | None, plot_path: Path | None
         try:
             from probe.html_report import write_html  # matplotlib for its heatmap, only when asked for
 
-            write_html(report, html_path)
+            write_html(report, html_path, explanation)
         except MtpError as err:
             unwritten.append(err)
     click.echo(render_text(report, verbose=verbose))

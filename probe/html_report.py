@@ -19,6 +19,8 @@ from oracle.output import atomic_output, removed_on_interrupt
 from oracle.stages import STAGE_BY_NAME, STAGE_NAMES
 
 from probe.compare import DIVERGENT_STATUSES, INVALID_STATUSES, most_severe
+
+NOT_COMPARED_STATUSES = frozenset({"tie"})  # a routing near-tie excuses the row: compared neither way
 from probe.diff import DiffReport
 from probe.rule import RULE
 from probe.report import budget_text, cell_detail, coverage_text, render_text, summary_line
@@ -49,13 +51,15 @@ img.heatmap { max-width: 100%; border: 1px solid #ddd; }
 """
 
 
-def render_html(report: DiffReport, heatmap_png: bytes | None = None) -> str:
-    """The whole page as a string; `heatmap_png` (probe/plot.py's PNG) is embedded as a data: URI when given."""
+def render_html(report: DiffReport, heatmap_png: bytes | None = None, explanation=None) -> str:
+    """The whole page as a string; `heatmap_png` (probe/plot.py's PNG) is embedded as a data: URI when given;
+    `explanation` (probe/explain.py, under --explain) adds what --explain found."""
     background, foreground = VERDICT_COLOURS[report.verdict.name]
     word = VERDICT_WORDS[report.verdict.name]
     text = render_text(report, verbose=True)
     sections = [
         ("First divergence", _pre(_first_divergence(report), wrap=True)),
+        ("Why it diverges (--explain)", _explain(explanation)),
         ("Per stage", _stage_table(report)),
         ("Heatmap", _heatmap(heatmap_png)),
         ("Self-checks", _pre(_block(text, "self-checks"), wrap=True)),
@@ -88,14 +92,14 @@ def render_html(report: DiffReport, heatmap_png: bytes | None = None) -> str:
 """
 
 
-def write_html(report: DiffReport, path: Path) -> None:
-    """Write render_html(report), with the heatmap, to `path` atomically (oracle/output.py)."""
+def write_html(report: DiffReport, path: Path, explanation=None) -> None:
+    """Write render_html(report, …, explanation), with the heatmap, to `path` atomically (oracle/output.py)."""
     from probe.plot import write_heatmap  # matplotlib only when a picture is asked for
 
     with tempfile.TemporaryDirectory(prefix="mtp-probe-html-") as tmp, removed_on_interrupt(Path(tmp)):
         png = Path(tmp) / "heatmap.png"
         write_heatmap(report, png)
-        page = render_html(report, png.read_bytes())
+        page = render_html(report, png.read_bytes(), explanation)
     with atomic_output(path, "--html") as tmp_path:
         tmp_path.write_text(page, encoding="utf-8")
 
@@ -106,6 +110,26 @@ def _first_divergence(report: DiffReport) -> str:
     first = report.first
     return (f"first divergence: stage {first.stage} at token {first.token}\n\n"
             + cell_detail(first, verbose=True, names=report.stage_names or STAGE_NAMES))
+
+
+def _explain(explanation) -> str:
+    """The DIAGNOSIS line, local vs inherited error (a table of the divergent tokens' rows) and weight coverage:
+    what --explain prints and writes to the JSON's `explain`."""
+    if explanation is None:
+        return ("<p>not run: add <code>--explain</code> for the wiring variant that reproduces the candidate, "
+                "local vs inherited error per stage and weight coverage (needs the reference's checkpoint).</p>")
+    parts = [f'<p class="diagnosis"><strong>{_e(explanation.diagnosis_line())}</strong></p>',
+             _pre(explanation.text(), wrap=True)]
+    if explanation.local:
+        parts += ["<table>", "<tr><th>stage</th><th>token</th><th>local max_rel (vs the oracle run on the "
+                  "candidate's own inputs)</th><th>cumulative max_rel (vs the reference)</th><th>error</th></tr>"]
+        for row in explanation.local:
+            kind = {"local": "num bad"}.get(row["kind"], "num")
+            parts.append(f'<tr><td>{_e(row["stage"])}</td><td class="num">{row["token"]}</td>'
+                         f'<td class="num">{row["local_max_rel"]:.3g}</td>'
+                         f'<td class="num">{row["cumulative_max_rel"]:.3g}</td><td class="{kind}">{_e(row["kind"])}</td></tr>')
+        parts.append("</table>")
+    return "\n".join(parts)
 
 
 def _stage_table(report: DiffReport) -> str:
@@ -123,6 +147,7 @@ def _stage_table(report: DiffReport) -> str:
                          f'not captured (never counted as passed)</td><td>{tol_text}</td></tr>')
             continue
         divergent, invalid = rows.has_status(DIVERGENT_STATUSES), rows.has_status(INVALID_STATUSES)
+        compared = int((~invalid & ~rows.has_status(NOT_COMPARED_STATUSES)).sum())  # an unwritten row is not compared
         worst = most_severe(rows, valid_only=True)
         worst_text = "-"
         if worst is not None:
@@ -130,7 +155,7 @@ def _stage_table(report: DiffReport) -> str:
             worst_text = f"{budget_text(rows.diff(token).budget_used)} (t{token})"
         first = f"t{rows.start + int(np.flatnonzero(divergent)[0])}" if divergent.any() else "-"
         bad, broken = ("num bad" if divergent.any() else "num"), ("num invalid" if invalid.any() else "num")
-        lines.append(f'<tr><td>{_e(name)}</td><td>{doc}</td><td class="num">{len(rows)}</td>'
+        lines.append(f'<tr><td>{_e(name)}</td><td>{doc}</td><td class="num">{compared}</td>'
                      f'<td class="{bad}">{int(divergent.sum())}</td><td class="{broken}">{int(invalid.sum())}</td>'
                      f'<td class="num">{_e(worst_text)}</td><td class="num">{first}</td><td>{tol_text}</td></tr>')
     lines.append("</table>")

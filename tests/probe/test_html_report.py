@@ -230,3 +230,47 @@ def test_twin_chromium_check_sees_mathtext_tick_labels(candidates, tmp_path):
     rows, cols = _tick_region(broken)
     differs = shot.shape != drawn.shape or (np.abs(shot[rows, cols] - drawn[rows, cols]).max(axis=-1) > 48).mean() > 0.01
     assert differs
+
+
+# --- what --explain found, and the per-stage counts ------------------------------------------------------------
+
+def test_explain_findings_are_in_the_page_as_in_the_json(candidates, tmp_path):
+    import json
+
+    page, js = tmp_path / "explain.html", tmp_path / "explain.json"
+    result = run_cli(cli, ["diff", TINY_REF, candidates["diverged"], "--checkpoint", TINY, "--explain", "-q",
+                           "--html", page, "--json", js])
+    assert result.exit_code == 1, result.output
+    explain, text = json.loads(js.read_text())["explain"], page.read_text()
+    section = text.split('id="why-it-diverges-(--explain)"', 1)[1].split("</section>", 1)[0]
+    diagnosis = next(line for line in result.output.splitlines() if line.startswith("DIAGNOSIS | "))
+    assert html_escape(diagnosis) in section
+    assert "local error" in section and "weight coverage" in section
+    assert all(html_escape(line) in section for line in explain["coverage"]["lines"])
+    assert explain["local"] and all(
+        re.search(rf"<td>{row['stage']}</td><td class=\"num\">{row['token']}</td>.*?>{row['kind']}</td>", section)
+        for row in explain["local"])
+    assert "not run" not in section
+
+
+def test_twin_without_explain_the_page_says_it_was_not_run(candidates, tmp_path):
+    section = _html(tmp_path, candidates["diverged"], 1).split('id="why-it-diverges-(--explain)"', 1)[1]
+    section = section.split("</section>", 1)[0]
+    assert "not run" in section and "--explain" in section and "DIAGNOSIS" not in section
+
+
+def test_a_stage_never_written_has_no_rows_compared(ref_data, tmp_path):
+    inputs, stages = ref_data
+    never = copy_stages(stages)
+    never["mlp"][:] = poison(inputs.hidden_size)  # every row of the stage still holds the poison
+    page = _html(tmp_path, write_raw(tmp_path / "never", never, inputs), 2)
+    assert re.search(r"<td>mlp</td><td>[^<]*</td><td class=\"num\">0</td><td class=\"num\">0</td>"
+                     r"<td class=\"num invalid\">8</td>", page)
+    # twin: a stage written in full counts every row as compared
+    assert re.search(r"<td>mh</td><td>[^<]*</td><td class=\"num\">8</td>", page)
+
+
+def html_escape(text: str) -> str:
+    import html
+
+    return html.escape(text, quote=True)
