@@ -408,6 +408,7 @@ def _hidden_of(ckpt: Checkpoint, source: HiddenSource, sequence: np.ndarray,
         return hidden_from_file(source.file, n, d, d // ckpt.config.hidden_size)
     if source.seed is not None:
         return hidden_from_seed(source.seed, n, d)
+    ckpt.check_main_model("--hidden FILE (H from your engine) or --hidden-seed N (synthetic H; then --target text)")
     log("running the main model over x_0..x_(N-1) for H")
     impl = head_module(ckpt.family)
     with quiet_kernel_fallbacks():

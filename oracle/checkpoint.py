@@ -282,6 +282,20 @@ class Checkpoint:
         raise CheckpointError(f"{self.path}: no embedding table; looked for "
                               f"{' and '.join(p + 'embed_tokens.weight' for p in prefixes)}.")
 
+    def check_main_model(self, alternatives: str = "--hidden FILE (H from your engine) or --hidden-seed N "
+                                                   "(synthetic H)") -> None:
+        """--main-model needs the main model's decoder layers: refuse a head-only checkpoint (e.g. a release's
+        MTP part alone) by its tensor names, before torch loads and before a strict load lists missing keys."""
+        head = self.family.head_prefix.format(num_hidden_layers=getattr(self.config, "num_hidden_layers", None))
+        prefixes = self.family.main_model_prefixes
+        layers = [n for n in self._shard_of if not n.startswith(head) and any(n.startswith(p + "layers.")
+                                                                              for p in prefixes)]
+        if not layers:
+            raise CheckpointError(
+                f"{self.path} holds no main model: no main decoder layer tensors "
+                f"({' or '.join(p + 'layers.*' for p in prefixes)}) besides the MTP head's, so --main-model cannot "
+                f"compute H. Pass {alternatives}.")
+
     def embedding_rows(self, token_ids: np.ndarray) -> np.ndarray:
         """Float32 rows [T, D] of the shared embedding for `token_ids`; only those rows are read."""
         name = self.main_model_prefix() + "embed_tokens.weight"

@@ -156,9 +156,15 @@ def accept(obj, checkpoint, k, tokens, tokens_file, hidden_file, main_model, hid
     from oracle.quantize_sim import parse_spec  # no torch
 
     specs = tuple(parse_spec(text) for text in quantize)
+    if main_model:  # a head-only checkpoint: said now, not after torch loads
+        from oracle.checkpoint import Checkpoint
+
+        Checkpoint(checkpoint).check_main_model("--hidden FILE (H from your engine) or --hidden-seed N "
+                                                "(synthetic H; then --target text)")
+    log = (lambda msg: None) if quiet else say
+    log("loading torch and transformers …")
     from oracle.accept import measure_acceptance  # torch: only once the arguments are known to be usable
     from oracle.accept_report import render_report, summary_line, write_json, write_plot
-    log = (lambda msg: None) if quiet else say
     with reporting(enabled=not quiet):
         result = measure_acceptance(checkpoint, ids, HiddenSource(file=hidden_file, seed=hidden_seed,
                                     main_model=main_model), k=k, target=target, chunk_rows=chunk_rows, log=log,

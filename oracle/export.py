@@ -93,6 +93,7 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     weights = ckpt.read_head(widen=False, digest=False)  # mapped; bf16 stays bf16: half the memory
     heap = ReservedHeap(forward_bytes(family.stages(cfg), family.dims(cfg), len(token_ids)))  # oracle/heap.py
     reads = _Prefetch(ckpt, token_ids, hidden=resolve if h is None else None, touch=heap.touch)
+    log(f"loading torch and transformers (the {family.name} head's modules; several seconds the first time) …")
     try:
         impl = head_module(family)  # torch and the family's transformers modules, while the thread reads
     finally:
@@ -241,6 +242,8 @@ def _resolve_hidden(ckpt: Checkpoint, source: HiddenSource, token_ids: np.ndarra
                          f"--start-pos {start_pos}. Dump the hidden from your engine and pass --hidden instead.")
     sequence = np.concatenate([[source.first_token], token_ids[:-1]]).astype(np.int64)
     check_token_ids(sequence[:1], ckpt.config.vocab_size)
+    ckpt.check_main_model()  # a head-only checkpoint: said now, before torch loads
+    log(f"loading torch and transformers for the main model ({ckpt.family.name}) …")
     log("running the main model for H")
     impl = head_module(ckpt.family)
     with quiet_kernel_fallbacks():

@@ -2,18 +2,21 @@
 
 A command turns it on with `reporting(enabled=not quiet)`; library calls stay silent unless a caller does so.
 On a terminal each tracked loop is a tqdm bar (steps done, rate, ETA); when stderr is not a terminal (a log
-file, CI) it prints one final timing line per loop instead, and nothing in between. torch-free, so the probe
+file, CI) it prints one final timing line per loop instead, and a heartbeat line every HEARTBEAT_S seconds while
+a loop runs longer than that (a CI log that stays silent for minutes reads as a hang). torch-free, so the probe
 may use it too.
 """
 
 import contextlib
 import contextvars
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 
 _ENABLED = contextvars.ContextVar("mtp_progress_enabled", default=False)
 _ACTIVE_BARS: list = []  # tqdm bars on screen: log lines go through tqdm.write so they do not tear them
+HEARTBEAT_S = 10.0  # seconds between "still working" lines on a non-terminal stderr
 
 
 @contextlib.contextmanager
@@ -45,6 +48,12 @@ def timing_line(desc: str, done: int, total: int | None, unit: str, seconds: flo
     return f"{desc}: {count} {units} in {seconds:.2f} s{rate}"
 
 
+def heartbeat_line(desc: str, done: int, total: int | None, unit: str, seconds: float) -> str:
+    """`export (stepwise): 40/100 steps after 10 s, still running`: a non-terminal stderr's sign of life."""
+    count = f"{done}/{total}" if total is not None else f"{done}"
+    return f"{desc}: {count} {unit}s after {seconds:.0f} s, still running"
+
+
 class Progress:
     """`with Progress("export", total=T) as bar: ... bar.update()`; does nothing unless `reporting` is on."""
 
@@ -59,6 +68,16 @@ class Progress:
             self._bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=True,
                              **({"dynamic_ncols": True} if _has_width() else {"ncols": 80, "nrows": 24}))
             _ACTIVE_BARS.append(self._bar)
+        self._stop, self._beat = threading.Event(), None
+        if self._enabled and self._bar is None:  # a log: a line every HEARTBEAT_S while the loop runs
+            self._beat = threading.Thread(target=self._heartbeat, name=f"progress {desc}", daemon=True)
+            self._beat.start()
+
+    def _heartbeat(self) -> None:
+        interval = HEARTBEAT_S
+        while not self._stop.wait(interval):
+            print(heartbeat_line(self.desc, self.done, self.total, self.unit, time.perf_counter() - self._start),
+                  file=sys.stderr, flush=True)
 
     @property
     def shown(self) -> bool:
@@ -75,6 +94,9 @@ class Progress:
         if not self._enabled:
             return
         self._enabled = False
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join()  # its last line, if one is being printed, comes before the timing line
         if self._bar is not None:
             _ACTIVE_BARS.remove(self._bar)
             self._bar.close()

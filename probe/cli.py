@@ -122,6 +122,7 @@ def diff(ctx, ref, candidate, checkpoint, names_map, profile, rtol, atol, stage_
                            f"{', '.join(unmapped[:12])}{' …' if len(unmapped) > 12 else ''}")
     explanation = None
     if explain:
+        _loading_note(quiet)
         from probe.explain import explain_diff  # torch and transformers load only here
         from probe.run import checkpoint_for
 
@@ -206,6 +207,7 @@ def run(ctx, ref, spec, checkpoint, out, profile, rtol, atol, stage_tol, json_pa
     _echo_candidate_output(getattr(adapter, "output", ""))
     report, explanation = result.report, None
     if explain:
+        _loading_note(quiet)
         from probe.explain import explain_run  # torch and transformers load only here
 
         report, explanation = explain_run(report, ref, result.stages, checkpoint, tols, adapter)
@@ -275,6 +277,12 @@ def _echo_candidate_output(output: str) -> None:
     line behind `  | `, so that none of it can pass for the verdict line, which comes last."""
     if output:
         click.echo("candidate output:\n" + "\n".join(f"  | {line}" for line in output.splitlines()))
+
+
+def _loading_note(quiet: bool) -> None:
+    """--explain imports torch and transformers (seconds, silent otherwise): say so first."""
+    if not quiet:
+        say("--explain: loading torch and transformers to rerun the oracle on the candidate's stages …")
 
 
 def check_output(path: Path, option: str) -> None:

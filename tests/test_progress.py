@@ -115,3 +115,53 @@ def test_a_tracked_loop_left_early_closes_without_a_timing_line(capsys):
         assert capsys.readouterr().err == ""
         assert list(tracked(range(2), "diff", 2)) == [0, 1]
     assert capsys.readouterr().err.startswith("diff: 2 steps in")
+
+
+# --- heartbeat: a sign of life in a log while a loop runs long -------------------------------------------------
+
+def _slow_loop(seconds: float, desc: str = "export (stepwise)", steps: int = 4):
+    import time
+
+    with reporting():
+        with Progress(desc, steps) as bar:
+            for _ in range(steps):
+                time.sleep(seconds / steps)
+                bar.update()
+
+
+def test_not_a_terminal_gets_a_heartbeat_line_while_a_long_loop_runs(capsys, monkeypatch):
+    monkeypatch.setattr(progress, "HEARTBEAT_S", 0.05)
+    _slow_loop(0.4)
+    lines = capsys.readouterr().err.splitlines()
+    beats = [line for line in lines if line.endswith("still running")]
+    assert len(beats) >= 3 and all(re.fullmatch(r"export \(stepwise\): \d/4 steps after \d+ s, still running", b)
+                                   for b in beats)
+    assert re.fullmatch(r"export \(stepwise\): 4 steps in .*", lines[-1])  # the timing line comes last
+
+
+def test_twin_no_heartbeat_on_a_terminal_with_q_or_in_a_short_loop(capsys, monkeypatch):
+    monkeypatch.setattr(progress, "HEARTBEAT_S", 0.05)
+    with reporting(enabled=False):
+        with Progress("quiet", 2) as bar:
+            import time
+            time.sleep(0.2)
+            bar.update(2)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(progress, "HEARTBEAT_S", 5.0)
+    _slow_loop(0.1)
+    assert "still running" not in capsys.readouterr().err  # shorter than the interval: only the timing line
+    monkeypatch.setattr(progress, "HEARTBEAT_S", 0.05)
+    fake = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", fake)
+    monkeypatch.setattr(progress, "_is_terminal", lambda: True)
+    _slow_loop(0.3)
+    assert "still running" not in fake.getvalue()  # the bar is the sign of life there
+
+
+def test_a_stepwise_export_in_a_log_has_heartbeats_and_says_what_it_loads(tmp_path, monkeypatch):
+    monkeypatch.setattr(progress, "HEARTBEAT_S", 0.001)
+    result = run_cli(oracle_cli, ["export", TINY, "--out", tmp_path / "r.h5", "--tokens", "5,17,3,4,9,11",
+                                  "--hidden-seed", "0", "--mode", "stepwise"])
+    assert result.exit_code == 0, result.output
+    assert "still running" in result.output
+    assert "loading torch and transformers" in result.output
