@@ -148,7 +148,23 @@ def main() -> None:
     oracle_main(args, standalone_mode=False)
     write_moe_checkpoint(fixtures / "qwen3_5_moe_tiny", "qwen3_5_moe", "per_expert")  # with its main model
     write_moe_checkpoint(fixtures / "qwen3_next_tiny_fused", "qwen3_next", "fused", main_model=False)
+    write_family_fixtures(fixtures)
     print(f"wrote {fixtures}", file=sys.stderr)
+
+
+# The MTP-layer families as released (head-only: the MTP layer and the main tensors it shares), one tiny folder
+# each, so that every family runs from the README (export with --hidden-seed or --hidden). DeepSeek-V3 and V4 ship
+# FP8 like their releases (32x32 blocks at this size); GLM-4.5 bf16.
+FAMILY_FIXTURES = {
+    "deepseek_v3_tiny": lambda out: write_mtp_layer_checkpoint(out, "deepseek_v3", fp8_block=[32, 32]),
+    "glm4_moe_tiny": lambda out: write_mtp_layer_checkpoint(out, "glm4_moe"),
+    "deepseek_v4_tiny": lambda out: write_deepseek_v4_checkpoint(out, fp8_block=[32, 32]),
+}
+
+
+def write_family_fixtures(fixtures: Path) -> None:
+    for name, write in FAMILY_FIXTURES.items():
+        write(fixtures / name)
 
 
 if __name__ == "__main__":

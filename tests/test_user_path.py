@@ -53,3 +53,49 @@ def test_accept_says_it_loads_torch(tmp_path):
     quiet = run_cli(oracle_cli, ["accept", FIXTURES / "qwen3_5_trained", "--tokens", "1,2,3,4,5,6,7,8",
                                  "--hidden-seed", "0", "--target", "text", "--k", "2", "-q"])
     assert quiet.exit_code == 0 and "loading torch" not in quiet.output
+
+
+# --- every family runs from the README, on a fixture make_fixtures.py writes -------------------------------------
+
+def readme_family_exports() -> list[list[str]]:
+    """The `mtp-oracle export fixtures/…` lines of the README's every-family block, as argument lists."""
+    import re
+    import shlex
+
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"Every family, on its tiny fixture.*?```bash\n(.*?)```", readme, re.S).group(1)
+    return [shlex.split(line)[1:] for line in block.splitlines() if line.startswith("mtp-oracle export ")]
+
+
+def test_the_readme_shows_an_export_for_every_registered_family():
+    from oracle.families.registry import FAMILIES
+    from oracle.checkpoint import Checkpoint
+
+    shown = {Checkpoint(ROOT / args[1]).family.name for args in readme_family_exports()}
+    assert shown == set(FAMILIES)  # twin by construction: a family without its line fails this
+
+
+def test_each_readme_family_export_runs_as_written(tmp_path, monkeypatch):
+    import os
+
+    from oracle.trace import read_trace
+
+    os.symlink(ROOT / "fixtures", tmp_path / "fixtures")
+    monkeypatch.chdir(tmp_path)
+    for args in readme_family_exports():
+        result = run_cli(oracle_cli, [*args, "-q"])
+        assert result.exit_code == 0, (args, result.output)
+        out = tmp_path / args[args.index("--out") + 1]
+        with read_trace(out) as trace:
+            assert trace.attrs["family"] == out.stem and trace.num_tokens == 8
+
+
+def test_the_family_fixtures_are_what_make_fixtures_writes(tmp_path):
+    from tests.helpers import load_script
+
+    make = load_script("make_fixtures")
+    make.write_family_fixtures(tmp_path)
+    for name in make.FAMILY_FIXTURES:
+        for file in ("config.json", "model.safetensors"):
+            assert (tmp_path / name / file).read_bytes() == (FIXTURES / name / file).read_bytes(), (name, file)
+        assert sum(f.stat().st_size for f in (FIXTURES / name).iterdir()) < 600_000  # tiny: a few hundred KB

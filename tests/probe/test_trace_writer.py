@@ -3,16 +3,18 @@
 the writer and by the probe."""
 
 import json
+import os
 import re
+import shlex
 import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from oracle.checkpoint import Checkpoint
 from oracle.cli import cli as oracle_cli
 from oracle.stages import STAGES
-from probe.adapters.cabi_worker import WEIGHT_TENSORS
 from probe.cli import cli as probe_cli
 from probe.poison import POISON_BITS
 from tests.helpers import FIXTURES, TINY, TINY_REF, run_cli
@@ -39,14 +41,9 @@ def example(tmp_path_factory):
 def engine_files(tmp_path_factory):
     """The example engine's weights (config.txt, weights.bin) and the reference's inputs (mtp-oracle inputs)."""
     tmp = tmp_path_factory.mktemp("engine-files")
-    ckpt = Checkpoint(TINY)
-    cfg, tensors = ckpt.config, ckpt.read_head().tensors
-    (tmp / "config.txt").write_text(f"{cfg.hidden_size} {cfg.num_attention_heads} {cfg.num_key_value_heads} "
-                                    f"{cfg.head_dim} {cfg.rotary_dim} {cfg.intermediate_size} {cfg.rms_norm_eps!r} "
-                                    f"{cfg.rope_theta!r}\n")
-    with open(tmp / "weights.bin", "wb") as f:
-        for _, name in WEIGHT_TENSORS:  # mtp_weights field order
-            np.ascontiguousarray(tensors[name], dtype="<f4").tofile(f)
+    proc = subprocess.run([sys.executable, CANDIDATES / "trace_writer_weights.py", TINY, tmp], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr
     result = run_cli(oracle_cli, ["inputs", TINY_REF, "--out-dir", tmp / "inputs"])
     assert result.exit_code == 0, result.output
     return tmp, tmp / "inputs"
@@ -145,3 +142,46 @@ def test_twin_close_reports_missing_rows_and_inputs_when_nothing_else_failed(tmp
     proc = subprocess.run([driver, tmp_path / "dump"], capture_output=True, text=True, check=True)
     assert "mtp_tw_close(&w) -> 4" in proc.stdout  # MTP_TW_ERR_MISSING
     assert "error: mtp_trace_writer: inputs never recorded: row 2 (written as -1)" in proc.stdout
+
+
+# --- the example's own build and run lines, as written at its top --------------------------------------------
+
+def _header_commands() -> list[str]:
+    """The shell lines of trace_writer_example.c's comment under "Build" and "Run:", continuations joined."""
+    comment = (CANDIDATES / "trace_writer_example.c").read_text().split("*/", 1)[0]
+    lines = [line.removeprefix(" *").strip() for line in comment.splitlines()]
+    start, stop = lines.index("Build, from the repository root:") + 1, next(
+        i for i, line in enumerate(lines) if line.startswith("WEIGHTS_DIR"))
+    commands, pending = [], ""
+    for line in lines[start:stop]:
+        if not line or line == "Run:":
+            continue
+        pending += line.split("  #", 1)[0].strip()
+        if pending.endswith("\\"):
+            pending = pending[:-1] + " "
+            continue
+        commands.append(pending.replace(" [--skip STAGE:T]", ""))
+        pending = ""
+    return commands
+
+
+def test_the_examples_own_build_and_run_lines_work_as_written(tmp_path):
+    """From a fresh folder (fixtures/ linked in as in the repository root): gcc, the weights script, `mtp-oracle
+    inputs`, the engine, `mtp-probe diff` -> PASSED. Nothing but these lines makes the engine's weights folder."""
+    commands = _header_commands()
+    assert [c.split()[0] for c in commands] == ["gcc", "python", "mtp-oracle", "./trace_writer_example", "mtp-probe"]
+    os.symlink(FIXTURES, tmp_path / "fixtures")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    for command in commands:
+        argv = shlex.split(command)
+        argv[0] = sys.executable if argv[0] == "python" else argv[0]
+        proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, (command, proc.stdout[-2000:], proc.stderr[-2000:])
+    assert proc.stdout.strip().splitlines()[-1].startswith("PASSED | 11 stages x 8 tokens within tolerance")
+
+
+def test_twin_the_weights_script_refuses_a_family_the_example_cannot_run(tmp_path):
+    proc = subprocess.run([sys.executable, CANDIDATES / "trace_writer_weights.py", FIXTURES / "qwen3_5_moe_tiny",
+                           tmp_path / "w"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "dense Qwen3.5 head (C ABI v1) only" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "w" / "weights.bin").exists()
