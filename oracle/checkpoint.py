@@ -12,6 +12,7 @@ import json
 import math
 import mmap
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -284,17 +285,23 @@ class Checkpoint:
 
     def check_main_model(self, alternatives: str = "--hidden FILE (H from your engine) or --hidden-seed N "
                                                    "(synthetic H)") -> None:
-        """--main-model needs the main model's decoder layers: refuse a head-only checkpoint (e.g. a release's
-        MTP part alone) by its tensor names, before torch loads and before a strict load lists missing keys."""
-        head = self.family.head_prefix.format(num_hidden_layers=getattr(self.config, "num_hidden_layers", None))
-        prefixes = self.family.main_model_prefixes
-        layers = [n for n in self._shard_of if not n.startswith(head) and any(n.startswith(p + "layers.")
-                                                                              for p in prefixes)]
-        if not layers:
+        """--main-model needs the main model's decoder layers: refuse a head-only checkpoint (e.g. a release's MTP
+        part alone, or one with only the few main tensors the head shares) by its tensor names, before torch loads
+        and before a strict load lists hundreds of missing keys."""
+        text = self.raw_config.get("text_config", self.raw_config)
+        count = text.get("num_hidden_layers", text.get("n_layers"))  # main decoder layers (V4 release: n_layers)
+        head_layer = count if self.family.head_prefix.startswith("model.layers.") else None  # DeepSeek/GLM's MTP
+        present = {int(m.group(1)) for m in map(_MAIN_LAYER.match, self._shard_of) if m} - {head_layer}
+        if not present:
             raise CheckpointError(
-                f"{self.path} holds no main model: no main decoder layer tensors "
-                f"({' or '.join(p + 'layers.*' for p in prefixes)}) besides the MTP head's, so --main-model cannot "
-                f"compute H. Pass {alternatives}.")
+                f"{self.path} holds no main model (no main decoder layer tensors, only the MTP head and the tensors it "
+                f"shares), so --main-model cannot compute H. Pass {alternatives}.")
+        missing = sorted(set(range(count)) - present) if isinstance(count, int) else []
+        if missing:
+            shown = ", ".join(map(str, missing[:8])) + (" …" if len(missing) > 8 else "")
+            raise CheckpointError(
+                f"{self.path} holds no complete main model: config.json has {count} decoder layers, and layer(s) "
+                f"{shown} have no tensors, so --main-model cannot compute H. Pass {alternatives}.")
 
     def embedding_rows(self, token_ids: np.ndarray) -> np.ndarray:
         """Float32 rows [T, D] of the shared embedding for `token_ids`; only those rows are read."""
@@ -311,6 +318,9 @@ class Checkpoint:
                 if os.preadv(f.fileno(), [memoryview(row).cast("B")], entry.offset + int(tok) * row_bytes) != row_bytes:
                     raise CheckpointError(f"{entry.file} ended inside {name}; re-copy the shard.")
         return _widen(stored, entry.dtype)[inverse.reshape(-1)]
+
+
+_MAIN_LAYER = re.compile(r"(?:model\.(?:language_model\.)?)?layers\.(\d+)\.")  # HF layouts; V4's release: layers.N.
 
 
 def check_token_ids(token_ids: np.ndarray, vocab_size: int) -> None:

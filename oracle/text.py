@@ -17,3 +17,14 @@ def printable(text: str, keep_lines: bool = False) -> str:
     and newlines too unless `keep_lines` (a multi-line report whose own layout uses them)."""
     escaped = _UNSAFE.sub(lambda m: repr(m.group())[1:-1], text)
     return escaped if keep_lines else _LINE_BREAKS.sub(lambda m: repr(m.group())[1:-1], escaped)
+
+
+def clipped(text: str, limit: int = 600) -> str:
+    """`text` up to about `limit` characters, cut after a whole item (at ", " or a line end), never mid-word, with
+    how much was left out."""
+    if len(text) <= limit:
+        return text
+    cut = max(text.rfind(", ", 0, limit), text.rfind("\n", 0, limit))
+    cut = cut if cut > limit // 2 else text.rfind(" ", 0, limit)
+    head = text[:cut if cut > 0 else limit].rstrip(", \n")
+    return f"{head} … ({len(text) - len(head)} more characters)"

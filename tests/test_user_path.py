@@ -30,6 +30,24 @@ def test_main_model_on_a_head_only_checkpoint_is_refused_before_torch_loads(tmp_
     assert not (tmp_path / "r.h5").exists()
 
 
+def test_main_model_on_a_checkpoint_with_only_the_heads_shared_main_tensors_is_refused(tmp_path):
+    """DeepSeek/GLM fixtures hold layer 0's few tensors the head shares, not the main model: named layer by layer."""
+    for name in ("deepseek_v3_tiny", "glm4_moe_tiny", "deepseek_v4_tiny"):
+        result = run_cli(oracle_cli, ["export", FIXTURES / name, "--out", tmp_path / "r.h5", "--tokens", "1,2,3",
+                                      "--main-model", "--first-token", "4"])
+        assert result.exit_code == 2 and "holds no complete main model" in result.output, result.output
+        assert "layer(s) 1 have no tensors" in result.output and "--hidden-seed N" in result.output
+
+
+def test_clipped_cuts_after_a_whole_item_and_says_how_much_is_left():
+    from oracle.text import clipped
+
+    keys = ", ".join(f'"layers.{i}.self_attn.q_proj.weight"' for i in range(60))
+    short = clipped(keys, 200)
+    assert short.endswith("more characters)") and short.split(" … ")[0].endswith('weight"')
+    assert clipped("a, b", 200) == "a, b"  # twin: short text untouched
+
+
 def test_twin_main_model_on_a_whole_checkpoint_runs(tmp_path):
     result = run_cli(oracle_cli, ["export", TINY, "--out", tmp_path / "r.h5", "--tokens", "5,17,3", "--main-model",
                                   "--first-token", "9"])

@@ -25,6 +25,7 @@ from transformers.core_model_loading import WeightRenaming, rename_source_key
 from oracle.checkpoint import Checkpoint
 from oracle.errors import CheckpointError
 from oracle.fp8 import dequantize
+from oracle.text import clipped
 
 EXPERT = re.compile(r"^(?P<stem>.*\.experts)\.(?P<e>\d+)\.(?P<part>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
@@ -135,7 +136,7 @@ def load_main_model(ckpt: Checkpoint, model_class: type, config, layout: MainLay
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as err:  # shapes: the checkpoint and config.json disagree
         raise CheckpointError(f"{ckpt.path}: the main model's tensors do not fit {model_class.__name__} built from "
-                              f"config.json: {str(err)[:600]}") from None
+                              f"config.json: {clipped(str(err))}") from None
     _rebuild_rotaries(model, config, rotary_class)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:

@@ -34,6 +34,7 @@ from oracle.families.moe_experts import RoutedExperts
 from oracle.families.qwen3_5_layout import HeadConfig
 from oracle.families.routing_evidence import topk_flip_distances
 from oracle.fp8 import E4M3, dequantize
+from oracle.text import clipped
 from oracle.trace import TraceInputs
 
 Stages = dict[str, torch.Tensor]
@@ -408,7 +409,7 @@ def load_main_model(checkpoint: Checkpoint, classes: QwenClasses = CLASSES) -> Q
     except RuntimeError as err:
         raise CheckpointError(f"{checkpoint.path}: the main model's tensors ({prefix}*) do not match "
                               f"{classes.text_model.__name__} (--main-model needs the whole main model): "
-                              f"{str(err)[:600]}") from None
+                              f"{clipped(str(err))}") from None
     model.rotary_emb = classes.rotary(text)
     return model.eval()
 
