@@ -1,6 +1,7 @@
 """Stages: what an MTP head records per step, with the metadata that lets a trace explain itself.
 
-A stage has a name, a shape in symbols (T×D, T×2D, T×E, T×k, T×hc·D), a kind and a one-line doc:
+A stage has a name, a shape in symbols (TxD, Tx2D, TxE, Txk, Txhc*D: ASCII, as HDF5 tools print attributes; traces
+written before issue 28 say T×D … T×hc·D, read as these), a kind and a one-line doc:
 
     kind "rows"       float32 [T, width], judged per row by the tolerance rule (probe/tolerance.py)
     kind "index_set"  int64 [T, k], each row compared as a set (e.g. the experts a router selected)
@@ -40,13 +41,19 @@ class Dims:
 
 
 _WIDTH = {
-    "T×D": lambda d: d.hidden_size,
-    "T×2D": lambda d: 2 * d.hidden_size,
-    "T×E": lambda d: d.num_experts,
-    "T×k": lambda d: d.top_k,
-    "T×hc·D": lambda d: d.hc_mult * d.hidden_size,
+    "TxD": lambda d: d.hidden_size,
+    "Tx2D": lambda d: 2 * d.hidden_size,
+    "TxE": lambda d: d.num_experts,
+    "Txk": lambda d: d.top_k,
+    "Txhc*D": lambda d: d.hc_mult * d.hidden_size,
 }
 SHAPES = tuple(_WIDTH)
+LEGACY_SHAPES = {"T×D": "TxD", "T×2D": "Tx2D", "T×E": "TxE", "T×k": "Txk", "T×hc·D": "Txhc*D"}  # written before
+
+
+def shape_symbol(text: str) -> str:
+    """A `shape` attribute as read: an old trace's non-ASCII symbol is its ASCII name, anything else unchanged."""
+    return LEGACY_SHAPES.get(text, text)
 
 
 @dataclass(frozen=True)
@@ -103,26 +110,26 @@ class StageList(tuple):
 
 
 # --- The spine: the Qwen3.5-style stem and one pre-norm decoder layer. ---
-E = Stage("e", "T×D", "normed embedding of the step token: the stem's embedding norm (Qwen: (1+w) RMSNorm; "
+E = Stage("e", "TxD", "normed embedding of the step token: the stem's embedding norm (Qwen: (1+w) RMSNorm; "
                       "DeepSeek/GLM: enorm)")
-H = Stage("h", "T×D", "normed main-model hidden H_i (post-final-norm, normed again): the stem's hidden norm "
+H = Stage("h", "TxD", "normed main-model hidden H_i (post-final-norm, normed again): the stem's hidden norm "
                       "(Qwen: pre_fc_norm_hidden; DeepSeek/GLM: hnorm)")
-FC_IN = Stage("fc_in", "T×2D", "concat(e, h), embedding first")
-FC = Stage("fc", "T×D", "the stem's projection of fc_in, [2D] -> [D] (Qwen: fc; DeepSeek/GLM: eh_proj)")
-AH = Stage("ah", "T×D", "attention input: input_layernorm(fc)")
-ATTN = Stage("attn", "T×D", "attention output after o_proj, before the residual add")
-RES1 = Stage("res1", "T×D", "first residual: fc + attn")
-MH = Stage("mh", "T×D", "MLP input: post_attention_layernorm(res1)")
-MLP = Stage("mlp", "T×D", "MLP output (MoE: routed + shared)")
-RES2 = Stage("res2", "T×D", "second residual: res1 + mlp")
-OUT = Stage("out", "T×D", "head output: the final norm of res2, fed to lm_head and recycled for draft k+1")
+FC_IN = Stage("fc_in", "Tx2D", "concat(e, h), embedding first")
+FC = Stage("fc", "TxD", "the stem's projection of fc_in, [2D] -> [D] (Qwen: fc; DeepSeek/GLM: eh_proj)")
+AH = Stage("ah", "TxD", "attention input: input_layernorm(fc)")
+ATTN = Stage("attn", "TxD", "attention output after o_proj, before the residual add")
+RES1 = Stage("res1", "TxD", "first residual: fc + attn")
+MH = Stage("mh", "TxD", "MLP input: post_attention_layernorm(res1)")
+MLP = Stage("mlp", "TxD", "MLP output (MoE: routed + shared)")
+RES2 = Stage("res2", "TxD", "second residual: res1 + mlp")
+OUT = Stage("out", "TxD", "head output: the final norm of res2, fed to lm_head and recycled for draft k+1")
 
 # --- MoE stages, between mh and mlp. ---
-ROUTER_LOGITS = Stage("router_logits", "T×E", "the router's linear output (gate(mh)), before softmax/sigmoid")
-TOPK_IDS = Stage("topk_ids", "T×k", "the experts selected for the token, compared as a set", kind=INDEX_SET)
-TOPK_WEIGHTS = Stage("topk_weights", "T×k", "the final weights of the selected experts, in topk_ids' order")
-SHARED = Stage("shared", "T×D", "the shared expert's output, gated where the family gates it")
-ROUTED = Stage("routed", "T×D", "the weighted sum of the selected experts' outputs")
+ROUTER_LOGITS = Stage("router_logits", "TxE", "the router's linear output (gate(mh)), before softmax/sigmoid")
+TOPK_IDS = Stage("topk_ids", "Txk", "the experts selected for the token, compared as a set", kind=INDEX_SET)
+TOPK_WEIGHTS = Stage("topk_weights", "Txk", "the final weights of the selected experts, in topk_ids' order")
+SHARED = Stage("shared", "TxD", "the shared expert's output, gated where the family gates it")
+ROUTED = Stage("routed", "TxD", "the weighted sum of the selected experts' outputs")
 MOE = (ROUTER_LOGITS, TOPK_IDS, TOPK_WEIGHTS, SHARED, ROUTED)
 
 SPINE = StageList((E, H, FC_IN, FC, AH, ATTN, RES1, MH, MLP, RES2, OUT))
@@ -135,14 +142,14 @@ def with_moe(spine: StageList) -> StageList:
 
 
 # --- Hyper-connection (mHC) heads (DeepSeek-V4): hc_mult residual streams of width D around one block. ---
-E_PROJ = Stage("e_proj", "T×D", "e_proj(e): the embedding's projection, added to every stream")
-H_PROJ = Stage("h_proj", "T×hc·D", "h_proj(h), per stream")
-X_IN = Stage("x_in", "T×hc·D", "the block's input streams: h_proj(h) + e_proj(e), the e term broadcast to every stream")
-AFTER_ATTN = Stage("after_attn", "T×hc·D", "the streams after the attention hyper-connection: "
+E_PROJ = Stage("e_proj", "TxD", "e_proj(e): the embedding's projection, added to every stream")
+H_PROJ = Stage("h_proj", "Txhc*D", "h_proj(h), per stream")
+X_IN = Stage("x_in", "Txhc*D", "the block's input streams: h_proj(h) + e_proj(e), the e term broadcast to every stream")
+AFTER_ATTN = Stage("after_attn", "Txhc*D", "the streams after the attention hyper-connection: "
                                            "post * attn + comb^T @ x_in")
-BLOCK_OUT = Stage("block_out", "T×hc·D", "the block's output streams (after the MLP hyper-connection): recycled "
+BLOCK_OUT = Stage("block_out", "Txhc*D", "the block's output streams (after the MLP hyper-connection): recycled "
                                          "as the hidden for draft k+1")
-HEAD_COLLAPSED = Stage("head_collapsed", "T×D", "the head's hyper-connection collapse of block_out (hc_head), before "
+HEAD_COLLAPSED = Stage("head_collapsed", "TxD", "the head's hyper-connection collapse of block_out (hc_head), before "
                                                 "the final norm")
 HC_STAGES = (X_IN, AFTER_ATTN, BLOCK_OUT, HEAD_COLLAPSED, E_PROJ, H_PROJ)
 

@@ -33,8 +33,8 @@ Datasets
     /inputs/embed      float32 [T, D]   embedding rows of token_ids as stored (bf16 widened exactly)
     /stages/<name>     float32 [T, w]   row t = step t; chunked by token rows. Attributes: `doc` (one line: what the
                                         stage is), `kind` ("rows": judged by the tolerance rule; "index_set": int64
-                                        [T, k] compared as sets, e.g. topk_ids) and `shape` (T×D, T×2D, T×E, T×k,
-                                        T×hc·D). Absent attributes mean kind "rows".
+                                        [T, k] compared as sets, e.g. topk_ids) and `shape` (TxD, Tx2D, TxE, Txk,
+                                        Txhc*D; ASCII. Older traces: T×D …, still read). Absent attributes mean kind "rows".
     /evidence/attn_uniform
                        float32 [T, D]   optional (the oracle always writes it): `attn` recomputed from the same
                                         `ah` rows with uniform attention weights over the visible keys. Where it
@@ -75,7 +75,8 @@ import numpy as np
 
 from oracle.errors import InputError, TraceFormatError
 from oracle.output import atomic_output, hdf5_target
-from oracle.stages import KINDS, ROWS, SHAPES, STAGE_BY_NAME, STAGE_NAMES, STAGES, Dims, Stage, StageList
+from oracle.stages import (KINDS, ROWS, SHAPES, STAGE_BY_NAME, STAGE_NAMES, STAGES, Dims, Stage, StageList,
+                           shape_symbol)
 
 SCHEMA = "mtp-trace/1"
 INPUT_NAMES = ("token_ids", "positions", "hidden", "embed")
@@ -332,7 +333,8 @@ class TraceReader:
         attrs = self._dataset(f"stages/{name}").attrs
         known = STAGE_BY_NAME.get(name)
         doc = _as_str(attrs.get("doc", known.doc if known else ""))
-        shape = _as_str(attrs.get("shape", known.shape if known else "T×D"))
+        shape = _as_str(attrs.get("shape", known.shape if known else "TxD"))
+        shape = shape_symbol(shape) if isinstance(shape, str) else shape  # T×D in traces written before issue 28
         kind = _as_str(attrs.get("kind", ROWS))
         if not isinstance(kind, str) or not isinstance(shape, str) or kind not in KINDS or shape not in SHAPES:
             raise TraceFormatError(f"{self.path}: /stages/{name} has kind {kind!r} / shape {shape!r}; kinds are "

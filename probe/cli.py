@@ -170,7 +170,8 @@ def run(ctx, ref, spec, checkpoint, out, profile, rtol, atol, stage_tol, json_pa
                  tensor names are mapped onto the stages. K/V in float32, flash attention off;
                  llama.cpp-fa: flash attention on (K/V in f16: judge with --profile float16). Needs no
                  --checkpoint (the GGUF holds the weights), but --explain does.
-      torch[:cpu|cuda[:float32|bfloat16]]   the built-in transcription from raw tensor ops (dense Qwen3.5).
+      torch[:cpu|cuda[:float32|bfloat16]]   the built-in transcription from raw tensor ops
+                 (dense Qwen3.5 heads only; other families: python:, c: with C ABI v2, llama.cpp).
 
     The checkpoint is the one REF records (or one found beside it by its head digest) unless --checkpoint
     is given; its weights are checked against REF's digests (the head's and, for MoE, the routed experts REF

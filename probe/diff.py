@@ -304,7 +304,7 @@ class _StageProgress:
 def _streams(ref: TraceSource, name: str) -> int:
     """hc for a [T, hc·D] stage of the reference (DeepSeek-V4's hyper-connection streams), else 1."""
     stage = ref.stage_list[name]
-    return ref.dims.hc_mult if stage.shape == "T×hc·D" and getattr(ref, "dims", None) is not None else 1
+    return ref.dims.hc_mult if stage.shape == "Txhc*D" and getattr(ref, "dims", None) is not None else 1
 
 
 def _block_rows(ref_path: Path, name: str, start: int, width: int, sums: np.ndarray, tol: Tol,

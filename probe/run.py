@@ -98,8 +98,9 @@ def checkpoint_for(ref_path: Path, given: Path | None, log: Callable[[str], None
                          f"its routed experts differ from those the reference was exported from "
                          f"({_experts_mismatch(experts, got)}). Pass --checkpoint DIR: the checkpoint the reference "
                          f"was exported from (its head and routed experts are checked by digest).")
-    looked = (f"; no checkpoint with its head digest ({digest[:19]}…) is beside the reference or under the current "
-              f"directory" if digest else "")
+    looked = (f"; no checkpoint with its head digest ({digest[:19]}…) is in the folders up to {_SEARCH_DEPTH} levels "
+              f"below the reference's folder or the current directory (at most {_MAX_FOLDERS} folders looked at, "
+              f"{_MAX_CHECKPOINTS} checkpoints hashed)" if digest else "")
     raise ProbeError(f"{ref_path} was exported from checkpoint {recorded or '(not recorded)'}, which is not a "
                      f"directory here{looked}. Pass --checkpoint DIR (the same weights: their digest is checked).")
 
@@ -135,7 +136,7 @@ def find_checkpoint(ref_path: Path, recorded: str | None, ref_config: dict | Non
     return None
 
 
-_MAX_CHECKPOINTS, _MAX_FOLDERS = 8, 400  # checkpoints hashed, folders looked at
+_MAX_CHECKPOINTS, _MAX_FOLDERS, _SEARCH_DEPTH = 8, 400, 2  # checkpoints hashed, folders looked at, levels down
 
 
 def _nearby_folders(ref_dir: Path, recorded: str | None):
@@ -148,7 +149,7 @@ def _nearby_folders(ref_dir: Path, recorded: str | None):
             first += [base / rec for base in [ref_dir, *list(ref_dir.parents)[:4]]]
         first += [ref_dir / rec.name, Path.cwd() / rec.name]
     roots = [ref_dir, Path.cwd()]
-    listed = (sub for root in roots for sub in _subfolders(root, depth=2))
+    listed = (sub for root in roots for sub in _subfolders(root, depth=_SEARCH_DEPTH))
     for folder in itertools.chain(first, itertools.islice(listed, _MAX_FOLDERS)):
         try:
             key = folder.resolve()

@@ -273,7 +273,7 @@ def test_noise_measures_topk_weights_in_the_truths_id_order():
     truth = {"topk_ids": ids, "topk_weights": weights}
     swapped = {"topk_ids": ids[:, ::-1].copy(), "topk_weights": weights[:, ::-1].copy()}
 
-    stages = [Stage("topk_ids", "T×k", "ids", INDEX_SET), Stage("topk_weights", "T×k", "weights", ROWS)]
+    stages = [Stage("topk_ids", "Txk", "ids", INDEX_SET), Stage("topk_weights", "Txk", "weights", ROWS)]
     same = _path_figures(truth, swapped, stages, "bfloat16", 4.0)["stages"]["topk_weights"]
     assert same["measured_max_rel"] == 0.0 and same["rtol"] < 0.05
     wrong = {"topk_ids": ids, "topk_weights": weights * np.float32(0.7)}

@@ -117,3 +117,43 @@ def test_the_family_fixtures_are_what_make_fixtures_writes(tmp_path):
         for file in ("config.json", "model.safetensors"):
             assert (tmp_path / name / file).read_bytes() == (FIXTURES / name / file).read_bytes(), (name, file)
         assert sum(f.stat().st_size for f in (FIXTURES / name).iterdir()) < 600_000  # tiny: a few hundred KB
+
+
+# --- the `shape` attribute in ASCII (what h5ls / h5dump print), old symbols still read ---------------------------
+
+def test_new_traces_write_ascii_shape_symbols_and_old_ones_still_read(tmp_path):
+    import h5py
+
+    from oracle.trace import read_trace
+
+    out = tmp_path / "new.h5"
+    result = run_cli(oracle_cli, ["export", TINY, "--out", out, "--tokens", "17,42,3,255,100,7,511,64",
+                                  "--hidden-seed", "0", "-q"])
+    assert result.exit_code == 0, result.output
+    with h5py.File(out) as new, h5py.File(TINY_REF) as old:
+        text = lambda v: v.decode("utf-8") if isinstance(v, bytes) else str(v)  # noqa: E731
+        written = {n: text(new["stages"][n].attrs["shape"]) for n in new["stages"]}
+        assert all(v.isascii() for v in written.values()) and written["fc_in"] == "Tx2D"
+        assert text(old["stages"]["fc_in"].attrs["shape"]) == "T×2D"  # the stored fixture predates the change
+    with read_trace(TINY_REF) as old_trace, read_trace(out) as new_trace:
+        assert old_trace.stage_list == new_trace.stage_list  # old symbols read as the new ones
+    diffed = run_cli(probe_cli, ["diff", TINY_REF, out, "-q"])
+    assert diffed.exit_code == 0 and diffed.output.splitlines()[-1].startswith("PASSED"), diffed.output
+
+
+def test_twin_an_unknown_shape_symbol_is_still_refused(tmp_path):
+    import shutil
+
+    import h5py
+
+    from oracle.errors import TraceFormatError
+    from oracle.trace import read_trace
+
+    bad = tmp_path / "bad.h5"
+    shutil.copy(TINY_REF, bad)
+    with h5py.File(bad, "r+") as f:
+        f["stages"]["fc"].attrs["shape"] = "T×Q"
+    import pytest
+
+    with pytest.raises(TraceFormatError, match="shape"), read_trace(bad) as trace:
+        trace.stage_list

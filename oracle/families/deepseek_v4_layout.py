@@ -340,7 +340,7 @@ _DOCS = {
 
 
 def v4_stages(cfg: HeadConfig) -> StageList:
-    h = replace(H, shape="T×hc·D")
+    h = replace(H, shape="Txhc*D")
     order = (E, h, E_PROJ, H_PROJ, X_IN, AH, ATTN, AFTER_ATTN, MH, *MOE, MLP, BLOCK_OUT, HEAD_COLLAPSED, OUT)
     return StageList(s.with_doc(_DOCS[s.name]) if s.name in _DOCS else s for s in order)
 

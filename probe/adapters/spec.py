@@ -4,7 +4,8 @@ probe/run.py `adapter_from_spec` builds the adapter a SPEC names."""
 
 from pathlib import Path
 
-SPEC_HELP = "c:LIB.so | python:MODULE:FACTORY | llama.cpp[-fa]:MODEL.gguf[:LIB] | torch[:cpu|cuda[:float32|bfloat16]]"
+SPEC_HELP = ("c:LIB.so | python:MODULE:FACTORY | llama.cpp[-fa]:MODEL.gguf[:LIB] | torch[:cpu|cuda[:float32|bfloat16]] "
+             "(torch: dense Qwen3.5 only)")
 
 
 def c_library(spec: str) -> Path | None:

@@ -60,3 +60,14 @@ def test_a_relative_recorded_path_resolves_from_the_references_folder(tmp_path, 
     result = run_cli(cli, ["run", ref, "--impl", "torch", "-q"])
     assert result.exit_code == 0, result.output
     assert f"using checkpoint {tmp_path / 'fixtures' / 'qwen3_5_tiny'}" in result.output
+
+
+def test_the_message_states_the_search_depth_and_a_checkpoint_one_level_deeper_is_not_found(tmp_path, monkeypatch):
+    """The search looks 2 levels down (the message says so): a copy 2 levels down is found, one 4 levels down is not."""
+    ref = _recording(shutil.copy(TINY_REF, tmp_path / "ref.h5"), "/nowhere/moved/qwen3_5_tiny")
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(TINY, tmp_path / "a" / "b" / "c" / "weights")  # 4 levels below: out of reach
+    with pytest.raises(ProbeError, match=r"up to 2 levels below the reference's folder or the current directory"):
+        checkpoint_for(ref, None)
+    shutil.copytree(TINY, tmp_path / "x" / "weights")  # twin: 2 levels below, found
+    assert checkpoint_for(ref, None, log=lambda msg: None) == tmp_path / "x" / "weights"
