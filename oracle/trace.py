@@ -567,12 +567,22 @@ class _PlainRows:
 
 def export_hint(path: Path) -> str:
     """`mtp-oracle export CHECKPOINT --out NEW`, NEW a free name beside `path` (ref.h5, ref-2.h5, ...): never
-    `path` itself, which may be the user's weights or the only copy of a damaged trace, nor any existing file."""
+    `path` itself, which may be the user's weights or the only copy of a damaged trace, nor any existing file, and
+    never inside a checkpoint folder (`path` a shard given as the trace: the trace goes beside the folder)."""
     folder = Path(path).parent
+    while _is_checkpoint_folder(folder) and folder.parent != folder:
+        folder = folder.parent
     names = ["ref.h5", *(f"ref-{n}.h5" for n in range(2, 100))]
     fresh = next((folder / n for n in names if not (folder / n).exists() and folder / n != Path(path)),
                  folder / "new-ref.h5")
     return f"mtp-oracle export CHECKPOINT --out {fresh}"
+
+
+def _is_checkpoint_folder(folder: Path) -> bool:
+    try:
+        return (folder / "config.json").is_file() or any(folder.glob("*.safetensors"))
+    except OSError:
+        return False
 
 
 def read_trace(path: Path) -> TraceReader:

@@ -294,7 +294,9 @@ def check_output(path: Path, option: str) -> None:
 
 def _tols(ref: Path, profile: str, rtol, atol, stage_tol, json_path, plot_path, html_path=None) -> dict[str, Tol]:
     if (rtol is None) != (atol is None):
-        raise click.UsageError("give both --rtol and --atol, or neither (API: Tol(rtol, atol, why)).")
+        given, missing = ("--rtol", "--atol") if atol is None else ("--atol", "--rtol")
+        raise click.UsageError(f"{given} without {missing}: give both (e.g. --rtol 1e-3 --atol 1e-5; a row passes if "
+                               f"either holds) or neither (default --rtol {DEFAULT.rtol:g} --atol {DEFAULT.atol:g}).")
     measured = profile_file_spec(profile)  # None: a named profile
     if measured is not None and rtol is not None:
         raise click.UsageError(f"--profile {profile} gives every stage its measured tolerance; --rtol/--atol would "
@@ -318,9 +320,10 @@ def _stage_tol_stages_exist(ref: Path, stage_tol) -> None:
     stages = reference_facts(ref)["stages"]
     for text in stage_tol:
         name = text.partition("=")[0].strip()
-        if name in KNOWN_STAGE_NAMES and name not in stages:  # an unknown name: refused by the parse itself
-            raise ToleranceError(f"--stage-tol {text}: the reference {ref} has no stage '{name}' (its stages: "
-                                 f"{', '.join(stages)}); drop it or name one of those.")
+        if name not in stages:  # a typo or another family's stage: the reference's own list, not every family's
+            other = " (another family's stage)" if name in KNOWN_STAGE_NAMES else ""
+            raise ToleranceError(f"--stage-tol {text}: '{name}' is not a stage of the reference {ref}{other}; its "
+                                 f"stages: {', '.join(stages)}. Drop it or name one of those.")
 
 
 def _render(report: "DiffReport", json_path: Path | None, plot_path: Path | None, verbose: bool,

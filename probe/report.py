@@ -191,7 +191,9 @@ def _worst_cell(rows: StageRows, valid_only: bool = False) -> Cell | None:
 
 def _issues(report: DiffReport) -> str:
     if not report.issues:
-        return f"self-checks: passed (layout, inputs as recorded, {_written_text(report)})"
+        inputs = ("inputs as recorded" if report.inputs_recorded or report.candidate_kind == "adapter"
+                  else "inputs not recorded, so not checked")  # a raw dump without inputs.json
+        return f"self-checks: passed (layout, {inputs}, {_written_text(report)})"
     lines = ["self-checks FAILED (verdict invalid):"]
     lines += [f"  - {i.message}" + (f" [tokens {_ranges(i.tokens)}]" if i.tokens else "") for i in report.issues]
     return "\n".join(lines)

@@ -33,7 +33,7 @@ F32_ULPS = 4
 @dataclass(frozen=True)
 class Finding:
     status: str
-    max_rel: float | None  # max|a - e| / max|e| (after transposing back); None when not comparable
+    max_rel: float | None  # max|a - e| / max|e| (`transposed`: after transposing back); None when not comparable
     note: str
 
 
@@ -99,8 +99,9 @@ def _rounding_of(a: np.ndarray, e: np.ndarray, scale: float) -> str:
 
 def _by_values(a: np.ndarray, e: np.ndarray, facts: TensorFacts, max_rel: float) -> Finding:
     if a.ndim == 2 and a.shape[0] == a.shape[1] > 1 and _close(a.T, e, float(np.abs(e).max()) or 1.0):
-        return Finding("transposed", max_rel, f"a square {list(a.shape)} matrix stored transposed (rows are the "
-                                              f"checkpoint's columns)")
+        back = float(np.abs(a.T.astype(np.float64) - e).max()) / (float(np.abs(e).max()) or 1.0)
+        return Finding("transposed", back, f"a square {list(a.shape)} matrix stored transposed (rows are the "
+                                           f"checkpoint's columns; as stored max_rel {max_rel:.3g})")
     ea, ee = float(np.dot(a.ravel(), a.ravel())), float(np.dot(e.ravel(), e.ravel()))
     dot = float(np.dot(a.ravel(), e.ravel()))
     corr = dot / np.sqrt(ea * ee) if ea and ee else 0.0

@@ -238,6 +238,8 @@ def render_weights(report: WeightsReport, verbose: bool = False) -> str:
     for t in report.tensors:
         if verbose or t.status != "ok":
             rel = "-" if t.max_rel is None else f"{t.max_rel:.3g}"
+            # transposed: the figure is of the tensor transposed back; "max_rel 0" alone read like a match
+            rel += " once transposed back (wrong as stored)" if t.status == "transposed" else ""
             lines.append(f"  {t.status:<14} {t.name}  max_rel {rel}  {t.note}")
     ok = len(report.tensors) - len(report.bad)
     lines.append(f"  {ok} ok" + ("" if verbose or not ok else " (-v lists them)"))

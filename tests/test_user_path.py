@@ -157,3 +157,56 @@ def test_twin_an_unknown_shape_symbol_is_still_refused(tmp_path):
 
     with pytest.raises(TraceFormatError, match="shape"), read_trace(bad) as trace:
         trace.stage_list
+
+
+# --- messages (issue 28, point 8) --------------------------------------------------------------------------------
+
+def _module(tmp_path, name: str, source: str, monkeypatch):
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_an_import_error_inside_a_found_candidate_module_says_so_not_pythonpath(tmp_path, monkeypatch):
+    _module(tmp_path, "cand_bad_import", "import no_such_dependency_xyz\n", monkeypatch)
+    result = run_cli(probe_cli, ["run", TINY_REF, "--impl", "python:cand_bad_import:make_head", "--checkpoint", TINY])
+    assert result.exit_code == 2, result.output
+    assert "cand_bad_import was found" in result.output and "no_such_dependency_xyz" in result.output
+    assert "PYTHONPATH" not in result.output
+
+
+def test_twin_a_module_not_found_asks_about_pythonpath_and_a_missing_factory_is_named(tmp_path, monkeypatch):
+    result = run_cli(probe_cli, ["run", TINY_REF, "--impl", "python:cand_nowhere_xyz:make_head", "--checkpoint", TINY])
+    assert result.exit_code == 2 and "Is the module on PYTHONPATH" in result.output, result.output
+    _module(tmp_path, "cand_no_factory", "def other():\n    pass\n", monkeypatch)
+    result = run_cli(probe_cli, ["run", TINY_REF, "--impl", "python:cand_no_factory:make_head", "--checkpoint", TINY])
+    assert result.exit_code == 2 and "has no make_head" in result.output and "PYTHONPATH" not in result.output
+
+
+def test_a_raw_dump_without_inputs_json_never_claims_inputs_as_recorded(tmp_path):
+    from tests.probe.tracekit import load_trace, write_raw
+
+    inputs, stages = load_trace(TINY_REF)
+    bare = run_cli(probe_cli, ["diff", TINY_REF, write_raw(tmp_path / "bare", stages)])
+    assert bare.exit_code == 0, bare.output
+    assert "inputs not recorded, so not checked" in bare.output and "inputs as recorded" not in bare.output
+    recorded = run_cli(probe_cli, ["diff", TINY_REF, write_raw(tmp_path / "with", stages, inputs)])  # twin
+    assert recorded.exit_code == 0 and "inputs as recorded" in recorded.output
+    assert "inputs not recorded" not in recorded.output
+
+
+def test_the_weights_audit_says_a_transposed_tensors_max_rel_is_after_transposing_back(tmp_path):
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from oracle.checkpoint import Checkpoint
+
+    tensors = {n: np.ascontiguousarray(v, dtype=np.float32) for n, v in Checkpoint(TINY).read_head().tensors.items()}
+    fc = "mtp.fc.weight"
+    tensors[fc] = np.ascontiguousarray(tensors[fc].T)
+    save_file(tensors, tmp_path / "dump.safetensors")
+    result = run_cli(probe_cli, ["weights", TINY, tmp_path / "dump.safetensors"])
+    assert result.exit_code == 1, result.output
+    line = next(line for line in result.output.splitlines() if fc in line)
+    assert line.split()[0] == "transposed" and "once transposed back (wrong as stored)" in line
+    ok = run_cli(probe_cli, ["weights", TINY, tmp_path / "dump.safetensors", "-v"])  # twin: ok rows say no such thing
+    assert all("transposed back" not in l for l in ok.output.splitlines() if l.split()[:1] == ["ok"])

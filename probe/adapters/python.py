@@ -47,6 +47,28 @@ CANDIDATE_FAULTS = (BaseException,)
 NOT_CANDIDATE_FAULTS = (KeyboardInterrupt,)
 
 
+def _import_failure(spec: str, module_name: str, err: ImportError) -> str:
+    """Why MODULE did not import: not found (PYTHONPATH), or found but an import inside it failed (its own imports
+    are the problem, not the path)."""
+    origin = _module_file(module_name)
+    if origin is None:
+        return (f"--impl python:{spec}: cannot import {module_name} ({err}). Is the module on PYTHONPATH (e.g. "
+                f"PYTHONPATH=path/to/dir mtp-probe run …)?")
+    return (f"--impl python:{spec}: {module_name} was found ({origin}), but importing it failed inside it: "
+            f"{type(err).__name__}: {err}. Fix that import (a missing package or name) in the module.")
+
+
+def _module_file(module_name: str) -> str | None:
+    """Where `module_name` would be imported from, or None when Python cannot find it."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError):  # a parent package missing, or a bad name
+        return None
+    return None if found is None else (found.origin or module_name)
+
+
 class PythonAdapter(CAbiAdapter):
     """The probe's side: runs `StepDriver` in the worker process over the inputs and reads back its rows, as
     CAbiAdapter does for a library (the same files, waiting, crash and exit reports)."""
@@ -86,18 +108,21 @@ class StepDriver:
         module_name, _, factory_name = spec.partition(":")
         self.name = f"python:{spec}"
         try:
-            factory = getattr(importlib.import_module(module_name), factory_name)
+            module = importlib.import_module(module_name)
         except NOT_CANDIDATE_FAULTS:
             raise
         except SystemExit as err:  # the module's own code ran sys.exit() on import
             raise CandidateError(f"--impl python:{spec}: importing {module_name} called sys.exit({err.code!r}); a "
                                  f"candidate module must not exit the probe's process.") from None
-        except (ImportError, AttributeError) as err:
-            raise AdapterError(f"--impl python:{spec}: cannot load {factory_name} from {module_name} ({err}). "
-                               f"Is the module on PYTHONPATH?") from None
+        except ImportError as err:
+            raise AdapterError(_import_failure(spec, module_name, err)) from None
         except CANDIDATE_FAULTS as err:  # the module's own code failed on import
             raise CandidateError(f"--impl python:{spec}: importing {module_name} raised {type(err).__name__}: "
                                  f"{err}") from None
+        factory = getattr(module, factory_name, None)
+        if factory is None:
+            raise AdapterError(f"--impl python:{spec}: {module_name} ({getattr(module, '__file__', module_name)}) has "
+                               f"no {factory_name}; give the name of its factory function.")
         ckpt = Checkpoint(checkpoint)
         head = ckpt.read_head()
         self.weights_digest = head.digest

@@ -8,7 +8,7 @@ import pytest
 
 from oracle.cli import cli
 from oracle.trace import export_hint
-from tests.helpers import run_cli
+from tests.helpers import TINY, run_cli
 
 
 def _suggested_out(output: str) -> str:
@@ -39,3 +39,14 @@ def test_export_hint_skips_the_path_and_existing_files(tmp_path):
     (tmp_path / "ref.h5").write_bytes(b"")
     assert export_hint(tmp_path / "weights.bin").endswith(f"--out {tmp_path / 'ref-2.h5'}")
     assert export_hint(tmp_path / "other.h5").endswith(f"--out {tmp_path / 'ref-2.h5'}")
+
+
+def test_a_shard_given_as_a_trace_never_gets_a_hint_into_its_checkpoint_folder(tmp_path):
+    """Issue 28: `mtp-probe diff CKPT/model.safetensors …` suggested `--out CKPT/ref.h5`, a trace among the weights."""
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(TINY, ckpt)
+    hint = export_hint(ckpt / "model.safetensors")
+    assert hint.endswith(f"--out {tmp_path / 'ref.h5'}")
+    assert export_hint(tmp_path / "plain" / "x.h5").endswith(f"--out {tmp_path / 'plain' / 'ref.h5'}")  # twin

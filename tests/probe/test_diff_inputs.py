@@ -226,9 +226,13 @@ def test_corrupt_bytes_anywhere_give_a_verdict_or_a_user_error(tmp_path):
 
 def test_usage_errors(tmp_path):
     one = diff_cli(TINY_REF, TINY_REF, "--rtol", "1e-3")
-    assert one.exit_code == 2 and "give both --rtol and --atol" in one.output
+    assert one.exit_code == 2 and "--rtol without --atol: give both" in one.output
+    assert "API" not in one.output and "Tol(" not in one.output  # no internal names (issue 28)
     unknown = diff_cli(TINY_REF, TINY_REF, "--stage-tol", "fcc=1e-3,1e-4")
-    assert unknown.exit_code == 2 and "unknown stage 'fcc'" in last_line(unknown)
+    assert unknown.exit_code == 2 and "'fcc' is not a stage of the reference" in last_line(unknown)
+    # the reference's own stages are listed, not every family's (issue 28): a dense reference has no router
+    assert "its stages: e, h, fc_in, fc, ah, attn, res1, mh, mlp, res2, out." in unknown.output
+    assert "router_logits" not in unknown.output
     missing = diff_cli(TINY_REF, tmp_path / "nope.h5")
     assert missing.exit_code == 2 and "does not exist" in missing.output
     unwritable = diff_cli(TINY_REF, TINY_REF, "--json", tmp_path / "no" / "dir" / "r.json")
@@ -243,5 +247,5 @@ def test_a_stage_tolerance_for_a_stage_the_reference_lacks_is_refused():
     """Red team 2: `--stage-tol router_logits=...` on a dense reference was silently ignored. Twin: a stage it
     has is accepted."""
     result = diff_cli(TINY_REF, TINY_REF, "--stage-tol", "router_logits=1e-3,1e-4")
-    assert result.exit_code == 2 and "has no stage 'router_logits'" in result.output
+    assert result.exit_code == 2 and "'router_logits' is not a stage of the reference" in result.output
     assert diff_cli(TINY_REF, TINY_REF, "--stage-tol", "attn=1e-3,1e-4").exit_code == 0

@@ -74,7 +74,7 @@ def test_checkpoint_defaults_to_the_one_the_reference_records(tmp_path, monkeypa
 @pytest.mark.parametrize("spec, message", [
     ("cuda:x", "unknown implementation"),
     ("c:/no/such/lib.so", "does not exist"),
-    ("python:no_such_module:make", "cannot load make from no_such_module"),
+    ("python:no_such_module:make", "cannot import no_such_module"),
     ("python:numpy_step", "expected python:MODULE:FACTORY"),
     ("torch:tpu", "device must be one of"),
 ])
