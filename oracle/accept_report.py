@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from oracle.accept import AcceptMetrics, AcceptResult, QuantizeComparison
-from oracle.output import agg_figure, atomic_output
+from oracle.output import agg_figure, atomic_output, figure_format
 from oracle.quantize_sim import SCHEMES, QuantizedTensor
 
 SCHEMA = "mtp-accept/1"  # extended compatibly: `quantize` is present only with --quantize (see result_json)
@@ -166,7 +166,7 @@ def write_json(result: AcceptResult, path: Path, command: str = "") -> None:
 
 
 def write_plot(result: AcceptResult, path: Path) -> None:
-    """A PNG of α_j and p_j by depth, with E[len] and the naive bound in the title."""
+    """A picture (PNG, or what the extension names) of α_j and p_j by depth, with E[len] and the naive bound."""
     m = result.metrics
     depth = np.arange(1, m.k + 1)
     fig = agg_figure((5, 3.5))  # the Agg canvas, without pyplot's global state
@@ -187,4 +187,4 @@ def write_plot(result: AcceptResult, path: Path) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     with atomic_output(path, "--plot") as tmp:
-        fig.savefig(tmp, format="png", dpi=100)
+        fig.savefig(tmp, format=figure_format(path, "--plot"), dpi=100)

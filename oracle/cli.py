@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from oracle.errors import MtpGroup
-from oracle.output import check_writable, refuse_overwriting_inputs
+from oracle.output import check_writable, figure_format, refuse_overwriting_inputs
 from oracle.progress import reporting, say
 
 EXISTING_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
@@ -39,6 +39,7 @@ INT = AsciiInt()
 
 
 @click.group(cls=MtpGroup)
+@click.version_option(package_name="mtp-probe", prog_name="mtp-oracle", message="%(prog)s %(version)s")
 @click.pass_context
 def cli(ctx: click.Context) -> None:
     """Reference traces for Multi-Token-Prediction draft heads, from the official transformers layers."""
@@ -137,7 +138,7 @@ Examples:
                    "and dequantized (simulated): int8 (per output row), int4 (groups of 32; int4g64, int4g128), "
                    "fp8 (e4m3, 128x128 blocks), int2 (ternary). Repeatable; a later spec wins. Reports both "
                    "heads on the same chains and the difference.")
-@click.option("--plot", type=click.Path(path_type=Path), help="Write a PNG of alpha_j and p_j by depth.")
+@click.option("--plot", type=click.Path(path_type=Path), help="Write a picture of alpha_j and p_j by depth (.png, .jpg, .svg or .pdf).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress messages.")
 @click.pass_obj
 def accept(obj, checkpoint, k, tokens, tokens_file, hidden_file, main_model, hidden_seed, target, chunk_rows,
@@ -152,6 +153,8 @@ def accept(obj, checkpoint, k, tokens, tokens_file, hidden_file, main_model, hid
     for path, option in ((json_out, "--json"), (plot, "--plot")):
         if path is not None:
             check_writable(path, option)  # fail before the work, not after it
+    if plot is not None:
+        figure_format(plot, "--plot")  # the extension names the format; one it cannot write is refused now
     ids = token_ids_from_file(tokens_file) if tokens_file else token_ids_from_text(tokens, "--tokens")
     from oracle.quantize_sim import parse_spec  # no torch
 
@@ -172,8 +175,10 @@ def accept(obj, checkpoint, k, tokens, tokens_file, hidden_file, main_model, hid
     click.echo(render_report(result))
     if json_out is not None:
         write_json(result, json_out, command=obj["command"])
+        click.echo(f"wrote --json {json_out}")
     if plot is not None:
         write_plot(result, plot)
+        click.echo(f"wrote --plot {plot}")
     click.echo(summary_line(result))
 
 

@@ -61,7 +61,15 @@ class MtpGroup(click.Group):
             with published_at_end(before_publishing=self._over):
                 return super().invoke(ctx)
         except MtpError as err:
-            raise UserError(printable(str(err), keep_lines=True)) from None  # it may quote a file's strings
+            message = printable(str(err), keep_lines=True)  # it may quote a file's strings
+            if getattr(err, "verdict_line_printed", False) and _one_stream():
+                # `INVALID | <first line>` is on stdout already and stdout is where stderr goes (a terminal, 2>&1):
+                # print only what that line left out, not the same sentence twice
+                rest = message.partition("\n")[2]
+                if rest:
+                    click.echo(rest, err=True)
+                ctx.exit(UserError.exit_code)
+            raise UserError(message) from None
         except (click.exceptions.Exit, click.ClickException):
             raise
         except (KeyboardInterrupt, click.Abort):
@@ -114,6 +122,16 @@ class MtpGroup(click.Group):
         except KeyboardInterrupt:  # click would turn it into Abort, exit 1
             _echo_interrupted(signal.SIGINT)
             raise click.exceptions.Exit(128 + signal.SIGINT) from None
+
+
+def _one_stream() -> bool:
+    """Whether stdout and stderr reach the same place (one terminal, one pipe or file, or an in-process runner that
+    captures both): then a line on stdout needs no copy on stderr. Separate files each get the message."""
+    try:
+        out, err = os.fstat(sys.stdout.fileno()), os.fstat(sys.stderr.fileno())
+    except (AttributeError, ValueError, OSError, io.UnsupportedOperation):
+        return True  # no file descriptors: captured in-process (click's CliRunner), both read together
+    return (out.st_dev, out.st_ino) == (err.st_dev, err.st_ino)
 
 
 def _end_now(signum, frame) -> None:

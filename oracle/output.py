@@ -400,6 +400,21 @@ def agg_figure(figsize: tuple[float, float], option: str = "--plot"):
     return fig
 
 
+FIGURE_FORMATS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".svg": "svg", ".pdf": "pdf"}
+
+
+def figure_format(path: Path, option: str = "--plot") -> str:
+    """The picture format `path`'s extension names (matplotlib's name; no extension: PNG), or OutputError: a
+    picture is never written in a format other than the one its name says."""
+    suffix = Path(path).suffix.lower()
+    if not suffix:
+        return "png"
+    if suffix not in FIGURE_FORMATS:
+        raise OutputError(f"{option} {path}: a {suffix} picture cannot be written; the extension chooses the format: "
+                          f"{', '.join(FIGURE_FORMATS)} (PNG, JPEG, SVG, PDF).")
+    return FIGURE_FORMATS[suffix]
+
+
 class SpaceSafeFile:
     """A file for h5py's file-object driver that never reports a failed write to HDF5.
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import click
 
 from oracle.errors import MtpError, MtpGroup, OutputError
-from oracle.output import check_writable, refuse_overwriting_inputs
+from oracle.output import check_writable, figure_format, refuse_overwriting_inputs
 from oracle.progress import reporting, say
 from oracle.stages import KNOWN_STAGE_NAMES
 from oracle.text import printable
@@ -31,6 +31,7 @@ OUTPUT_FILE = click.Path(dir_okay=False, path_type=Path)
 
 
 @click.group(cls=MtpGroup)
+@click.version_option(package_name="mtp-probe", prog_name="mtp-probe", message="%(prog)s %(version)s")
 def cli() -> None:
     """Compare an MTP-head implementation with an oracle trace, stage by stage and token by token."""
 
@@ -47,7 +48,8 @@ def diff_options(command):
         click.option("--atol", type=float, help=f"Absolute tolerance on max|a-e| per row [default: {DEFAULT.atol:g}]."),
         click.option("--stage-tol", multiple=True, metavar="STAGE=RTOL,ATOL", help="Per-stage override, repeatable."),
         click.option("--json", "json_path", type=OUTPUT_FILE, help="Write the report as JSON to this file."),
-        click.option("--plot", "plot_path", type=OUTPUT_FILE, help="Write a stage x token heatmap PNG to this file."),
+        click.option("--plot", "plot_path", type=OUTPUT_FILE,
+                     help="Write a stage x token heatmap to this file (.png, .jpg, .svg or .pdf, by its extension)."),
         click.option("--html", "html_path", type=OUTPUT_FILE,
                      help="Write the report as one self-contained HTML file (verdict, table, heatmap; no network)."),
         click.option("--fail-fast", is_flag=True, help="Stop after the first token chunk that diverges."),
@@ -75,6 +77,7 @@ def invalid_line_on_error(command):
             raise  # an unwritable --json/--plot/--html: the verdict line was already printed (or no work done)
         except MtpError as err:
             click.echo(printable(f"INVALID | {str(err).splitlines()[0] if str(err) else type(err).__name__}"))
+            err.verdict_line_printed = True  # oracle/errors.py MtpGroup: not repeated where stderr is stdout
             raise
 
     return wrapper
@@ -305,6 +308,8 @@ def _tols(ref: Path, profile: str, rtol, atol, stage_tol, json_path, plot_path, 
     for option, path in (("--json", json_path), ("--plot", plot_path), ("--html", html_path)):
         if path:
             check_output(path, option)  # before the diff, not after minutes of work
+    if plot_path:
+        figure_format(plot_path, "--plot")  # x.gif: refused now, not written as PNG bytes under that name
     _stage_tol_stages_exist(ref, stage_tol)
     if measured is not None:  # the profile is an input too: no report may overwrite it
         refuse_overwriting_inputs({"--json": json_path, "--plot": plot_path, "--html": html_path},
@@ -333,10 +338,11 @@ def _render(report: "DiffReport", json_path: Path | None, plot_path: Path | None
 
     if kernel_note():
         click.echo(kernel_note(), err=True)
-    unwritten = []  # a report that cannot be written must not cost the verdict: printed first, then exit 2
+    unwritten, written = [], []  # a report that cannot be written must not cost the verdict: printed, then exit 2
     if json_path:
         try:
             write_json(report, json_path, {"explain": explanation.to_json()} if explanation else None)
+            written.append(f"--json {json_path}")
         except MtpError as err:
             unwritten.append(err)
     if plot_path:
@@ -344,6 +350,7 @@ def _render(report: "DiffReport", json_path: Path | None, plot_path: Path | None
             from probe.plot import write_heatmap  # matplotlib only when a plot is asked for
 
             write_heatmap(report, plot_path)
+            written.append(f"--plot {plot_path}")
         except MtpError as err:
             unwritten.append(err)
     if html_path:
@@ -351,8 +358,11 @@ def _render(report: "DiffReport", json_path: Path | None, plot_path: Path | None
             from probe.html_report import write_html  # matplotlib for its heatmap, only when asked for
 
             write_html(report, html_path, explanation)
+            written.append(f"--html {html_path}")
         except MtpError as err:
             unwritten.append(err)
+    if written:
+        click.echo(f"wrote {', '.join(written)}")
     click.echo(render_text(report, verbose=verbose))
     if explanation is not None:
         click.echo("\n" + explanation.text())

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from oracle.output import agg_figure, atomic_output
+from oracle.output import agg_figure, atomic_output, figure_format
 
 from probe.compare import INVALID_STATUSES
 from probe.diff import DiffReport
@@ -33,10 +33,11 @@ BLIND_NOTE = "compared, but not evidence: q/k unwitnessed\n(uniform attention wo
 
 
 def write_heatmap(report: DiffReport, path: Path) -> None:
-    """Write the heatmap PNG of `report` to `path` (atomically)."""
+    """Write the heatmap of `report` to `path` (atomically), in the format its extension names (PNG by default)."""
+    picture = figure_format(path, "--plot")
     fig = heatmap_figure(report)
     with atomic_output(path, "--plot") as tmp:
-        fig.savefig(tmp, format="png", dpi=100)
+        fig.savefig(tmp, format=picture, dpi=100)
 
 
 def heatmap_figure(report: DiffReport):

@@ -210,3 +210,57 @@ def test_the_weights_audit_says_a_transposed_tensors_max_rel_is_after_transposin
     assert line.split()[0] == "transposed" and "once transposed back (wrong as stored)" in line
     ok = run_cli(probe_cli, ["weights", TINY, tmp_path / "dump.safetensors", "-v"])  # twin: ok rows say no such thing
     assert all("transposed back" not in l for l in ok.output.splitlines() if l.split()[:1] == ["ok"])
+
+
+def test_a_probe_error_is_printed_once_where_stdout_and_stderr_meet():
+    """`INVALID | X` on stdout and `Error: X` on stderr read as one message twice in a terminal (2>&1 here)."""
+    cmd = [sys.executable, "-m", "probe.cli", "diff", str(TINY_REF), str(ROOT / "README.md")]
+    cmd = [sys.executable, "-c", "import sys; from probe.cli import main; main(sys.argv[1:])", *cmd[3:]]
+    merged = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, timeout=120)
+    assert merged.returncode == 2 and merged.stdout.count("is not a readable HDF5 file") == 1, merged.stdout
+    assert merged.stdout.splitlines()[-1].startswith("INVALID | ")
+    # twin: separate destinations each get the message (a log of stderr alone still says what went wrong)
+    apart = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert apart.returncode == 2 and apart.stdout.startswith("INVALID | ") and apart.stderr.startswith("Error: ")
+
+
+# --- small things (issue 28, point 9) -------------------------------------------------------------------------
+
+def test_plot_writes_the_format_its_extension_names_and_says_where(tmp_path):
+    jpg, svg, js = tmp_path / "h.jpg", tmp_path / "h.svg", tmp_path / "r.json"
+    result = run_cli(probe_cli, ["diff", TINY_REF, TINY_REF, "--plot", jpg, "--json", js, "-q"])
+    assert result.exit_code == 0, result.output
+    assert jpg.read_bytes()[:3] == b"\xff\xd8\xff"  # JPEG, not PNG bytes under a .jpg name
+    assert f"wrote --json {js}, --plot {jpg}" in result.output
+    assert result.output.splitlines()[-1].startswith("PASSED |")  # the summary stays last
+    assert run_cli(probe_cli, ["diff", TINY_REF, TINY_REF, "--plot", svg, "-q"]).exit_code == 0
+    assert b"<svg" in svg.read_bytes()[:500]
+
+
+def test_twin_an_extension_it_cannot_write_is_refused_before_the_work(tmp_path):
+    gif = tmp_path / "h.gif"
+    result = run_cli(probe_cli, ["diff", TINY_REF, TINY_REF, "--plot", gif])
+    assert result.exit_code == 2 and "a .gif picture cannot be written" in result.output, result.output
+    assert "PASSED" not in result.output and not gif.exists()
+    accept = run_cli(oracle_cli, ["accept", FIXTURES / "qwen3_5_trained", "--tokens", "1,2,3,4,5,6", "--hidden-seed",
+                                  "0", "--target", "text", "--plot", gif])
+    assert accept.exit_code == 2 and "a .gif picture cannot be written" in accept.output and not gif.exists()
+    plain = run_cli(probe_cli, ["diff", TINY_REF, TINY_REF, "-q"])
+    assert "wrote" not in plain.output  # no outputs asked for: no such line
+
+
+def test_both_clis_have_version():
+    from importlib.metadata import version
+
+    for cli, name in ((probe_cli, "mtp-probe"), (oracle_cli, "mtp-oracle")):
+        result = run_cli(cli, ["--version"])
+        assert result.exit_code == 0 and result.output.strip() == f"{name} {version('mtp-probe')}"
+
+
+def test_skip_reasons_show_under_q(tmp_path):
+    (tmp_path / "test_skips.py").write_text("import pytest\n\n\n@pytest.mark.skip(reason='needs a thing')\n"
+                                            "def test_x():\n    pass\n")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-c", str(ROOT / "pyproject.toml"),
+                           "--rootdir", str(tmp_path), "-p", "no:cacheprovider", str(tmp_path / "test_skips.py")],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert "SKIPPED [1]" in proc.stdout and "needs a thing" in proc.stdout, proc.stdout

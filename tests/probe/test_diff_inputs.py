@@ -100,7 +100,7 @@ def test_unknown_raw_stage_file_is_an_error(tmp_path, ref_data):
     raw = write_raw(tmp_path / "raw", copy_stages(stages))
     shutil.copy(raw / "fc.bin", raw / "fc_out.bin")
     result = diff_cli(TINY_REF, raw)
-    assert result.exit_code == 2 and last_line(result).startswith("Error:")
+    assert result.exit_code == 2 and last_line(result).startswith("INVALID | ")  # once: not repeated as Error:
     assert "unknown stage files fc_out.bin" in result.output and "e, h, fc_in, fc" in result.output
 
 
@@ -164,7 +164,7 @@ def test_truncated_hdf5_is_an_error_naming_the_file(tmp_path, which):
     cut.write_bytes(data[: len(data) // 2])
     args = (TINY_REF, cut) if which == "candidate" else (cut, TINY_REF)
     result = diff_cli(*args)
-    assert result.exit_code == 2 and last_line(result).startswith(f"Error: {cut} is not a readable HDF5 file")
+    assert result.exit_code == 2 and last_line(result).startswith(f"INVALID | {cut} is not a readable HDF5 file")
 
 
 def test_wrong_schema_version_is_an_error(tmp_path):

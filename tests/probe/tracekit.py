@@ -86,7 +86,8 @@ def write_raw(path: Path, stages: dict[str, np.ndarray], inputs: TraceInputs | N
 
 
 def diff_cli(*args) -> "click.testing.Result":
-    """Run `mtp-probe diff ARGS`; assert no traceback and that the last line is a summary or an Error."""
+    """Run `mtp-probe diff ARGS`; assert no traceback and that the last line is a summary or an Error (a usage error;
+    a user-fixable one ends with its `INVALID | …` line, not repeated as `Error:` where both streams are read)."""
     result = run_cli(cli, ["diff", *args])
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
     last = result.output.rstrip("\n").splitlines()[-1]
