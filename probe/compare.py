@@ -45,6 +45,17 @@ class RowStats:
 
 
 @dataclass(frozen=True, slots=True)
+class DiffSpread:
+    """How |a - e| spreads over a detailed row's elements (Polygraphy-style): its mean and median beside the max,
+    and a histogram by decade: `histogram` is ((lo, hi, count), ...) for lo <= |a-e| < hi, lo = 0 for exact
+    matches (hi = 0 then). Non-finite differences are left out (the row's status counts them)."""
+
+    mean: float
+    median: float
+    histogram: tuple[tuple[float, float, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class StageDiff:
     status: str  # ok | values | nonfinite | unwritten | shape | dtype
     n_total: int
@@ -62,6 +73,7 @@ class StageDiff:
     worst: tuple[tuple[int, float, float], ...]  # (index, oracle, candidate), largest |difference| first
     # a [T, hc·D] stage's row per stream s (elements s·D .. s·D+D-1): (max|a-e|, max|e|, max|a|); () otherwise
     per_stream: tuple[tuple[float, float, float], ...] = ()
+    spread: DiffSpread | None = None  # detailed rows only (compare_rows)
 
     def __bool__(self) -> bool:
         return self.status == "ok"
@@ -99,7 +111,8 @@ def compare_rows(actual: np.ndarray, expected: np.ndarray, tol: Tol, zero_is_unw
     a64, e64 = a[0].astype(np.float64), e[0].astype(np.float64)
     d = np.abs(a64 - e64)
     rank = np.where(np.isnan(d), np.inf, d)  # a NaN difference is the worst kind, as in RULE
-    return replace(judged.diff(0), expected_stats=_stats(e64), actual_stats=_stats(a64), worst=_worst(rank, a64, e64))
+    return replace(judged.diff(0), expected_stats=_stats(e64), actual_stats=_stats(a64), worst=_worst(rank, a64, e64),
+                   spread=diff_spread(d))
 
 
 # `tie`: a row that differs only because the reference's own top-k selection was a near-tie at that token (a
@@ -295,6 +308,26 @@ def _stats(x: np.ndarray) -> RowStats:
         return RowStats(_NAN, _NAN, _NAN, int(x.size))
     return RowStats(float(finite.mean()), float(finite.std()), float(np.abs(finite).max()),
                     int(x.size - finite.size))
+
+
+HISTOGRAM_DECADES = 8  # at most this many decade bins; smaller differences are pooled into the lowest
+
+
+def diff_spread(d: np.ndarray) -> DiffSpread | None:
+    """Mean, median and decade histogram of the finite |a - e| of one row (None when none is finite)."""
+    d = d[np.isfinite(d)]
+    if not d.size:
+        return None
+    zero, nonzero = int((d == 0).sum()), d[d > 0]
+    bins = [(0.0, 0.0, zero)] if zero else []
+    if nonzero.size:
+        top = int(np.floor(np.log10(nonzero.max()))) + 1
+        low = max(int(np.floor(np.log10(nonzero.min()))), top - HISTOGRAM_DECADES)
+        edges = [10.0 ** k for k in range(low, top + 1)]
+        counts = np.histogram(np.clip(nonzero, edges[0], None), bins=edges)[0]  # pooled below the lowest edge
+        bins += [(0.0 if k == 0 and nonzero.min() < edges[0] else edges[k], edges[k + 1], int(c))
+                 for k, c in enumerate(counts)]
+    return DiffSpread(float(d.mean()), float(np.median(d)), tuple(bins))
 
 
 def stream_detail(actual: np.ndarray, expected: np.ndarray, streams: int) -> tuple[tuple[float, float, float], ...]:

@@ -261,11 +261,16 @@ def cell_detail(cell: Cell, verbose: bool = False, names: tuple[str, ...] = STAG
                 f"\n  {d.n_mismatch} of {len(ref_ids)} selected ids differ")
     lines = [f"FAILED | {where} "
              f"| width {d.n_total} float32 vs oracle float32 | status {d.status}",
-             f"  mismatched elements: {d.n_mismatch} / {d.n_total} ({100 * d.n_mismatch / max(d.n_total, 1):.1f}%)",
-             f"  greatest absolute difference: {d.max_abs:.3g} at index {d.max_abs_index} (atol {d.tol.atol:g})",
-             f"  greatest relative difference: {d.max_rel:.3g} = max|a-e| / max|e| (rtol {d.tol.rtol:g})",
+             f"  rule, per row (not per element as in torch.testing.assert_close): pass iff max_rel < rtol "
+             f"{d.tol.rtol:g} or max_abs < atol {d.tol.atol:g}",
+             f"  max_abs = max|a-e| = {d.max_abs:.3g} at index {d.max_abs_index}",
+             f"  max_rel = max|a-e| / max|e| = {d.max_rel:.3g} (the row's largest difference over its largest "
+             f"oracle magnitude)",
+             f"  elements that alone fail the row: {d.n_mismatch} / {d.n_total} "
+             f"({100 * d.n_mismatch / max(d.n_total, 1):.1f}%)",
              f"  would pass with: atol > {d.max_abs:.3g} or rtol > {d.max_rel:.3g} | tolerance budget used: "
              f"{budget_text(d.budget_used)} (1x = at the limit)",
+             *_spread_lines(d),
              f"  rel L2 {d.rel_l2:.3g}, cosine {d.cosine:.6g}",
              f"  oracle     {_stats_text(d.expected_stats)}",
              f"  candidate  {_stats_text(d.actual_stats)}{_stats_hint(d)}"]
@@ -273,6 +278,21 @@ def cell_detail(cell: Cell, verbose: bool = False, names: tuple[str, ...] = STAG
     if verbose:
         lines += _side_by_side(d)
     return "\n".join(lines)
+
+
+def _spread_lines(d: StageDiff) -> list[str]:
+    """|a-e| over the row's elements: mean and median beside the max, and a histogram by decade (Polygraphy-style:
+    one large outlier and a row wrong everywhere read differently)."""
+    s = d.spread
+    if s is None:
+        return []
+    lines = [f"  |a-e| per element: mean {s.mean:.3g}, median {s.median:.3g}, max {d.max_abs:.3g}"]
+    most = max(count for _, _, count in s.histogram) or 1
+    lines.append("  |a-e| histogram (elements per decade):")
+    for lo, hi, count in s.histogram:
+        label = "0 (exact)" if hi == 0 else f"< {hi:.0e}" if lo == 0 else f"{lo:.0e} .. {hi:.0e}"
+        lines.append(f"    {label:<17}{count:>7}  {'#' * round(24 * count / most)}")
+    return lines
 
 
 def _streams_text(d: StageDiff) -> list[str]:
@@ -460,6 +480,9 @@ def _detailed_row_json(cell: Cell) -> dict:
             "n_total": d.n_total, **{name: _num(getattr(d, name)) for name in _JSON_COLUMNS}, "detailed": True,
             "expected_stats": _stats_json(d.expected_stats), "actual_stats": _stats_json(d.actual_stats),
             "worst": [{"index": i, "oracle": _num(e), "candidate": _num(a)} for i, e, a in d.worst],
+            **({"abs_diff": {"mean": _num(d.spread.mean), "median": _num(d.spread.median), "max": _num(d.max_abs),
+                             "histogram": [{"lo": lo, "hi": hi, "count": n} for lo, hi, n in d.spread.histogram]}}
+               if d.spread is not None else {}),
             **({"per_stream": [{"stream": k, "max_abs": _num(x), "oracle_absmax": _num(e), "candidate_absmax": _num(a)}
                                for k, (x, e, a) in enumerate(d.per_stream)]} if d.per_stream else {})}
 

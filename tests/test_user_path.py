@@ -264,3 +264,53 @@ def test_skip_reasons_show_under_q(tmp_path):
                            "--rootdir", str(tmp_path), "-p", "no:cacheprovider", str(tmp_path / "test_skips.py")],
                           capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert "SKIPPED [1]" in proc.stdout and "needs a thing" in proc.stdout, proc.stdout
+
+
+# --- the detailed row: its rule in its own words, and how |a-e| spreads (issue 28, point 10) -----------------------
+
+def _one_row_candidate(tmp_path, change):
+    import numpy as np
+
+    from tests.probe.tracekit import copy_stages, load_trace, write_raw
+
+    inputs, stages = load_trace(TINY_REF)
+    cand = copy_stages(stages)
+    change(cand["fc"])
+    return write_raw(tmp_path / "cand", cand, inputs), np
+
+
+def test_the_detailed_row_states_its_rule_and_the_spread_of_the_differences(tmp_path):
+    import json
+
+    def outlier(fc):
+        fc[3, 10] += 1.0  # one element wrong, the rest exact
+
+    cand, np = _one_row_candidate(tmp_path, outlier)
+    js, page = tmp_path / "r.json", tmp_path / "r.html"
+    result = run_cli(probe_cli, ["diff", TINY_REF, cand, "--json", js, "--html", page])
+    assert result.exit_code == 1, result.output
+    assert "greatest relative difference" not in result.output and "greatest absolute" not in result.output
+    assert "rule, per row (not per element as in torch.testing.assert_close): pass iff max_rel < rtol" in result.output
+    assert "max_rel = max|a-e| / max|e| = " in result.output
+    row = next(r for r in json.loads(js.read_text())["rows"] if r["stage"] == "fc" and r["token"] == 3)
+    spread = row["abs_diff"]
+    assert spread["median"] == 0 and spread["mean"] > 0 and sum(b["count"] for b in spread["histogram"]) == 64
+    assert spread["histogram"][0] == {"lo": 0.0, "hi": 0.0, "count": 63}  # the exact elements
+    assert "|a-e| per element: mean" in result.output and "|a-e| histogram (elements per decade):" in result.output
+    assert "|a-e| histogram" in page.read_text()
+
+
+def test_twin_a_row_wrong_everywhere_has_a_median_near_its_mean(tmp_path):
+    import json
+
+    def everywhere(fc):
+        fc[3] *= 1.01
+
+    cand, np = _one_row_candidate(tmp_path, everywhere)
+    js = tmp_path / "r.json"
+    assert run_cli(probe_cli, ["diff", TINY_REF, cand, "--json", js]).exit_code == 1
+    row = next(r for r in json.loads(js.read_text())["rows"] if r["stage"] == "fc" and r["token"] == 3)
+    spread = row["abs_diff"]
+    assert spread["median"] > 0.3 * spread["mean"] and all(b["hi"] != 0 for b in spread["histogram"])
+    undetailed = next(r for r in json.loads(js.read_text())["rows"] if not r["detailed"])
+    assert "abs_diff" not in undetailed  # only detailed rows carry it
