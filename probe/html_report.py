@@ -19,11 +19,11 @@ from oracle.output import atomic_output, removed_on_interrupt
 from oracle.stages import STAGE_BY_NAME, STAGE_NAMES
 
 from probe.compare import DIVERGENT_STATUSES, INVALID_STATUSES, most_severe
-
-NOT_COMPARED_STATUSES = frozenset({"tie"})  # a routing near-tie excuses the row: compared neither way
 from probe.diff import DiffReport
 from probe.rule import RULE
 from probe.report import budget_text, cell_detail, coverage_text, render_text, summary_line
+
+NOT_COMPARED_STATUSES = frozenset({"tie"})  # a routing near-tie excuses the row: compared neither way
 
 # Okabe-Ito (Okabe & Ito 2008): blue / vermillion / reddish purple / orange, with the text colour that reads on it.
 VERDICT_COLOURS = {"pass": ("#0072B2", "#ffffff"), "diverged": ("#D55E00", "#ffffff"),
@@ -127,7 +127,8 @@ def _explain(explanation) -> str:
             kind = {"local": "num bad"}.get(row["kind"], "num")
             parts.append(f'<tr><td>{_e(row["stage"])}</td><td class="num">{row["token"]}</td>'
                          f'<td class="num">{row["local_max_rel"]:.3g}</td>'
-                         f'<td class="num">{row["cumulative_max_rel"]:.3g}</td><td class="{kind}">{_e(row["kind"])}</td></tr>')
+                         f'<td class="num">{row["cumulative_max_rel"]:.3g}</td>'
+                         f'<td class="{kind}">{_e(row["kind"])}</td></tr>')
         parts.append("</table>")
     return "\n".join(parts)
 
