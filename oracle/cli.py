@@ -138,7 +138,8 @@ Examples:
                    "and dequantized (simulated): int8 (per output row), int4 (groups of 32; int4g64, int4g128), "
                    "fp8 (e4m3, 128x128 blocks), int2 (ternary). Repeatable; a later spec wins. Reports both "
                    "heads on the same chains and the difference.")
-@click.option("--plot", type=click.Path(path_type=Path), help="Write a picture of alpha_j and p_j by depth (.png, .jpg, .svg or .pdf).")
+@click.option("--plot", type=click.Path(path_type=Path),
+              help="Write a picture of alpha_j and p_j by depth (.png, .jpg, .svg or .pdf).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress messages.")
 @click.pass_obj
 def accept(obj, checkpoint, k, tokens, tokens_file, hidden_file, main_model, hidden_seed, target, chunk_rows,

@@ -34,7 +34,8 @@ Datasets
     /stages/<name>     float32 [T, w]   row t = step t; chunked by token rows. Attributes: `doc` (one line: what the
                                         stage is), `kind` ("rows": judged by the tolerance rule; "index_set": int64
                                         [T, k] compared as sets, e.g. topk_ids) and `shape` (TxD, Tx2D, TxE, Txk,
-                                        Txhc*D; ASCII. Older traces: T×D …, still read). Absent attributes mean kind "rows".
+                                        Txhc*D; ASCII. Older traces: T×D …, still read). Absent attributes mean
+                                        kind "rows".
     /evidence/attn_uniform
                        float32 [T, D]   optional (the oracle always writes it): `attn` recomputed from the same
                                         `ah` rows with uniform attention weights over the visible keys. Where it
