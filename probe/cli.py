@@ -113,6 +113,7 @@ def diff(ctx, ref, candidate, checkpoint, names_map, profile, rtol, atol, stage_
     outputs = {"--json": json_path, "--plot": plot_path, "--html": html_path}
     inputs = {"REF": ref, "CANDIDATE": candidate, "checkpoint": checkpoint if explain else None}
     refuse_overwriting_inputs(outputs, inputs)
+    _check_plot_format(plot_path)
     with reporting(enabled=not quiet):
         if names_map is None:
             report = diff_traces(ref, candidate, tols, fail_fast=fail_fast)
@@ -195,6 +196,7 @@ def run(ctx, ref, spec, checkpoint, out, profile, rtol, atol, stage_tol, json_pa
         checkpoint = checkpoint_for(ref, checkpoint, log=lambda msg: click.echo(msg, err=True))
     refuse_overwriting_inputs({"--out": out, "--json": json_path, "--plot": plot_path, "--html": html_path},
                               {"REF": ref, "checkpoint": checkpoint, "--impl library": library})
+    _check_plot_format(plot_path)
     if out:
         check_output(out, "--out")
     adapter = adapter_from_spec(spec, checkpoint, reference_conventions(ref), early)
@@ -289,6 +291,12 @@ def _loading_note(quiet: bool) -> None:
         say("--explain: loading torch and transformers to rerun the oracle on the candidate's stages …")
 
 
+def _check_plot_format(plot_path: Path | None) -> None:
+    """x.gif: refused before the work (after the input checks), never written as PNG bytes under that name."""
+    if plot_path:
+        figure_format(plot_path, "--plot")
+
+
 def check_output(path: Path, option: str) -> None:
     """oracle/output.py check_writable: every output checked before the work (so a verdict is never followed by
     exit 2)."""
@@ -308,8 +316,6 @@ def _tols(ref: Path, profile: str, rtol, atol, stage_tol, json_path, plot_path, 
     for option, path in (("--json", json_path), ("--plot", plot_path), ("--html", html_path)):
         if path:
             check_output(path, option)  # before the diff, not after minutes of work
-    if plot_path:
-        figure_format(plot_path, "--plot")  # x.gif: refused now, not written as PNG bytes under that name
     _stage_tol_stages_exist(ref, stage_tol)
     if measured is not None:  # the profile is an input too: no report may overwrite it
         refuse_overwriting_inputs({"--json": json_path, "--plot": plot_path, "--html": html_path},
