@@ -5,6 +5,14 @@ listed in `model.safetensors.index.json`. The family (oracle/families/registry.p
 head's and how they are laid out; only what the head needs is read: its tensors (mapped, so a MoE head's experts
 are read only where a traced token routes to them) and the embedding rows of the requested token ids, located from
 the safetensors headers and read with `os.pread` (a real embedding is 248320 x 5120: it is never read whole).
+
+What is read is what is hashed. The head's dense tensors are read once with `os.pread` into private memory, and both
+the head and its digest use those bytes, so a shard rewritten in place while an export runs can never give stages
+of new weights under the digest of the old. Reading with pread also means a shard truncated meanwhile is a short
+read (CheckpointError naming the file), where a mapped page past the new end would kill the process (SIGBUS). Only
+the routed experts (read by oracle/families/moe_experts.py with pread too, hashed as read) and the lm_head's
+vocabulary chunks (`stored_rows`, for acceptance) are mapped. `check_unchanged` says whether any shard changed
+since it was opened (the export refuses to write a trace then).
 """
 
 import hashlib
@@ -14,6 +22,7 @@ import mmap
 import os
 import re
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +35,7 @@ from oracle.experts_digest import EXPERT_PARTS, TYPED, experts_digest_of, part_r
 from oracle.families.registry import detect
 from oracle.families.spec import FamilySpec, HeadConfig, TensorLayout
 from oracle.fp8 import E4M3, decode_e4m3, dequantize
+from oracle.reading import check_regular_file, read_json
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -67,6 +77,9 @@ class Checkpoint:
         self.config: HeadConfig = self.family.parse_config(self.raw_config, str(self.path / "config.json"))
         self._headers: dict[str, dict[str, TensorEntry]] = {}
         self._maps: dict[Path, mmap.mmap] = {}
+        self._read: dict[str, np.ndarray] = {}  # dense tensors as read (pread, private): the head and digest use these
+        self._read_lock = threading.Lock()  # the digest may run on a thread beside the head's reads
+        self._identity: dict[Path, tuple] = {}  # each shard's identity when its header was read (check_unchanged)
         self._shard_of = self._weight_map()
 
     def _weight_map(self) -> dict[str, str]:
@@ -88,6 +101,7 @@ class Checkpoint:
 
     def _header(self, shard: str) -> dict[str, TensorEntry]:
         if shard not in self._headers:
+            self._identity[self.path / shard] = _identity(self.path / shard)  # before any byte of it is read
             header = _read_safetensors_header(self.path / shard)
             if hasattr(self, "_shard_of"):  # an index: a tensor it places in another shard must not be here too
                 elsewhere = next((n for n in header if self._shard_of.get(n, shard) != shard), None)
@@ -120,11 +134,54 @@ class Checkpoint:
         """One whole tensor as float32, checked against `expected_shape` when given."""
         entry = self.entry(name)
         _check_shape(entry, expected_shape, self.config)
-        return _widen(self._stored(entry), entry.dtype)
+        return _widen(self._pread(entry, 0, entry.shape[0] if entry.shape else None), entry.dtype)
 
     def _stored(self, entry: TensorEntry) -> np.ndarray:
-        """The tensor as stored, a view into its shard mapped copy-on-write: no copy, and pages are read in
-        only when touched (the digest touches each once, at about the cost of the hash alone)."""
+        """A dense tensor as stored, read once into private memory: every later use (the head, its digest, the
+        NaN scan) sees these bytes, whatever happens to the file meanwhile."""
+        with self._read_lock:
+            if entry.name not in self._read:
+                self._read[entry.name] = self._pread(entry, 0, entry.shape[0] if entry.shape else None)
+            return self._read[entry.name]
+
+    def _pread(self, entry: TensorEntry, start: int, stop: int | None) -> np.ndarray:
+        """Rows start..stop of a tensor as stored (all of a 0-d one: stop None), read with os.preadv into fresh
+        memory: a file cut short meanwhile is a CheckpointError naming it, never a SIGBUS."""
+        row_shape = entry.shape[1:] if entry.shape else ()
+        rows = (stop - start) if entry.shape else 1
+        row_bytes = math.prod(row_shape) * _ITEMSIZE[entry.dtype]
+        if row_bytes * (entry.shape[0] if entry.shape else 1) > entry.nbytes:
+            raise CheckpointError(f"{entry.file}: tensor {entry.name} is {entry.dtype} {list(entry.shape)} but its "
+                                  f"data_offsets cover only {entry.nbytes} bytes; re-copy or re-save the file.")
+        out = np.empty(rows * row_bytes, dtype=np.uint8)
+        view, done, at = memoryview(out), 0, entry.offset + start * row_bytes
+        try:
+            with open(entry.file, "rb", buffering=0) as f:
+                while done < len(out):
+                    got = os.preadv(f.fileno(), [view[done:]], at + done)
+                    if got <= 0:
+                        raise CheckpointError(f"{entry.file} ended inside tensor {entry.name} (byte {at + done}): it "
+                                              f"was cut short, maybe while being read. Re-copy the shard and run "
+                                              f"again.")
+                    done += got
+        except OSError as err:  # removed meanwhile, no permission, an I/O error
+            raise CheckpointError(f"{entry.file}: reading tensor {entry.name} failed ({err.strerror or err}); check "
+                                  f"the file and the disk, or re-copy the shard.") from None
+        return out.view(_STORED_NUMPY[entry.dtype]).reshape((rows, *row_shape) if entry.shape else ())
+
+    def check_unchanged(self) -> None:
+        """Raise CheckpointError if a shard read so far is no longer the file it was when opened (another inode,
+        size, modification or change time): its bytes may then be a mix of old and new weights."""
+        for path, before in self._identity.items():
+            now = _identity(path)
+            if now != before:
+                raise CheckpointError(f"{path} changed while it was being read (its size, inode or modification "
+                                      f"time differ from when it was opened), so what was read may mix old and new "
+                                      f"weights. Run again once nothing writes to the checkpoint.")
+
+    def _mapped(self, entry: TensorEntry) -> np.ndarray:
+        """The tensor as stored, a view into its shard mapped copy-on-write: no copy, pages read only when touched
+        (the routed experts, read through it only by moe_experts' pread; lm_head's vocabulary chunks)."""
         if entry.file not in self._maps:
             with open(entry.file, "rb") as f:
                 self._maps[entry.file] = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE,
@@ -140,11 +197,15 @@ class Checkpoint:
         _check_shape(entry, None, self.config)
         if len(entry.shape) != 2 or not 0 <= start <= stop <= entry.shape[0]:
             raise CheckpointError(f"{name} has shape {list(entry.shape)}; rows {start}..{stop} are not in it.")
-        return self._stored(entry)[start:stop], entry.dtype
+        return self._mapped(entry)[start:stop], entry.dtype
 
     def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        """Rows start..stop of a 2-D tensor as float32."""
-        return _widen(*self.stored_rows(name, start, stop))
+        """Rows start..stop of a 2-D tensor as float32, read with pread (a truncated file: CheckpointError)."""
+        entry = self.entry(name)
+        _check_shape(entry, None, self.config)
+        if len(entry.shape) != 2 or not 0 <= start <= stop <= entry.shape[0]:
+            raise CheckpointError(f"{name} has shape {list(entry.shape)}; rows {start}..{stop} are not in it.")
+        return _widen(self._pread(entry, start, stop), entry.dtype)
 
     def read_head(self, widen: bool = True, digest: bool = True) -> HeadWeights:
         """Every `mtp.*` tensor of the head, shape-checked against config.json; all of them must be used.
@@ -154,8 +215,11 @@ class Checkpoint:
         digest is left to the caller (head_digest, e.g. in a thread while the head runs)."""
         tensors, dtypes = {}, {}
         entries = self._head_entries()
+        layout = self.layout()
+        routed = set(layout.experts.tensor_names()) if layout.experts else set()
         for name, entry in entries.items():
-            stored = self._stored(entry)  # routed experts: mapped, read only where a token routes to them
+            # routed experts: mapped, read (with pread) only where a token routes to them; the rest read now
+            stored = self._mapped(entry) if name in routed else self._stored(entry)
             if name.endswith(("weight_scale_inv", ".scale")) and entry.dtype in ("F32", "BF16", "F16"):
                 _check_block_scales(self.path, name, _widen(stored, entry.dtype))
             tensors[name] = _widen(stored, entry.dtype) if widen else stored
@@ -172,7 +236,12 @@ class Checkpoint:
                                       f"({name.removesuffix('weight')}weight_scale_inv); re-copy the complete "
                                       f"checkpoint (every shard the index names).")
         return HeadWeights(tensors=tensors, dtypes=dtypes, digest=self.head_digest() if digest else None,
-                           layout=self.layout())
+                           layout=layout)
+
+    def check_head(self) -> None:
+        """The head's tensors checked from the headers alone (names, shapes, dtypes): read_head's errors but the
+        block scales', before a byte of the head is read."""
+        self._head_entries()
 
     def layout(self) -> TensorLayout:
         """The head's tensors as this checkpoint stores them (the family picks the experts' layout)."""
@@ -242,11 +311,11 @@ class Checkpoint:
     def expert_parts(self, layout, e: int) -> list[tuple[str, np.ndarray]]:
         """Expert `e`'s stored arrays: (gate [I, D], up [I, D], down [D, I]), as mapped views."""
         if layout.kind == "fused":
-            gate_up = self._stored(self.entry(layout.names["gate_up"]))[e]
-            down = self._stored(self.entry(layout.names["down"]))[e]
+            gate_up = self._mapped(self.entry(layout.names["gate_up"]))[e]
+            down = self._mapped(self.entry(layout.names["down"]))[e]
             half = gate_up.shape[0] // 2
             return [("gate", gate_up[:half]), ("up", gate_up[half:]), ("down", down)]
-        return [(p, self._stored(self.entry(layout.names[p].format(e=e)))) for p in ("gate", "up", "down")]
+        return [(p, self._mapped(self.entry(layout.names[p].format(e=e)))) for p in ("gate", "up", "down")]
 
     def digest(self, names: list[str]) -> str:
         """sha256 over (name, dtype, shape, stored bytes) of `names`, in the order given."""
@@ -323,6 +392,16 @@ class Checkpoint:
 _MAIN_LAYER = re.compile(r"(?:model\.(?:language_model\.)?)?layers\.(\d+)\.")  # HF layouts; V4's release: layers.N.
 
 
+def _identity(path: Path) -> tuple | None:
+    """What says a file is still the one it was: device, inode, size, modification and change times (a rewrite
+    in place changes the times, and no user tool sets a ctime back); None when it cannot be stat-ed."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
 def check_token_ids(token_ids: np.ndarray, vocab_size: int) -> None:
     bad = np.flatnonzero((token_ids < 0) | (token_ids >= vocab_size))
     if bad.size:
@@ -332,17 +411,11 @@ def check_token_ids(token_ids: np.ndarray, vocab_size: int) -> None:
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except FileNotFoundError:
+    """config.json or the index: a regular file of JSON within oracle/reading.py's limits, holding an object."""
+    if not os.path.lexists(path):
         raise CheckpointError(f"{path} is missing; a checkpoint directory needs its config.json and "
-                              f"safetensors index.") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
-        raise CheckpointError(f"{path} is not valid JSON ({err}).") from None
-    except OSError as err:  # a directory, a symlink loop, no permission, an I/O error
-        raise CheckpointError(f"cannot read {path}: {err.strerror or err}. It must be a readable JSON "
-                              f"file.") from None
+                              f"safetensors index.")
+    data = read_json(path, "checkpoint file", CheckpointError)
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} does not hold a JSON object.")
     return data
@@ -350,6 +423,7 @@ def _read_json(path: Path) -> dict:
 
 def _read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
     """Parse a safetensors header: 8-byte little-endian length, then JSON {name: {dtype, shape, data_offsets}}."""
+    check_regular_file(path, "safetensors file", CheckpointError)  # a FIFO would block the open forever
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:

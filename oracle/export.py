@@ -69,7 +69,9 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     """Run the head on T teacher-forced steps and write every stage to `out` (atomically).
 
     Importing this module loads no torch: the family's torch half (torch, its transformers modules) is imported
-    here, while a thread hashes the head and reads the embedding rows (`_Prefetch`).
+    here, while a thread reads and hashes the head and reads the embedding rows (`_Prefetch`). The digest is of
+    the bytes the head is built from (oracle/checkpoint.py), and a shard that changed during the export is refused
+    before anything is written (`Checkpoint.check_unchanged`).
 
     `warn` receives what the user must know about the trace (e.g. inputs that cannot evidence q/k), even when
     `log` is silenced. `config_overrides` sets head-config fields where engines disagree on a convention (e.g.
@@ -90,7 +92,7 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     # its errors come before the imports; the main model runs here too (it reads the checkpoint).
     resolve = functools.partial(_resolve_hidden, ckpt, hidden, token_ids, start_pos, log)
     h = None if hidden.seed is not None else resolve()
-    weights = ckpt.read_head(widen=False, digest=False)  # mapped; bf16 stays bf16: half the memory
+    ckpt.check_head()  # its header-level errors before the imports; the bytes are read on the thread
     heap = ReservedHeap(forward_bytes(family.stages(cfg), family.dims(cfg), len(token_ids)))  # oracle/heap.py
     reads = _Prefetch(ckpt, token_ids, hidden=resolve if h is None else None, touch=heap.touch)
     log(f"loading torch and transformers (the {family.name} head's modules; several seconds the first time) …")
@@ -99,6 +101,7 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     finally:
         reads.join()  # from here on only this thread touches the checkpoint
         heap.release()  # its pages, faulted on the thread, serve the forward's tensors
+    weights = reads.head.result()  # bf16 stays bf16: half the memory; routed experts mapped, read where routed
     from oracle.attention_evidence import qk_blind_tokens, qk_warning, reused_projections  # torch: loaded already
 
     # a family whose head has its own embedding copy (DeepSeek/GLM) reads it, and says which table it used
@@ -152,7 +155,7 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "h5py": h5py.__version__, "numpy": np.__version__},
         "config": cfg.to_dict(),
-        "checkpoint_digest": reads.digest.result(),
+        "checkpoint_digest": weights.digest,  # of the bytes the head was built from
         "provenance": {"command": command, "checkpoint": str(Path(ckpt.path).resolve()), "source": ckpt.source,
                        "hidden": hidden.describe(),
                        "mode": mode, "dtype": "float32", "attn_implementation": "eager",
@@ -167,6 +170,7 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
             attrs["experts"]["group_limited_tokens"] = int(evidence["router_group_limited"].sum())
     if embedding:
         attrs["embedding"] = embedding
+    ckpt.check_unchanged()  # a shard rewritten or cut meanwhile: the stages may mix old and new bytes
     log(f"writing {out}")
     write_trace(out, inputs, stages, attrs, evidence=evidence, stage_list=stage_list, dims=family.dims(cfg))
     return Path(out)
@@ -184,9 +188,9 @@ def qk_part_evidence(impl, head, rotary, inputs: TraceInputs, ah: np.ndarray,
 
 class _Prefetch:
     """What the export reads before it needs torch, on one thread while the heavy imports run: synthetic H (when
-    `hidden` is given), the shared embedding's rows, the head digest (a pass over the mapped head; hashlib and page
-    faults run without the GIL, and the pages are then resident for the forward), the producer version and git
-    commit (a subprocess); last, it faults in the memory the forward will use (`touch`, oracle/heap.py).
+    `hidden` is given), the shared embedding's rows, the head (its dense tensors read with pread, then hashed:
+    reads and hashlib run without the GIL), the producer version and git commit (a subprocess); last, it faults in
+    the memory the forward will use (`touch`, oracle/heap.py).
 
     `join` waits for all of it, so the checkpoint is never used by two threads at once. A result is read only
     where it is needed: the rows of a family that reads its own embedding copy are a page-cache warm-up, and an
@@ -199,7 +203,7 @@ class _Prefetch:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="export-prefetch")
         self.hidden = self.pool.submit(hidden) if hidden is not None else None
         self.rows = self.pool.submit(ckpt.embedding_rows, token_ids)
-        self.digest = self.pool.submit(ckpt.head_digest)
+        self.head = self.pool.submit(ckpt.read_head, widen=False, digest=True)
         self.producer, self.commit = self.pool.submit(_producer), self.pool.submit(_git_commit)
         self.pool.submit(touch)  # last: memory for the forward (oracle/heap.py)
 

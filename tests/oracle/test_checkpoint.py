@@ -43,12 +43,12 @@ def test_bf16_widening_equals_safetensors_and_torch():
 def test_embedding_rows_read_only_the_rows_asked_for(monkeypatch):
     ckpt = Checkpoint(TINY)
     ids = np.array([5, 17, 5, 511], dtype=np.int64)
+    table = ckpt.read("model.language_model.embed_tokens.weight")  # (read with pread too: before counting)
     reads = []
     real_preadv = os.preadv
     monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: reads.append(sum(len(b) for b in bufs))
                         or real_preadv(fd, bufs, off))
     rows = ckpt.embedding_rows(ids)
-    table = ckpt.read("model.language_model.embed_tokens.weight")
     np.testing.assert_array_equal(rows, table[ids])
     assert sum(reads) == 3 * ckpt.config.hidden_size * 2  # three distinct bf16 rows, nothing else
 
