@@ -35,6 +35,7 @@ from oracle.export import HiddenSource, quiet_kernel_fallbacks
 from oracle.fp8 import dequantize
 from oracle.families.registry import head_module
 from oracle.inputs import hidden_from_file, hidden_from_seed, token_ids_from_array
+from oracle.limits import check_accept_memory
 from oracle.lm_head import CHUNK_ROWS, LM_HEAD, LmHead, lm_head_of
 from oracle.progress import Progress
 from oracle.quantize_sim import QuantizedHead, QuantSpec, quantize_tensor
@@ -257,6 +258,7 @@ def measure_acceptance(checkpoint_dir: Path, sequence: np.ndarray, hidden: Hidde
     _check_k(k, len(sequence))
     ckpt = Checkpoint(checkpoint_dir)
     check_token_ids(sequence, ckpt.config.vocab_size)
+    check_accept_memory(ckpt.config, len(sequence), k)  # the bridge pass is quadratic in N (oracle/limits.py)
     lm_head = _lm_head(ckpt, chunk_rows)
     target = _resolved_target(target, hidden)
     quantized = _quantized_head(ckpt, head_weights, quantize) if quantize else None  # bad globs before H's run

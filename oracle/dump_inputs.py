@@ -14,6 +14,7 @@ Copy inputs.json and hidden.bin into the engine's dump directory and the probe c
 exactly these inputs; embed.bin is an input only (the probe reads no embed.bin in a dump directory).
 """
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -46,9 +47,9 @@ def dump_inputs(ref: Path, out_dir: Path) -> list[Path]:
     except OSError as err:
         raise OutputError(f"--out-dir {out_dir} cannot be created: {err}.") from None
     writers = {"inputs.json": _write_ids, "hidden.bin": _rows_writer("hidden"), "embed.bin": _rows_writer("embed")}
-    for target in targets:
-        with atomic_output(target, "--out-dir") as tmp:
-            writers[target.name](inputs, tmp)
+    with contextlib.ExitStack() as stack:  # all three written before any is published: never a partial set
+        for target in targets:
+            writers[target.name](inputs, stack.enter_context(atomic_output(target, "--out-dir")))
     return targets
 
 
@@ -62,11 +63,23 @@ def shapes_text(ref: Path) -> str:
 
 
 def _write_ids(inputs: TraceInputs, path: Path) -> None:
-    path.write_text(json.dumps({"token_ids": inputs.token_ids.tolist(), "positions": inputs.positions.tolist()})
-                    + "\n")
+    text = json.dumps({"token_ids": inputs.token_ids.tolist(), "positions": inputs.positions.tolist()}) + "\n"
+    _write_bytes(path, text.encode())
 
 
 def _rows_writer(name: str):
     def write(inputs: TraceInputs, path: Path) -> None:
-        np.ascontiguousarray(getattr(inputs, name), dtype="<f4").tofile(path)  # native -> little-endian float32
+        _write_bytes(path, np.ascontiguousarray(getattr(inputs, name), dtype="<f4"))  # native -> little-endian f32
     return write
+
+
+def _write_bytes(path: Path, data) -> None:
+    """`data` (bytes or an array) written to `path` with checked write calls and an fsync: a full disk raises
+    OSError(ENOSPC), which atomic_output reports as "no space left". (ndarray.tofile lost that error: a 0-byte
+    hidden.bin on a full tmpfs, exit 0.)"""
+    view = memoryview(data).cast("B")
+    with open(path, "wb", buffering=0) as f:
+        done = 0
+        while done < len(view):
+            done += f.write(view[done:])
+        os.fsync(f.fileno())  # a filesystem that allocates at writeback reports ENOSPC here

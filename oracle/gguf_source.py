@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from oracle.errors import CheckpointError
+from oracle.reading import read_json
 
 SOURCE_RECORD = "gguf_source.json"
 CHUNK_BYTES = 16 << 20  # float32 dequantized per write (gguf.quants needs ~4x that): never the whole head
@@ -72,7 +73,9 @@ def checkpoint_dir(path: Path) -> Path:
     file = gguf_file(Path(path))
     if file is None:
         return Path(path)
-    target = _cache_root() / f"{file.stem}-{cache_key(file)}"
+    root = _cache_root()
+    _check_outside(root, file)
+    target = root / f"{file.stem}-{cache_key(file)}"
     if not (target / SOURCE_RECORD).is_file():
         _remove_stale_builds(target)
         _materialize(file, target)
@@ -102,7 +105,36 @@ def cache_files(path: Path) -> Path | None:
 
 
 def _cache_root() -> Path:
-    return Path(os.environ.get("MTP_PROBE_CACHE") or Path.home() / ".cache" / "mtp-probe") / "gguf"
+    return cache_base() / "gguf"
+
+
+def cache_base() -> Path:
+    """mtp-probe's cache folder: $MTP_PROBE_CACHE, else ~/.cache/mtp-probe. CheckpointError when neither can be
+    found (HOME unset and no passwd entry: Path.home() raises, or gives a relative path, the current folder)."""
+    given = os.environ.get("MTP_PROBE_CACHE")
+    if given:
+        return Path(given).absolute()  # fixed now: a later chdir must not move it
+    try:
+        home = Path.home()
+    except (RuntimeError, KeyError, OSError):
+        home = None
+    if home is None or not home.is_absolute():
+        raise CheckpointError("mtp-probe's cache has no folder: MTP_PROBE_CACHE is not set and the home directory "
+                              "cannot be found (HOME is unset or empty). Set MTP_PROBE_CACHE to a writable folder "
+                              "(or HOME).")
+    return home / ".cache" / "mtp-probe"
+
+
+def _check_outside(root: Path, file: Path) -> None:
+    """The cache's folders (config.json, model.safetensors each) must not be written into the GGUF's own folder
+    (MTP_PROBE_CACHE=DIR with the GGUF in DIR/gguf): nothing an export writes may sit beside the input it reads."""
+    try:
+        same = root.resolve() == file.parent.resolve()
+    except (OSError, RuntimeError):
+        same = False
+    if same:
+        raise CheckpointError(f"the GGUF cache {root} is the folder of {file}; the dequantized checkpoint must be "
+                              f"written elsewhere. Set MTP_PROBE_CACHE to another folder.")
 
 
 def _remove_stale_builds(target: Path) -> None:
@@ -114,9 +146,21 @@ def _remove_stale_builds(target: Path) -> None:
 
 
 def source_of(path: Path) -> dict:
-    """What the checkpoint was read from (the trace's provenance records it)."""
+    """What the checkpoint was read from (the trace's provenance records it): a GGUF cache folder's record, which
+    must be the JSON object this module wrote; a safetensors checkpoint has none."""
     record = Path(path) / SOURCE_RECORD
-    return json.loads(record.read_text()) if record.is_file() else {"format": "safetensors"}
+    if not os.path.lexists(record):
+        return {"format": "safetensors"}
+    try:
+        data = read_json(record, "GGUF cache record", CheckpointError)
+    except CheckpointError as err:
+        raise CheckpointError(f"{err} The cache folder {record.parent} is damaged: remove it, and it is rebuilt "
+                              f"from the GGUF.") from None
+    if not isinstance(data, dict) or data.get("format") != "gguf" or not isinstance(data.get("file"), str):
+        raise CheckpointError(f"GGUF cache record {record} is not the record mtp-oracle writes (an object with "
+                              f"format \"gguf\" and the file); remove {record.parent}, and it is rebuilt from the "
+                              f"GGUF.")
+    return data
 
 
 def _materialize(file: Path, target: Path) -> None:
@@ -124,6 +168,10 @@ def _materialize(file: Path, target: Path) -> None:
     arch = _field(reader, "general.architecture")
     plan = plan_head(reader, arch, file)
     config = _beside_config(file) or config_from_metadata(reader, arch, {n: p.shape for n, p in plan.items()}, file)
+    if not any(n.endswith(("embed_tokens.weight", "lm_head.weight")) for n in plan):
+        raise CheckpointError(f"{file} holds neither token_embd.weight nor output.weight; the head reads the "
+                              f"embedding table (and acceptance the output projection). Convert the whole model, "
+                              f"not the MTP block alone.")
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -327,13 +375,18 @@ def _write_safetensors(path: Path, plan: dict[str, Planned], file: Path) -> None
 
 def _beside_config(file: Path) -> dict | None:
     config = file.parent / "config.json"
-    if not config.is_file():
+    if not os.path.lexists(config):
         return None
     try:
-        return json.loads(config.read_text())
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
-        raise CheckpointError(f"{config} (beside {file.name}) is not readable JSON ({err}); fix it, or remove it to "
+        data = read_json(config, "config.json", CheckpointError)
+    except CheckpointError as err:
+        why = str(err).removeprefix(f"config.json {config} ")
+        raise CheckpointError(f"{config} (beside {file.name}) is not readable JSON: {why} Fix it, or remove it to "
                               f"use the GGUF's metadata.") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{config} (beside {file.name}) does not hold a JSON object; fix it, or remove it to "
+                              f"use the GGUF's metadata.")
+    return data
 
 
 def config_from_metadata(reader, arch: str, shapes: dict[str, tuple[int, ...]], file: Path) -> dict:

@@ -6,12 +6,14 @@ width is the family's hidden width, hc·D for DeepSeek-V4's streams), from a see
 checkpoint's main model run over (x_0, t_1, ..., t_{T-1}) (the family's `main_model_hidden`).
 """
 
+import functools
 import re
 from pathlib import Path
 
 import numpy as np
 
 from oracle.errors import InputError
+from oracle.reading import check_regular_file
 from oracle.trace import array_from_hdf5
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -73,6 +75,7 @@ def token_ids_from_file(path: Path) -> np.ndarray:
         if arr.dtype == np.uint64 and arr.max() > INT64_MAX:  # astype would wrap it to a negative id
             _check_int64(arr.tolist(), str(path))
         return arr.astype(np.int64)
+    check_regular_file(path, "tokens file")  # a FIFO would block the read forever
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as err:
@@ -107,9 +110,13 @@ def hidden_from_file(spec: str, num_tokens: int, hidden_size: int, streams: int 
     the row width: D, or hc·D for a head fed `streams` = hc_mult residual streams (DeepSeek-V4)."""
     path, dataset = _split_h5_spec(spec)
     if dataset is not None:
-        arr = np.asarray(array_from_hdf5(path, dataset))  # a scalar (e.g. a string) comes back unwrapped
         where = f"{path}:{dataset}"
+        layout = functools.partial(_check_hidden_layout, where=where, num_tokens=num_tokens, hidden_size=hidden_size,
+                                   streams=streams)  # before the read: a claim of 1e9 rows is never allocated
+        arr = np.asarray(array_from_hdf5(path, dataset, check=lambda shape, dtype: layout(dtype, shape)))
     elif path.suffix == ".npy":
+        shape, dtype = npy_claims(path)
+        _check_hidden_layout(dtype, shape, str(path), num_tokens, hidden_size, streams)  # before it is loaded
         arr, where = _load_npy(path), str(path)
     elif path.suffix == ".bin":
         arr, where = _load_bin(path, num_tokens, hidden_size), str(path)
@@ -134,13 +141,58 @@ def _split_h5_spec(spec: str) -> tuple[Path, str | None]:
     return Path(spec), None
 
 
+def _check_hidden_layout(dtype: np.dtype, shape: tuple[int, ...], where: str, num_tokens: int, hidden_size: int,
+                         streams: int = 1) -> None:
+    """The hidden's dtype and shape, float32 [T, D] (D: the row width), checked before or after it is read."""
+    if dtype != np.float32:
+        kind = {"S": "bytes", "U": "text", "O": "objects (strings?)", "V": "a compound type"}.get(dtype.kind)
+        raise InputError(f"{where} is {kind or dtype}; the hidden must be float32 [T, D]. Convert it explicitly "
+                         f"(the oracle does not cast silently).")
+    if len(shape) != 2 or shape[1] != hidden_size:
+        width = (f"hidden_size is {hidden_size}" if streams == 1 else
+                 f"hidden_size is {hidden_size // streams} and the head takes its hc_mult={streams} residual streams "
+                 f"(the main model's last block output, flattened [T, hc·D])")
+        raise InputError(f"{where} has shape {list(shape)}; the checkpoint's {width}, "
+                         f"so it must be [T, {hidden_size}].")
+    if shape[0] != num_tokens:
+        raise InputError(f"{where} has {shape[0]} rows but {num_tokens} token ids were given; "
+                         f"row i is H_i for step i, one row per token.")
+
+
 def _load_npy(path: Path) -> np.ndarray:
-    if not path.is_file():
-        raise InputError(f"{path} is not a file." if path.exists() else f"{path} does not exist.")
+    """One array from a .npy file, checked before it is loaded: a regular file, a .npy (not a .npz archive saved
+    under that name), whose header claims no more data than the file holds (a claim of 1e9 rows is never allocated)."""
+    npy_claims(path, InputError)
     try:
         return np.load(path, allow_pickle=False)
     except (ValueError, OSError, EOFError) as err:
         raise InputError(f"{path} is not a readable .npy file ({err}).") from None
+
+
+def npy_claims(path: Path, error=InputError) -> tuple[tuple[int, ...], np.dtype]:
+    """(shape, dtype) a .npy file's header declares, after checking that the file is a regular .npy file that holds
+    that much data; `error` naming it otherwise."""
+    size = check_regular_file(path, ".npy file", error)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(6)
+            if magic != b"\x93NUMPY":
+                what = ("a .npz archive (np.savez), not a .npy array" if magic.startswith(b"PK")
+                        else "not a .npy file (no NUMPY magic)")
+                raise error(f"{path} is {what}; save one array with np.save.")
+            f.seek(0)
+            version = np.lib.format.read_magic(f)
+            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                np.lib.format.read_array_header_2_0
+            shape, _, dtype = read_header(f)
+            data_start = f.tell()
+    except (ValueError, OSError, EOFError, SyntaxError) as err:
+        raise error(f"{path} is not a readable .npy file ({err}).") from None
+    claimed = int(np.prod(shape, dtype=object)) * dtype.itemsize
+    if not dtype.hasobject and data_start + claimed > size:
+        raise error(f"{path}: its header claims {list(shape)} {dtype} ({claimed} bytes of data), but the file holds "
+                    f"{size - data_start}; it is cut short or its header is wrong. Save it again with np.save.")
+    return shape, dtype
 
 
 def _load_bin(path: Path, num_tokens: int, hidden_size: int) -> np.ndarray:
@@ -155,19 +207,7 @@ def _load_bin(path: Path, num_tokens: int, hidden_size: int) -> np.ndarray:
 
 
 def _checked_hidden(arr: np.ndarray, where: str, num_tokens: int, hidden_size: int, streams: int = 1) -> np.ndarray:
-    if arr.dtype != np.float32:
-        kind = {"S": "bytes", "U": "text", "O": "objects (strings?)", "V": "a compound type"}.get(arr.dtype.kind)
-        raise InputError(f"{where} is {kind or arr.dtype}; the hidden must be float32 [T, D]. Convert it explicitly "
-                         f"(the oracle does not cast silently).")
-    if arr.ndim != 2 or arr.shape[1] != hidden_size:
-        width = (f"hidden_size is {hidden_size}" if streams == 1 else
-                 f"hidden_size is {hidden_size // streams} and the head takes its hc_mult={streams} residual streams "
-                 f"(the main model's last block output, flattened [T, hc·D])")
-        raise InputError(f"{where} has shape {list(arr.shape)}; the checkpoint's {width}, "
-                         f"so it must be [T, {hidden_size}].")
-    if arr.shape[0] != num_tokens:
-        raise InputError(f"{where} has {arr.shape[0]} rows but {num_tokens} token ids were given; "
-                         f"row i is H_i for step i, one row per token.")
+    _check_hidden_layout(arr.dtype, arr.shape, where, num_tokens, hidden_size, streams)
     bad = np.flatnonzero(~np.isfinite(arr).all(axis=1))
     if bad.size:
         raise InputError(f"{where}: row {int(bad[0])} holds NaN or Inf; the hidden must be finite.")

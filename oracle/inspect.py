@@ -27,7 +27,7 @@ def stage_stats(reader, name: str) -> StageStats:
     shape = reader.stage_shape(name)
     total = total_sq = 0.0
     absmax, nonfinite, count = 0.0, 0, 0
-    step = rows_per_chunk(shape[1], shape[0]) if len(shape) == 2 else shape[0]
+    step = rows_per_chunk(max(shape[1], 1), shape[0]) if len(shape) == 2 else shape[0]  # (a [T, 0] stage: no values)
     for start in range(0, shape[0], max(step, 1)):
         rows = np.asarray(reader.stage_rows(name, start, start + step), dtype=np.float64)
         finite = rows[np.isfinite(rows)]

@@ -10,7 +10,9 @@ docs/DESIGN.md, Known limits.)
 
 Memory. The batched pass runs eager attention over all T steps at once: the scores and the softmax weights are
 each [heads, T, T] float32, beside the [T, T] causal mask, so memory grows with T^2 (T=100000 on the tiny fixture
-would need about 0.4 TB). The stepwise mode keeps one query at a time: memory linear in T.
+would need about 0.4 TB). The stepwise mode keeps one query at a time: memory linear in T. `accept` runs the same
+batched pass over its chains (accept_bytes), and `mtp-probe run` holds every stage's [T, width] buffers (run_bytes):
+both are checked before any work as the export is.
 """
 
 import math
@@ -108,6 +110,60 @@ def check_memory(cfg: HeadConfig, num_tokens: int, mode: str, available: int | N
                                                  if mode == "batched" else "."))
     raise InputError(f"T={num_tokens} steps in --mode {mode} need about {_gib(need)} of memory ({why}), but only "
                      f"{_gib(available)} is available (MemAvailable). {hint}")
+
+
+def accept_bytes(cfg: HeadConfig, num_tokens: int, k: int) -> int:
+    """Peak working memory of `accept` over N tokens: its bridge pass is one causal pass over the C = N-1-k chains
+    (the batched export's [heads, C, C] scores and weights), whose masks are built as [C, C] float32 twice more
+    (chain_mask, within_window) beside their bool; the draft depths are linear in C."""
+    chains = max(num_tokens - 1 - k, 0)
+    return estimate_bytes(cfg, chains, "batched") + chains * chains * (4 + 4 + 2)
+
+
+def check_accept_memory(cfg: HeadConfig, num_tokens: int, k: int, available: int | None = None) -> None:
+    """Refuse an `accept` whose bridge pass would not fit in memory (MemAvailable), with the N that fits."""
+    available = available_memory() if available is None else available
+    need = accept_bytes(cfg, num_tokens, k)
+    if available is None or need <= available:
+        return
+    lo, hi = k + 2, num_tokens  # accept_bytes grows with N: the largest N that fits, by bisection
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if accept_bytes(cfg, mid, k) <= available else (lo, mid)
+    raise InputError(f"accept over N={num_tokens} tokens needs about {_gib(need)} of memory (its bridge pass attends "
+                     f"over all {num_tokens - 1 - k} chains at once: {cfg.num_attention_heads} heads x C x C float32 "
+                     f"scores, weights and masks), but only {_gib(available)} is available (MemAvailable). Measure "
+                     f"at most {lo} tokens at a time, and combine the counts.")
+
+
+def run_bytes(num_tokens: int, row_floats: int) -> int:
+    """Peak memory of `mtp-probe run` over T steps beyond the weights: the reference's inputs and the candidate's
+    poison-filled capture buffers, `row_floats` float32 per step in all, held about three times (the buffers, the
+    C ABI worker's copy handed back, the rows the diff reads)."""
+    return 3 * 4 * num_tokens * row_floats
+
+
+def check_run_memory(num_tokens: int, row_floats: int, available: int | None = None,
+                     batched: HeadConfig | None = None) -> None:
+    """Refuse a `run` whose buffers would not fit in memory (MemAvailable), with the T that fits. `batched`: the
+    head config of a candidate that attends over all T steps at once (--impl torch), whose scores add the batched
+    export's estimate."""
+    available = available_memory() if available is None else available
+
+    def need(t: int) -> int:
+        return run_bytes(t, row_floats) + (estimate_bytes(batched, t, "batched") if batched is not None else 0)
+
+    if available is None or need(num_tokens) <= available:
+        return
+    lo, hi = 0, num_tokens
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if need(mid) <= available else (lo, mid)
+    why = (f"every stage's [T, width] float32 buffer and the reference's inputs, {row_floats} floats per step"
+           + (f", and [{batched.num_attention_heads}, T, T] attention scores" if batched is not None else ""))
+    raise InputError(f"running the candidate on T={num_tokens} steps needs about {_gib(need(num_tokens))} of memory "
+                     f"({why}), but only {_gib(available)} is available (MemAvailable). Use a reference of at most "
+                     f"{lo} steps.")
 
 
 def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:

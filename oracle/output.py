@@ -87,6 +87,48 @@ def refuse_overwriting_inputs(outputs: dict[str, Path | None], inputs: dict[str,
                 raise OutputError(f"{option} {path} is the {label} ({other}): writing it would destroy an input "
                                   f"of this command. Choose another output path.")
         known.append((f"output of {option}", Path(path)))
+    _refuse_changing_a_checkpoint(outputs, inputs)
+
+
+# Names the checkpoint reader interprets in a checkpoint's folder (oracle/checkpoint.py, oracle/gguf_source.py).
+CHECKPOINT_NAMES = ("config.json", "model.safetensors.index.json", "gguf_source.json")
+CHECKPOINT_SUFFIXES = (".safetensors", ".gguf")
+
+
+def _refuse_changing_a_checkpoint(outputs: dict[str, Path | None], inputs: dict[str, Path | None]) -> None:
+    """An output created in an input checkpoint's folder under a name the checkpoint reader reads would change what
+    the folder means afterwards (a `.safetensors` beside a GGUF makes its folder read as a safetensors checkpoint;
+    a config.json beside it overrides its metadata): refused (OutputError), new file or not."""
+    folders = {}
+    for label, path in inputs.items():
+        folder = _checkpoint_folder(Path(path)) if path is not None else None
+        if folder is not None:
+            folders[folder] = label
+    for option, path in outputs.items():
+        if path is None or not (Path(path).name in CHECKPOINT_NAMES or Path(path).suffix in CHECKPOINT_SUFFIXES):
+            continue
+        label = folders.get(_resolved(Path(path).parent))
+        if label is not None:
+            raise OutputError(f"{option} {path} would be written into the folder of the {label} under a name the "
+                              f"checkpoint reader reads, which would change what that checkpoint means afterwards. "
+                              f"Write it to another folder or under another name.")
+
+
+def _checkpoint_folder(path: Path) -> Path | None:
+    """The resolved folder of a checkpoint input: the folder itself, or a GGUF file's folder; else None."""
+    if path.suffix == ".gguf" and path.is_file():
+        return _resolved(path.parent)
+    if path.is_dir() and any((path / n).exists() for n in CHECKPOINT_NAMES[:2]) or path.is_dir() and any(
+            e.name.endswith(CHECKPOINT_SUFFIXES) for e in _files_in(path)):
+        return _resolved(path)
+    return None
+
+
+def _resolved(path: Path) -> Path | None:
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError):
+        return None
 
 
 def _files_in(directory: Path) -> list[os.DirEntry]:

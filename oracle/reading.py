@@ -38,7 +38,8 @@ def check_regular_file(path: Path, what: str, error: type[MtpError] = InputError
     except OSError as err:  # a symlink loop, no permission on a folder, a name too long
         raise error(f"cannot read {what} {path}: {err.strerror or err}.") from None
     if not stat.S_ISREG(mode):
-        raise error(f"{what} {path} is {file_kind(mode)}, not a regular file; give the path of the file itself.")
+        raise error(f"cannot read {what} {path}: it is {file_kind(mode)}, not a regular file; give the path of the "
+                    f"file itself.")
     return size
 
 

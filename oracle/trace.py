@@ -55,7 +55,9 @@ Datasets
 
 Every dataset above (and its group) is stored in the file itself: a hard link, not virtual. External and soft
 links, virtual datasets and external raw storage are refused (TraceFormatError): the direct reader reads this
-file's byte offsets.
+file's byte offsets. Every dataset has num_tokens rows (a file that contradicts itself is refused), and stores what
+it claims: HDF5 reads rows never written as the fill value, so a tiny file can claim 1e9 rows; a dataset claiming
+more than CLAIM_RATIO times the bytes it stores (plus CLAIM_SLACK) is refused when the file is opened.
 
 The oracle writes every stage of its family. A candidate may omit stages it does not capture (never counted as passed) and
 may omit /inputs. Files are written under a temporary name beside the target and renamed when complete, so an
@@ -76,6 +78,7 @@ import numpy as np
 
 from oracle.errors import InputError, TraceFormatError
 from oracle.output import atomic_output, hdf5_target
+from oracle.reading import loads_json
 from oracle.stages import (KINDS, ROWS, SHAPES, STAGE_BY_NAME, STAGE_NAMES, STAGES, Dims, Stage, StageList,
                            shape_symbol)
 
@@ -114,6 +117,8 @@ EVIDENCE_DOCS = {
 _JSON_ATTRS = ("versions", "config", "provenance", "dims", "evidence_rules", "experts", "embedding",
                "stage_checksums")
 _CHUNK_BYTES = 1 << 20
+CLAIM_RATIO = 1100  # deflate, HDF5's strongest standard filter, compresses at most 1032:1
+CLAIM_SLACK = 64 << 20  # unwritten rows below this are reported row by row (the diff's "unwritten" issue)
 
 
 @dataclass(frozen=True)
@@ -281,6 +286,7 @@ class TraceReader:
             self.stages = self._guard("/stages", self._present_stages)
             for group in ("inputs", "evidence"):
                 self._guard(f"/{group}", lambda: _check_datasets_group(self._file, group, self.path))
+            self._guard("the datasets' sizes", lambda: _check_claims(self._file, self.path, self.num_tokens))
         except BaseException:
             self._file.close()
             raise
@@ -635,9 +641,10 @@ def _read_root_attrs(f: h5py.File, path: Path) -> dict:
 # The root attributes' schema, checked where they are read: a wrong type is a TraceFormatError naming it.
 def _json_object_attr(path: Path, key: str, value) -> dict:
     try:
-        parsed = json.loads(value) if isinstance(value, str) else None
-    except (ValueError, RecursionError):
-        parsed = None
+        parsed = loads_json(value, "it", TraceFormatError) if isinstance(value, str) else None
+    except TraceFormatError as err:  # not JSON, or beyond the limits (oracle/reading.py)
+        raise TraceFormatError(f"{path}: root attribute '{key}' must be a string holding a JSON object; {err} Write "
+                               f"it with json.dumps (oracle/trace.py).") from None
     if not isinstance(parsed, dict):
         raise TraceFormatError(f"{path}: root attribute '{key}' must be a string holding a JSON object, found "
                                f"{_attr_kind(value)}. Write it with json.dumps (oracle/trace.py).")
@@ -695,6 +702,30 @@ def _check_datasets_group(f: h5py.File, name: str, path: Path) -> h5py.Group | d
     return group
 
 
+def _check_claims(f: h5py.File, path: Path, num_tokens: int) -> None:
+    """Every dataset has num_tokens rows, and stores the bytes it claims (within CLAIM_RATIO): a file that
+    contradicts itself, or claims rows it never stored (read for ever, or allocated: 1e9 rows of D=64 are 238 GiB),
+    is refused before anything is read."""
+    for group in ("inputs", "stages", "evidence"):
+        for member, ds in (f[group].items() if f.get(group, getlink=True) is not None else ()):
+            where = f"/{group}/{member}"
+            if ds.shape[0] != num_tokens:
+                raise TraceFormatError(f"{path}: {where} has {ds.shape[0]} rows, but the root attribute num_tokens "
+                                       f"says {num_tokens}: the file contradicts itself. Write it again, one row per "
+                                       f"step in every dataset.")
+            claimed = ds.dtype.itemsize * int(np.prod(ds.shape, dtype=object))
+            stored = ds.id.get_storage_size()
+            if claimed > CLAIM_RATIO * stored + CLAIM_SLACK:
+                raise TraceFormatError(f"{path}: {where} claims {list(ds.shape)} {ds.dtype} ({_size(claimed)}), but "
+                                       f"the file stores {_size(stored)} of it: rows never written read as the "
+                                       f"fill value. Write the trace again, every row of every dataset.")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / (1 << 30):.1f} GiB" if nbytes >= 1 << 30 else f"{nbytes / (1 << 20):.1f} MiB" \
+        if nbytes >= 1 << 20 else f"{nbytes} bytes"
+
+
 def _check_hard_link(group: h5py.Group, member: str, path: Path) -> None:
     """`member` of `group` must be a hard link: HDF5 follows an external or soft link to values stored elsewhere
     (another file, another dataset), while the fast reader (_PlainRows) reads byte offsets in this file, so a
@@ -716,17 +747,45 @@ def _as_str(value):
     return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else value
 
 
-def array_from_hdf5(path: Path, dataset: str) -> np.ndarray:
-    """One dataset of a user's HDF5 file (for `--hidden FILE.h5:/dataset`)."""
+def array_from_hdf5(path: Path, dataset: str, check=None) -> np.ndarray:
+    """One dataset of a user's HDF5 file (for `--hidden FILE.h5:/dataset`), reached through hard links only (a soft
+    or external link may dangle, loop or lead to another file); `check(shape, dtype)` runs before a byte is read, so
+    a dataset claiming 1e9 rows is refused, never allocated."""
     f = _open_hdf5(Path(path))
     with f:
-        if dataset not in f or not isinstance(f[dataset], h5py.Dataset):
+        try:
+            node = _hard_linked(f, dataset, path)
+            if check is not None:
+                check(tuple(node.shape), node.dtype)
+            return node[()]
+        except (OSError, RuntimeError, KeyError, ValueError) as err:  # h5py's report of a damaged file
+            raise InputError(f"{path}: reading {dataset} failed ({err}); the file is damaged or not plain HDF5. "
+                             f"Write it again.") from None
+
+
+def _hard_linked(f: h5py.File, dataset: str, path: Path) -> h5py.Dataset:
+    """`dataset` of `f`, each step of its path a hard link (InputError naming the link otherwise)."""
+    node, walked = f, ""
+    for part in [p for p in dataset.split("/") if p]:
+        walked += "/" + part
+        link = node.get(part, getlink=True) if isinstance(node, h5py.Group) else None
+        if link is None:
             raise InputError(f"{path} has no dataset {dataset}; its datasets are: "
                              f"{', '.join(_dataset_names(f)) or 'none'}.")
-        return f[dataset][()]
+        if not isinstance(link, h5py.HardLink):
+            kind = "an external link" if isinstance(link, h5py.ExternalLink) else "a soft link"
+            target = f"{link.filename}:{link.path}" if isinstance(link, h5py.ExternalLink) else link.path
+            raise InputError(f"{path}: {walked} is {kind} (to {target}); give the dataset itself, stored in this "
+                             f"file (--hidden FILE.h5:/path/of/the/dataset).")
+        node = node[part]
+    if not isinstance(node, h5py.Dataset):
+        raise InputError(f"{path}: {dataset} is a group, not a dataset; its datasets are: "
+                         f"{', '.join(_dataset_names(f)) or 'none'}.")
+    return node
 
 
 def _dataset_names(f: h5py.File) -> list[str]:
+    """The hard-linked datasets of `f` (visititems follows hard links only), at most 20 named."""
     names = []
     f.visititems(lambda name, obj: names.append("/" + name) if isinstance(obj, h5py.Dataset) else None)
-    return names
+    return names[:20] + ([f"… {len(names) - 20} more"] if len(names) > 20 else [])

@@ -17,6 +17,7 @@ from oracle.checkpoint import Checkpoint
 from oracle.errors import MtpError
 from oracle.experts_digest import SCHEMES, scheme_of
 from oracle.families.spec import CONVENTIONS
+from oracle.limits import check_run_memory
 from oracle.stages import STAGE_NAMES
 from oracle.trace import TraceInputs, read_trace, write_trace
 from probe.adapters.base import Adapter
@@ -287,6 +288,8 @@ def run_and_diff(ref_path: Path, adapter: Adapter, tols: dict[str, Tol], out: Pa
     """Run `adapter` on the reference's inputs, optionally write its trace to `out`, and diff it."""
     with open_reference(ref_path) as ref:
         check_reference(ref)
+        row_floats = sum(ref.stage_shape(n)[1] for n in ref.stages) + ref.hidden_width + ref.hidden_size
+        check_run_memory(ref.num_tokens, row_floats, batched=getattr(adapter, "batched_config", None))
         with read_trace(ref_path) as reader:
             inputs, ref_digest = reader.inputs(), reader.attrs.get("checkpoint_digest")
         result = adapter.run(inputs)

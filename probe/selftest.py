@@ -15,6 +15,7 @@ from pathlib import Path
 
 from oracle.output import removed_on_interrupt
 from oracle.progress import tracked
+from oracle.stages import LEGACY_FAMILY
 from oracle.trace import TraceInputs, read_trace, write_trace
 from probe.adapters.cabi import CAbiAdapter, build_library
 from probe.diff import DiffReport
@@ -87,6 +88,7 @@ def run_selftest(reference: Path | None = None, checkpoint: Path | None = None, 
     if not reference.is_file() or not checkpoint.is_dir() or not (CANDIDATES / "mtp_step.c").is_file():
         raise ProbeError(f"selftest needs the bundled fixtures and candidates ({BUNDLED_REFERENCE}, "
                          f"{CANDIDATES}); run it from a checkout, or pass --reference and --checkpoint.")
+    _check_family(reference)
     with tempfile.TemporaryDirectory(prefix="mtp-selftest-") as tmp, removed_on_interrupt(Path(tmp)):
         builds = Path(build_dir or tmp)
         builds.mkdir(parents=True, exist_ok=True)
@@ -96,6 +98,18 @@ def run_selftest(reference: Path | None = None, checkpoint: Path | None = None, 
             log(f"selftest: {case.name}")
             rows += _run_case(case, reference, one_step, checkpoint, builds)
     return rows
+
+
+def _check_family(reference: Path) -> None:
+    """The bundled candidates (mtp_step.c, the torch transcription's dense path) implement the bundled reference's
+    head: a reference of another family (a MoE head) or stage list is refused, not run into a crash."""
+    with read_trace(BUNDLED_REFERENCE) as bundled, read_trace(reference) as ref:
+        want, got = bundled.attrs.get("family", LEGACY_FAMILY), ref.attrs.get("family", LEGACY_FAMILY)
+        same_stages = ref.stages == bundled.stages
+    if got != want or not same_stages:
+        raise ProbeError(f"selftest --reference {reference}: a {got} trace; the selftest's candidates implement the "
+                         f"{want} head ({BUNDLED_REFERENCE.name}), so they can only be run on a {want} reference. "
+                         f"Use mtp-probe run --impl on it instead.")
 
 
 def first_step_reference(reference: Path, out: Path) -> Path:

@@ -87,15 +87,28 @@ def failure_message(report: DiffReport) -> str:
 def _tolerances(rtol, atol, profile: str, stage_tol) -> dict[str, Tol]:
     if (rtol is None) != (atol is None):
         raise ToleranceError("assert_trace_close: give both rtol and atol, or neither.")
+    if rtol is not None and not all(isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+                                    for v in (rtol, atol)):
+        raise ToleranceError(f"assert_trace_close: rtol and atol are numbers, got {rtol!r:.20} and {atol!r:.20}.")
     if profile not in PROFILES:
         raise ToleranceError(f"assert_trace_close: profile {profile!r} is not one of {', '.join(sorted(PROFILES))}.")
     base = PROFILES[profile] if rtol is None else user_tol(rtol, atol, "assert_trace_close(rtol, atol)")
     table = tol_table(base)
-    for name, (stage_rtol, stage_atol) in (stage_tol or {}).items():
+    if stage_tol is not None and not isinstance(stage_tol, Mapping):
+        raise ToleranceError(f"assert_trace_close: stage_tol must be a dict {{stage: (rtol, atol)}}, not "
+                             f"{type(stage_tol).__name__} {stage_tol!r:.40}.")
+    for name, pair in (stage_tol or {}).items():
+        if isinstance(pair, (str, bytes)) or not hasattr(pair, "__len__") or len(pair) != 2 or not all(
+                isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) for v in pair):
+            raise ToleranceError(f"assert_trace_close: stage_tol[{name!r}] is {pair!r:.40}; give the pair "
+                                 f"(rtol, atol), e.g. stage_tol={{{name!r}: (1e-4, 1e-5)}}.")
+        stage_rtol, stage_atol = pair
         if name not in KNOWN_STAGE_NAMES:
             raise ToleranceError(f"assert_trace_close: stage_tol names unknown stage {name!r}; valid stages are "
                                  f"{', '.join(KNOWN_STAGE_NAMES)}.")
-        table[name] = user_tol(stage_rtol, stage_atol, f"stage_tol {name}=({stage_rtol:g}, {stage_atol:g})")
+        shown = ", ".join(f"{v:g}" if isinstance(v, (int, float, np.floating)) else repr(v)[:20]
+                          for v in (stage_rtol, stage_atol))
+        table[name] = user_tol(stage_rtol, stage_atol, f"stage_tol {name}=({shown})")
     return table
 
 
@@ -130,5 +143,18 @@ def _arrays_source(candidate: Mapping, ref: TraceSource) -> _ArrayCandidate:
         raise AdapterError(f"assert_trace_close: unknown stage names {unknown}; the reference's stages are "
                            f"{', '.join(ref.stages)}.")
     # np.asarray keeps the dtype: a float64 or bf16-widened array is reported as a wrong dtype, never cast silently.
-    stages = {name: np.asarray(candidate[name]) for name in ref.stages if name in candidate}
+    stages = {name: _array(name, candidate[name]) for name in ref.stages if name in candidate}
     return _ArrayCandidate(stages, ref)
+
+
+def _array(name: str, values) -> np.ndarray:
+    """np.asarray(values), or AdapterError naming the stage where they are no rectangular array (ragged rows)."""
+    try:
+        array = np.asarray(values)
+    except ValueError as err:  # numpy refuses ragged nested sequences
+        raise AdapterError(f"assert_trace_close: stage {name} is not a rectangular array ({err}); give a float32 "
+                           f"[T, width] array, one row per step.") from None
+    if array.dtype == object:
+        raise AdapterError(f"assert_trace_close: stage {name} holds Python objects (ragged rows?), not numbers; give "
+                           f"a float32 [T, width] array, one row per step.")
+    return array

@@ -8,7 +8,6 @@ FILE[:PATH]`): the per-stage tolerances `mtp-oracle noise` wrote for one computa
 against the reference (family, head digest, stages) and stated in the report (`TolTable.noise`).
 """
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -189,10 +188,12 @@ def measured_tol_table(file: Path, path: str | None, reference: dict) -> TolTabl
 
 
 def _read_profile(file: Path) -> dict:
+    from oracle.reading import read_json
+
     try:
-        profile = json.loads(Path(file).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ToleranceError(f"--profile {file}: cannot read it as a noise profile ({err}); {_REGENERATE}.") from None
+        profile = read_json(Path(file), "--profile", ToleranceError)  # a regular file, JSON within limits
+    except ToleranceError as err:
+        raise ToleranceError(f"{err} A noise profile is written by mtp-oracle noise; {_REGENERATE}.") from None
     schema = profile.get("schema") if isinstance(profile, dict) else None
     if schema != NOISE_SCHEMA:
         raise ToleranceError(f"--profile {file}: schema {schema!r}, this probe reads {NOISE_SCHEMA}; {_REGENERATE}.")

@@ -17,7 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from oracle.checkpoint import Checkpoint, _read_safetensors_header, _widen
-from oracle.errors import InputError
+from oracle.errors import CheckpointError, InputError
+from oracle.inputs import npy_claims
+from oracle.reading import check_regular_file
 from oracle.output import atomic_output
 
 from probe.weight_faults import Finding, TensorFacts, classify, halves_permutation, init_stds
@@ -125,12 +127,21 @@ def _facts(name: str, ref: np.ndarray, ckpt: Checkpoint) -> TensorFacts:
     halves = None
     if name.endswith(("q_proj.weight", "qkv_proj.weight")) and hasattr(cfg, "head_dim"):
         halves = halves_permutation(cfg.num_attention_heads, cfg.head_dim)
-    init_range = ckpt.raw_config.get("text_config", ckpt.raw_config).get("initializer_range", 0.02)
-    stds = init_stds(ref.shape, float(init_range)) if ref.ndim >= 2 else {}
+    stds = init_stds(ref.shape, _initializer_range(ckpt)) if ref.ndim >= 2 else {}
     module = name.rsplit(".", 2)
     is_norm = ref.ndim == 1 and len(module) == 3 and module[2] == "weight" and "norm" in module[1]
     norm = ("1+w" if ckpt.family.one_plus_norms else "w") if is_norm else None
     return TensorFacts(name, stds, halves, norm)
+
+
+def _initializer_range(ckpt: Checkpoint) -> float:
+    """config.json's initializer_range (transformers' default 0.02 when absent): a positive finite number."""
+    text = ckpt.raw_config.get("text_config", ckpt.raw_config)
+    value = text.get("initializer_range", 0.02) if isinstance(text, dict) else 0.02
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise CheckpointError(f"{ckpt.path / 'config.json'}: initializer_range is {value!r:.60}; it is the std of "
+                              f"the weights' initialisation, a positive number (e.g. 0.02).")
+    return float(value)
 
 
 def _parts(fusion) -> tuple[str, ...]:
@@ -186,7 +197,8 @@ def _same_file(a: Path, b: Path) -> bool:
 
 def read_dump(path: Path) -> dict:
     """Tensor name -> a function returning the dump's array (float32/float64), read only when called."""
-    if path.is_file():
+    if not path.is_dir():
+        check_regular_file(path, "weights dump")  # a FIFO or a device: refused, never opened
         if path.suffix != ".safetensors":
             raise InputError(f"{path}: a dump is a .safetensors file or a directory of .safetensors / .npy files.")
         return _safetensors_tensors(path)
@@ -222,6 +234,7 @@ def _safetensors_tensors(file: Path) -> dict:
 
 def _npy_loader(file: Path):
     def load() -> np.ndarray:
+        npy_claims(file)  # a regular .npy file (not a FIFO, not a .npz saved as .npy) holding what it claims
         try:
             array = np.load(file, mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError) as err:

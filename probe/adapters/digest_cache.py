@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 
 from oracle.checkpoint import Checkpoint
+from oracle.errors import CheckpointError
+from oracle.gguf_source import cache_base
 
 SETTLED_NS = 2_000_000_000  # files changed more recently than this are hashed every time
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
@@ -32,7 +34,11 @@ _CODE = hashlib.sha256(Checkpoint.head_digest.__code__.co_code + Checkpoint.dige
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("MTP_PROBE_CACHE") or Path.home() / ".cache" / "mtp-probe") / "head-digests"
+    """OSError where there is no cache folder (HOME unset): the digest is then computed, only not remembered."""
+    try:
+        return cache_base() / "head-digests"
+    except CheckpointError as err:
+        raise OSError(str(err)) from None
 
 
 def remembered_digest(ckpt: Checkpoint) -> str | None:
@@ -73,7 +79,10 @@ def _key(ckpt: Checkpoint) -> tuple[str, int]:
 
 
 def _store(key: str, digest: str) -> None:
-    folder = cache_dir()
+    try:
+        folder = cache_dir()
+    except OSError:  # no cache folder at all (HOME unset): nothing is remembered
+        return
     tmp = folder / f".{key}.tmp-{os.getpid()}"
     try:
         folder.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,7 @@ class TorchAdapter:
                                f"{checkpoint} is a {ckpt.family.name} head. Use python:MODULE:FACTORY, or diff a "
                                f"trace your engine wrote.")
         self.cfg = ckpt.config
+        self.batched_config = self.cfg  # it attends over all T steps at once: `run` checks memory for that too
         self.name = f"torch:{device}:{dtype}"
         self.deterministic = device == "cpu"  # GPU kernels may pick other algorithms run to run
         self._device, self._dtype = torch.device(device), getattr(torch, dtype)

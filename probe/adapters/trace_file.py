@@ -21,7 +21,6 @@ these names that is not a readable regular file (dangling symlink, directory, FI
 file is followed).
 """
 
-import json
 import os
 import stat
 from pathlib import Path
@@ -290,10 +289,13 @@ def _native_float32(rows: np.ndarray) -> np.ndarray:
 
 def _inputs_from_json(path: Path) -> dict[str, np.ndarray]:
     hint = 'expected {"token_ids": [ints], "positions": [ints]}'
+    from oracle.reading import read_json
+
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError) as err:
-        raise TraceFormatError(f"{path} is not readable JSON ({err}); {hint}.") from None
+        data = read_json(path, "inputs file", TraceFormatError)  # JSON within limits: deep nesting, huge ints
+    except TraceFormatError as err:
+        why = str(err).removeprefix(f"inputs file {path} ")
+        raise TraceFormatError(f"{path} is not readable JSON: {why} {hint[0].upper()}{hint[1:]}.") from None
     if not isinstance(data, dict) or not set(data) <= set(_JSON_INPUTS):
         keys = sorted(data) if isinstance(data, dict) else type(data).__name__
         raise TraceFormatError(f"{path} holds {keys}; {hint}.")
