@@ -23,6 +23,7 @@ Config: a `config.json` beside the GGUF when there is one, else rebuilt from the
 expert_count, expert_feed_forward_length, expert_shared_feed_forward_length checked against its tensors).
 """
 
+import errno
 import hashlib
 import json
 import os
@@ -186,6 +187,13 @@ def _materialize(file: Path, target: Path) -> None:
                   "norm_offset": "1 subtracted from every (1+w) RMSNorm" if arch in ONE_PLUS_W_ARCHS else "none",
                   "quant_types": {n: plan[n].qtype for n in sorted(plan)}, "dequantized_by": f"gguf {_gguf_version()}"}
         (tmp / SOURCE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    except OSError as err:  # a full disk or quota, an I/O error: the user's to fix, and no half cache is kept
+        shutil.rmtree(tmp, ignore_errors=True)
+        full = err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+        raise CheckpointError(f"{'no space left on' if full else 'cannot write'} {tmp.parent} while dequantizing "
+                              f"{file.name} into the GGUF cache ({err.strerror or err}); nothing was kept. Free "
+                              f"space there, or set MTP_PROBE_CACHE to a folder with room for the float32 head.") \
+            from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # no half-written cache folder left behind
         raise
@@ -371,6 +379,8 @@ def _write_safetensors(path: Path, plan: dict[str, Planned], file: Path) -> None
             start, end = header[name]["data_offsets"]
             if written != end - start:
                 raise RuntimeError(f"{name}: wrote {written} bytes for a {planned.shape} float32 tensor")  # a bug
+        f.flush()
+        os.fsync(f.fileno())  # a filesystem that allocates at writeback reports a full disk here, not later
 
 
 def _beside_config(file: Path) -> dict | None:

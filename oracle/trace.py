@@ -713,6 +713,9 @@ def _check_claims(f: h5py.File, path: Path, num_tokens: int) -> None:
                 raise TraceFormatError(f"{path}: {where} has {ds.shape[0]} rows, but the root attribute num_tokens "
                                        f"says {num_tokens}: the file contradicts itself. Write it again, one row per "
                                        f"step in every dataset.")
+            if 0 in ds.shape[1:]:
+                raise TraceFormatError(f"{path}: {where} has shape {list(ds.shape)}: rows of no values; every "
+                                       f"dataset of a trace has rows of width 1 or more (oracle/trace.py).")
             claimed = ds.dtype.itemsize * int(np.prod(ds.shape, dtype=object))
             stored = ds.id.get_storage_size()
             if claimed > CLAIM_RATIO * stored + CLAIM_SLACK:
