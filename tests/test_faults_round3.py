@@ -170,7 +170,8 @@ _MTP_PROBE = "import sys; from probe.cli import main; main()"
 @pytest.mark.parametrize("command", ["inspect", "inputs", "diff-as-reference", "diff-as-candidate"])
 def test_a_trace_claiming_1e9_rows_is_refused_at_once(tmp_path, command):
     huge = _claims_rows(tmp_path / "huge.h5", 10**9, num_tokens=10**9)
-    args, code = {"inspect": (["inspect", huge], None), "inputs": (["inputs", huge, "--out-dir", tmp_path / "in"], None),
+    args, code = {"inspect": (["inspect", huge], None),
+                  "inputs": (["inputs", huge, "--out-dir", tmp_path / "in"], None),
                   "diff-as-reference": (["diff", huge, TINY_REF], _MTP_PROBE),
                   "diff-as-candidate": (["diff", TINY_REF, huge], _MTP_PROBE)}[command]
     before = digests([huge])
@@ -430,6 +431,15 @@ def test_gguf_faults_are_exit_2(tmp_path, monkeypatch):
                    tmp_path)
     monkeypatch.undo()
     monkeypatch.setenv("MTP_PROBE_CACHE", str(tmp_path / "cache"))
+    # a zero-length key (the first, general.architecture, renamed to ""): the header after it still parses
+    import struct
+
+    raw = bytearray(model.read_bytes())
+    length = struct.unpack_from("<Q", raw, 24)[0]  # magic, version, tensor count, kv count, then the first key
+    (tmp_path / "zero_key.gguf").write_bytes(raw[:24] + struct.pack("<Q", 0) + raw[32 + length:])
+    assert_refused(oracle.cli.cli, ["export", tmp_path / "zero_key.gguf", "--out", tmp_path / "z.h5", "--tokens",
+                                    TOKENS, "--hidden-seed", "0"], "zero_key.gguf: architecture None", [model],
+                   tmp_path)
     # neither an output nor an embedding tensor
     from tests.oracle.test_gguf import LLAMA_NAME
 
