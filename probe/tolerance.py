@@ -193,7 +193,8 @@ def _read_profile(file: Path) -> dict:
     try:
         profile = read_json(Path(file), "--profile", ToleranceError)  # a regular file, JSON within limits
     except ToleranceError as err:
-        raise ToleranceError(f"{err} A noise profile is written by mtp-oracle noise; {_REGENERATE}.") from None
+        why = str(err).removeprefix(f"--profile {file} ").rstrip(".")
+        raise ToleranceError(f"--profile {file}: cannot read it as a noise profile ({why}); {_REGENERATE}.") from None
     schema = profile.get("schema") if isinstance(profile, dict) else None
     if schema != NOISE_SCHEMA:
         raise ToleranceError(f"--profile {file}: schema {schema!r}, this probe reads {NOISE_SCHEMA}; {_REGENERATE}.")
