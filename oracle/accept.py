@@ -21,6 +21,7 @@ exact logits found by a bf16 screen under a proven bound and an exact rescoring 
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+import math
 from fractions import Fraction
 from pathlib import Path
 from typing import Protocol
@@ -29,7 +30,9 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from oracle.accept_conventions import Settings
 from oracle.checkpoint import Checkpoint, check_token_ids
+from oracle.draft_distributions import DraftStats, draft_stats, replayed_out_rows
 from oracle.errors import CheckpointError, InputError
 from oracle.export import HiddenSource, quiet_kernel_fallbacks
 from oracle.fp8 import dequantize
@@ -239,28 +242,44 @@ class AcceptResult:
     metrics: AcceptMetrics  # of the head measured: the quantized one when `quantize` is set
     target: str
     sequence: np.ndarray  # x_0..x_{N-1}
-    drafts: np.ndarray  # [C, k]; row i is the chain drafted after bridge step i
+    drafts: np.ndarray  # [C, k]; row r is the chain drafted after bridge step positions[r]
     targets: np.ndarray  # [C, k]
     source: dict  # checkpoint, hidden source, lm_head tensor
     quantize: QuantizeComparison | None = None
+    settings: Settings | None = None  # p_min, temperature, position range (oracle/accept_conventions.py)
+    stats: DraftStats | None = None  # the gate's confidence and sampled acceptance per draft, where asked
+    positions: np.ndarray | None = None  # (C,): each chain's bridge step; None: 0..C-1
+
+    @property
+    def chain_positions(self) -> np.ndarray:
+        return np.arange(len(self.drafts)) if self.positions is None else self.positions
 
 
 def measure_acceptance(checkpoint_dir: Path, sequence: np.ndarray, hidden: HiddenSource, k: int = 4,
                        target: str | None = None, head_weights: dict[str, np.ndarray] | None = None,
                        chunk_rows: int = CHUNK_ROWS, log: Callable[[str], None] = lambda msg: None,
-                       quantize: tuple[QuantSpec, ...] = ()) -> AcceptResult:
+                       quantize: tuple[QuantSpec, ...] = (), settings: Settings | None = None) -> AcceptResult:
     """Draft a k-chain after every bridge step of `sequence` and score the chains against `target`.
 
     `target` None means greedy, or text when H is synthetic (`hidden.seed`). `head_weights` replaces the
     checkpoint's `mtp.*` tensors (e.g. a random head as a baseline). `quantize` (oracle/quantize_sim.py) measures
-    the head with those tensors quantized, beside the unquantized head on the same chains (result.quantize)."""
+    the head with those tensors quantized, beside the unquantized head on the same chains (result.quantize).
+    `settings` (oracle/accept_conventions.py): the p_min gate and sampled verification need the exact
+    distributions per draft (oracle/draft_distributions.py); a position range keeps those chains only.
+
+    The drafts come from the head's own output projection (`_lm_head`: the MTP layer's `shared_head.head` where
+    its family has one); greedy targets and the verifier's distribution from the main model's lm_head."""
     sequence = token_ids_from_array(sequence, "sequence")
     _check_k(k, len(sequence))
+    settings = Settings(k=k) if settings is None else settings
     ckpt = Checkpoint(checkpoint_dir)
     check_token_ids(sequence, ckpt.config.vocab_size)
     check_accept_memory(ckpt.config, len(sequence), k)  # the bridge pass is quadratic in N (oracle/limits.py)
     lm_head = _lm_head(ckpt, chunk_rows)
     target = _resolved_target(target, hidden)
+    _check_settings(settings, k, len(sequence), hidden)
+    main_head = lm_head_of(ckpt, chunk_rows) if target == "greedy" or settings.temperature is not None else None
+    rides_along = target == "greedy" and main_head.name == lm_head.name  # one sweep scores drafts and targets
     quantized = _quantized_head(ckpt, head_weights, quantize) if quantize else None  # bad globs before H's run
     h = _hidden_of(ckpt, hidden, sequence, log)
     impl = head_module(ckpt.family)
@@ -269,23 +288,93 @@ def measure_acceptance(checkpoint_dir: Path, sequence: np.ndarray, hidden: Hidde
     log(f"drafting {chains} chains of k={k} (N={len(sequence)} tokens); lm_head {lm_head.name} in chunks of "
         f"{chunk_rows} rows")
     # For greedy, the main model's own argmax at positions 1..N-2 rides along the first drafts' lm_head sweep.
+    main_rows = _lm_head_input(ckpt, h) if main_head is not None else None  # (N, D): lm_head input at each m
     with Progress("accept", total=chains * k * (2 if quantized else 1), unit="draft") as bar:
+        # greedy targets: the main model's own argmax at positions 1..N-2, riding along the first drafts' sweep
+        # where the main lm_head is the head's own; else through the main lm_head itself
         drafts, main_argmax = draft_chains(ckpt, head, rotary, sequence, h, k, chunk_rows,
-                                           also_score=_lm_head_input(ckpt, h[1:-1]) if target == "greedy" else None,
+                                           also_score=main_rows[1:-1] if rides_along else None,
                                            on_depth=bar.update)
+        if target == "greedy" and not rides_along:
+            main_argmax = main_head.argmax(main_rows[1:-1])
         if quantized:  # the same chains, H and targets through the quantized head
             q_head, _ = impl.build_head(ckpt.config, quantized[0])
             q_drafts = draft_chains(ckpt, q_head, rotary, sequence, h, k, chunk_rows, on_depth=bar.update)[0]
     targets = target_table(sequence, main_argmax, k, target)
     source = {"checkpoint": str(ckpt.path), "hidden": hidden.describe(), "lm_head": lm_head.name,
+              "target_lm_head": None if main_head is None else main_head.name,
               "head": "checkpoint mtp.*" if head_weights is None else "weights given by the caller"}
-    result = AcceptResult(acceptance_metrics(drafts, targets), target, sequence, drafts, targets, source)
-    if not quantized:
+    measured = (q_head, q_drafts) if quantized else (head, drafts)
+    stats = _draft_stats(ckpt, measured, rotary, sequence, h, lm_head, main_head, main_rows, settings, log)
+    result = AcceptResult(acceptance_metrics(drafts, targets), target, sequence, drafts, targets, source,
+                          settings=settings, stats=stats)
+    if quantized:
+        comparison = QuantizeComparison(quantized[1], result.metrics, drafts)
+        source = source | {"head": f"{source['head']}, quantized: {' '.join(map(str, quantize))}"}
+        result = replace(result, metrics=acceptance_metrics(q_drafts, targets), drafts=q_drafts, source=source,
+                         quantize=comparison)
+    return within_positions(result, settings.positions)
+
+
+def _draft_stats(ckpt: Checkpoint, measured: tuple, rotary: Rotary, sequence: np.ndarray, h: np.ndarray,
+                 lm_head: LmHead, main_head: LmHead | None, main_rows: np.ndarray | None, settings: Settings,
+                 log: Callable[[str], None]) -> DraftStats | None:
+    """The gate's confidence and sampled acceptance of the measured head's drafts, where the settings ask."""
+    if settings.p_min is None and settings.temperature is None:
+        return None
+    head, drafts = measured
+    log(f"replaying {len(drafts)} chains for the exact distributions of {drafts.size} drafts (float64 logits)")
+    out_rows = replayed_out_rows(ckpt, head, rotary, sequence, h, drafts, bridge_pass, extend_chains)
+    with Progress("distributions", total=len(drafts), unit="chain") as bar:
+        return draft_stats(lm_head, main_head, out_rows, main_rows, drafts, settings.p_min_top_k,
+                           settings.temperature, settings.draft_sampling, on_block=bar.update)
+
+
+def within_positions(result: AcceptResult, positions: tuple[int, int] | None) -> AcceptResult:
+    """The chains whose bridge step lies in positions[0]..positions[1]-1 (all where None)."""
+    if positions is None:
         return result
-    comparison = QuantizeComparison(quantized[1], result.metrics, drafts)
-    source = source | {"head": f"{source['head']}, quantized: {' '.join(map(str, quantize))}"}
-    return replace(result, metrics=acceptance_metrics(q_drafts, targets), drafts=q_drafts, source=source,
-                   quantize=comparison)
+    first, last = positions
+    keep = slice(first, min(last, len(result.drafts)))
+    stats = result.stats
+    if stats is not None:
+        stats = DraftStats(stats.confidence[keep], stats.confidence_full[keep],
+                           None if stats.beta is None else stats.beta[keep])
+    quantize = result.quantize
+    if quantize is not None:
+        base = acceptance_metrics(quantize.baseline_drafts[keep], result.targets[keep])
+        quantize = QuantizeComparison(quantize.head, base, quantize.baseline_drafts[keep])
+    drafts, targets = result.drafts[keep], result.targets[keep]
+    return replace(result, metrics=acceptance_metrics(drafts, targets), drafts=drafts, targets=targets, stats=stats,
+                   quantize=quantize, positions=np.arange(len(result.drafts))[keep])
+
+
+def _check_settings(settings: Settings, k: int, num_tokens: int, hidden: HiddenSource) -> None:
+    if settings.k != k:
+        raise InputError(f"settings.k={settings.k} differs from k={k}; pass one k.")
+    if settings.p_min is not None and not 0 <= settings.p_min <= 1:
+        raise InputError(f"--p-min {settings.p_min}: a probability in [0, 1] (llama.cpp's --spec-draft-p-min).")
+    if settings.p_min_top_k < 0 or settings.n_min < 0:
+        raise InputError(f"--p-min-top-k {settings.p_min_top_k} / --n-min {settings.n_min}: use 0 or more.")
+    if settings.temperature is not None:
+        if not (math.isfinite(settings.temperature) and settings.temperature > 0):
+            raise InputError(f"--temperature {settings.temperature}: sampled verification needs a finite "
+                             f"temperature > 0 (leave it out for greedy verification).")
+        if hidden.seed is not None:
+            raise InputError("--temperature verifies against the main model's distribution, softmax(lm_head(H)); "
+                             "with --hidden-seed H is synthetic, so there is no main model. Pass --hidden FILE or "
+                             "--main-model.")
+    if settings.draft_sampling not in ("greedy", "sampled"):
+        raise InputError(f"--draft-sampling {settings.draft_sampling!r}: use greedy or sampled.")
+    if settings.buckets < 1:
+        raise InputError(f"--buckets {settings.buckets}: use 1 or more.")
+    chains = num_tokens - 1 - k
+    if settings.positions is not None:
+        first, last = settings.positions
+        if not 0 <= first < last or first >= chains:
+            raise InputError(f"--positions {first}:{last}: chains are drafted after bridge steps 0..{chains - 1} "
+                             f"(N={num_tokens}, k={k}); give FIRST:LAST with 0 <= FIRST < LAST and FIRST <= "
+                             f"{chains - 1}.")
 
 
 def _lm_head(ckpt: Checkpoint, chunk_rows: int) -> LmHead:
