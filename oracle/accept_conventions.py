@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from oracle.errors import InputError
+
 Z95 = 1.959963984540054  # the standard normal's 97.5 % quantile
 BOOTSTRAP_RESAMPLES = 2000
 BOOTSTRAP_SEED = 0
@@ -108,6 +110,20 @@ class Settings:
                 "positions": None if self.positions is None else list(self.positions), "buckets": self.buckets,
                 "bootstrap": {"resamples": BOOTSTRAP_RESAMPLES, "seed": BOOTSTRAP_SEED,
                               "method": "moving blocks of contiguous chains"}}
+
+
+def parse_positions(text: str | None) -> tuple[int, int] | None:
+    """--positions FIRST:LAST (LAST may be empty: to the end)."""
+    if text is None:
+        return None
+    first, sep, last = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return int(first), (int(last) if last.strip() else 2**62)
+    except ValueError:
+        raise InputError(f"--positions {text!r}: give FIRST:LAST, bridge steps as integers (e.g. 0:512, or 512: "
+                         f"to the end).") from None
 
 
 def accepted_runs(right: np.ndarray) -> np.ndarray:
@@ -189,8 +205,8 @@ def conventions(right: np.ndarray, settings: Settings, confidence: np.ndarray | 
         num = int(run_counts[j])
         figures.append(Figure(f"alpha_{j + 1}", "ours", f"alpha_{j + 1}", num / den if den else None,
                               wilson(num, den), "wilson", den,
-                              f"P(draft {j + 1} right | drafts 1..{j} right): chains with drafts 1..{j + 1} right "
-                              f"/ chains with drafts 1..{j} right (greedy verification)"))
+                              "P(draft j right | drafts 1..j-1 right): chains with drafts 1..j right / chains with "
+                              "drafts 1..j-1 right (greedy verification)"))
         den = num
     e_len_ci, e_len_method = _chains_interval(accepted[:, None].astype(float), lambda s, n: 1 + s[:, 0] / n, k)
     e_len = 1 + accepted.sum() / chains
@@ -205,8 +221,8 @@ def conventions(right: np.ndarray, settings: Settings, confidence: np.ndarray | 
         num = int(run_counts[j])
         figures.append(Figure(f"vllm_rate_{j + 1}", "vllm", f"Per-position acceptance rate {j + 1}", num / chains,
                               wilson(num, chains), "wilson", chains,
-                              f"rounds whose drafts 1..{j + 1} were all accepted / all rounds (unconditional; "
-                              f"AL = 1 + sum of these)"))
+                              "rounds whose drafts 1..j were all accepted / all rounds (unconditional; AL = 1 + "
+                              "sum_j of these)"))
     tokens = accepted[:, None].astype(float)
     draft_rate_ci, draft_rate_method = _chains_interval(tokens, lambda s, n: s[:, 0] / (n * k), k)
     figures.append(Figure("vllm_draft_acceptance_rate", "vllm", "Avg Draft acceptance rate",
@@ -266,16 +282,40 @@ def _sampled(beta: np.ndarray, settings: Settings) -> list[Figure]:
         ci, method = _chains_interval(np.stack([num, den], axis=1), lambda s, n: s[:, 0] / s[:, 1], k)
         figures.append(Figure(f"sampled_alpha_{j + 1}", "ours", f"alpha_{j + 1} (sampled, T={settings.temperature})",
                               float(num.sum() / den.sum()) if den.sum() > 0 else None, ci, method, chains,
-                              f"expected acceptance of draft {j + 1} given drafts 1..{j} accepted, each draft "
-                              f"accepted with probability {how} at temperature {settings.temperature}"))
+                              f"expected acceptance of draft j given drafts 1..j-1 accepted, each draft accepted "
+                              f"with probability {how} at temperature {settings.temperature}"))
         before = reach[:, j]
+    for j in range(k):
+        ci, method = _chains_interval(reach[:, j:j + 1], lambda s, n: s[:, 0] / n, k)
+        figures.append(Figure(f"sampled_rate_{j + 1}", "vllm", f"Per-position acceptance rate {j + 1} (sampled)",
+                              float(reach[:, j].mean()), ci, method, chains,
+                              "expected share of rounds whose drafts 1..j were all accepted under sampled "
+                              "verification (vLLM's unconditional per-position rate)"))
     expected = reach.sum(axis=1)  # (C,): expected accepted drafts per chain
     ci, method = _chains_interval(expected[:, None], lambda s, n: 1 + s[:, 0] / n, k)
     figures.append(Figure("sampled_e_len", "ours", f"E[len] (sampled, T={settings.temperature})",
                           float(1 + expected.mean()), ci, method, chains,
                           "1 + mean over chains of sum_j prod_(m<=j) beta_m: expected tokens per verify round "
-                          "under rejection sampling, expected over the exact distributions (not one sample)"))
+                          "under rejection sampling, expected over the exact distributions (not one sample); "
+                          "vLLM's AL and SGLang's accept length under sampling"))
+    ci, method = _chains_interval(expected[:, None], lambda s, n: s[:, 0] / (n * k), k)
+    figures.append(Figure("sampled_draft_acceptance_rate", "vllm", "Avg Draft acceptance rate (sampled)",
+                          float(expected.mean() / k), ci, method, chains * k,
+                          "expected accepted draft tokens / drafted tokens under sampled verification"))
     return figures
+
+
+# Under sampled verification an engine's figure is compared with its sampled counterpart.
+SAMPLED_COUNTERPART = {"vllm_mean_acceptance_length": "sampled_e_len", "sglang_avg_spec_accept_length": "sampled_e_len",
+                       "vllm_draft_acceptance_rate": "sampled_draft_acceptance_rate"}
+
+
+def counterpart(key: str, sampled: bool) -> str:
+    if not sampled:
+        return key
+    if key.startswith("vllm_rate_"):
+        return "sampled_rate_" + key.removeprefix("vllm_rate_")
+    return SAMPLED_COUNTERPART.get(key, key)
 
 
 def by_key(figures: list[Figure]) -> dict[str, Figure]:

@@ -7,6 +7,9 @@ from pathlib import Path
 import numpy as np
 
 from oracle.accept import AcceptMetrics, AcceptResult, QuantizeComparison
+from oracle.accept_conventions import (FEW_TRIALS, Figure, Settings, by_key, conventions, counterpart,
+                                       position_buckets)
+from oracle.engine_logs import EngineFigure
 from oracle.output import agg_figure, atomic_output, figure_format
 from oracle.quantize_sim import SCHEMES, QuantizedTensor
 
@@ -23,7 +26,7 @@ def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def render_report(result: AcceptResult) -> str:
+def render_report(result: AcceptResult, engine: list[EngineFigure] | None = None) -> str:
     """The side-by-side table of p_j and α_j with their counts, then E[len] and the naive upper bound."""
     m = result.metrics
     lines = [f"acceptance: k={m.k} drafts per chain, {m.chains} chains (one after each bridge step "
@@ -40,7 +43,141 @@ def render_report(result: AcceptResult) -> str:
               f"checked when drafts 1..j-1 were accepted)"]
     if result.quantize is not None:
         lines += ["", *quantization_lines(result)]
+    lines += ["", *convention_lines(result)]
+    if engine is not None:
+        lines += ["", *engine_lines(compare_engine(result, engine))]
     return "\n".join(lines)
+
+
+# ---- the engines' conventions -------------------------------------------------------------------------------------
+
+
+def settings_of(result: AcceptResult) -> Settings:
+    return result.settings if result.settings is not None else Settings(k=result.metrics.k)
+
+
+def result_conventions(result: AcceptResult) -> list[Figure]:
+    """Every engine's figure from this measurement (accept_conventions.conventions)."""
+    stats = result.stats
+    return conventions(result.drafts == result.targets, settings_of(result),
+                       None if stats is None else stats.confidence, None if stats is None else stats.beta)
+
+
+def _interval(f: Figure) -> str:
+    if f.interval is None or f.value is None:
+        return "-"
+    return f"[{f.interval[0]:.3f}, {f.interval[1]:.3f}]"
+
+
+def _value(f: Figure) -> str:
+    return "-" if f.value is None else f"{f.value:.3f}"
+
+
+def convention_lines(result: AcceptResult) -> list[str]:
+    """Each engine's figure with its 95 % interval and definition; the settings; the table along the sequence."""
+    settings, figures = settings_of(result), result_conventions(result)
+    positions = result.chain_positions
+    lines = [f"as engines count it (settings: k=n_max={settings.k}, p_min="
+             f"{'not simulated' if settings.p_min is None else settings.p_min}"
+             f"{'' if settings.p_min is None else f' over the top {settings.p_min_top_k} logits' if settings.p_min_top_k else ' over the whole vocabulary'}"
+             f", n_min={settings.n_min}, verification="
+             f"{'greedy' if settings.temperature is None else f'sampled at T={settings.temperature} ({settings.draft_sampling} drafts)'}"
+             f", chains after bridge steps {int(positions[0])}..{int(positions[-1])}):",
+             f"  {'engine':<10}{'figure':<46}{'value':>7}  {'95% interval':<17}{'n':>6}  interval"]
+    for f in figures:
+        few = f"  TOO FEW (n<{FEW_TRIALS}): decides nothing" if f.too_few and f.interval is not None else ""
+        lines.append(f"  {f.engine:<10}{f.name:<46}{_value(f):>7}  {_interval(f):<17}{f.trials:>6}  "
+                     f"{f.method}{few}")
+    lines += ["  definitions:"]
+    seen = set()
+    for f in figures:
+        stem = f.key.rstrip("0123456789")
+        if stem in seen:
+            continue
+        seen.add(stem)
+        lines.append(f"    {f.key if not stem.endswith('_') else stem + 'j'}: {f.definition}")
+    lines += ["  (chains start after every bridge step, an engine's rounds where the last one ended: each figure is "
+              "the average over round starts; Wilson intervals treat chains as independent, though neighbours share "
+              "tokens: read them as a little narrow)"]
+    lines += ["", *bucket_lines(result)]
+    return lines
+
+
+def result_buckets(result: AcceptResult):
+    stats = result.stats
+    return position_buckets(result.drafts == result.targets, result.chain_positions, settings_of(result),
+                            None if stats is None else stats.confidence, None if stats is None else stats.beta)
+
+
+def bucket_lines(result: AcceptResult) -> list[str]:
+    """alpha_1, E[len] (and the gated and sampled figures where set) per range of context positions."""
+    settings = settings_of(result)
+    keys = ["alpha_1", "e_len", "llama_cpp_acceptance_rate"] + (["sampled_e_len"] if settings.temperature else [])
+    names = ["alpha_1", "E[len]", "llama.cpp rate"] + (["E[len] sampled"] if settings.temperature else [])
+    header = "".join(f"{n:<26}" for n in names)
+    lines = [f"along the sequence (context position = bridge step; {settings.buckets} bucket(s) of contiguous chains):",
+             f"  {'positions':<14}{'chains':>7}  {header}"]
+    for bucket in result_buckets(result):
+        cells = "".join(f"{_value(bucket.figures[k]) + ' ' + _interval(bucket.figures[k]):<26}" for k in keys)
+        chains = bucket.figures["e_len"].trials
+        few = "  too few chains to decide" if chains < FEW_TRIALS else ""
+        lines.append(f"  {f'{bucket.first}..{bucket.last - 1}':<14}{chains:>7}  {cells}{few}")
+    return lines
+
+
+# ---- the engine's own number ----------------------------------------------------------------------------------
+
+
+def compare_engine(result: AcceptResult, engine: list[EngineFigure]) -> list[dict]:
+    """Each engine figure beside ours under the same convention (the sampled one when verification samples)."""
+    ours = by_key(result_conventions(result))
+    sampled = settings_of(result).temperature is not None
+    rows = []
+    for e in engine:
+        mine = ours.get(counterpart(e.key, sampled))
+        if mine is None or mine.value is None or mine.interval is None or not np.isfinite(mine.interval).all():
+            verdict = "undecided (no interval of ours)"
+        elif mine.too_few:
+            verdict = f"undecided (too few: n={mine.trials})"
+        elif mine.interval[0] <= e.value <= mine.interval[1]:
+            verdict = "inside"
+        else:
+            verdict = "OUTSIDE"
+        rows.append({"engine": e.engine, "key": e.key, "engine_value": e.value, "source": e.source,
+                     "ours_key": None if mine is None else mine.key, "ours": None if mine is None else mine.value,
+                     "interval95": None if mine is None or mine.interval is None else list(mine.interval),
+                     "verdict": verdict})
+    return rows
+
+
+def engine_lines(rows: list[dict]) -> list[str]:
+    lines = ["the engine's own numbers beside ours (same convention, our 95% interval):"]
+    for r in rows:
+        interval = "-" if r["interval95"] is None else f"[{r['interval95'][0]:.3f}, {r['interval95'][1]:.3f}]"
+        ours = "-" if r["ours"] is None else f"{r['ours']:.3f}"
+        lines.append(f"  {r['engine']:<10}{r['key']:<36} engine {r['engine_value']:.3f}  ours {ours} {interval}  "
+                     f"{r['verdict']}")
+        lines.append(f"  {'':<10}from {r['source']}")
+    return lines
+
+
+def engine_verdict(rows: list[dict]) -> str:
+    """pass, diverged (an engine number outside our interval), or inconclusive (nothing decided)."""
+    if any(r["verdict"] == "OUTSIDE" for r in rows):
+        return "diverged"
+    return "pass" if rows and all(r["verdict"] == "inside" for r in rows) else "inconclusive"
+
+
+def engine_summary(rows: list[dict]) -> str:
+    outside = [r for r in rows if r["verdict"] == "OUTSIDE"]
+    if outside:
+        r = outside[0]
+        more = f" (and {len(outside) - 1} more)" if len(outside) > 1 else ""
+        return (f"engine {r['engine']} {r['key']}={r['engine_value']:.3f} OUTSIDE ours {r['ours']:.3f} "
+                f"[{r['interval95'][0]:.3f}, {r['interval95'][1]:.3f}]{more}: if the head diffs clean stage by stage, "
+                f"look at the engine's draft loop or its verification")
+    inside = sum(r["verdict"] == "inside" for r in rows)
+    return f"engine: {inside}/{len(rows)} figures inside our 95% intervals"
 
 
 def quantization_lines(result: AcceptResult) -> list[str]:
@@ -105,33 +242,57 @@ def _rate_with_counts(m: AcceptMetrics, j: int) -> str:
     return f"{_rate(m.alpha[j])}  ({m.runs[j]}/{m.alpha_den[j]})"
 
 
-def summary_line(result: AcceptResult) -> str:
-    """The greppable last line: `ACCEPT | k=4 chains=169 | E[len]=2.107 (naive upper bound 2.310) | ...`."""
+def summary_line(result: AcceptResult, engine: list[EngineFigure] | None = None) -> str:
+    """The greppable last line: `ACCEPT | k=4 chains=169 | E[len]=2.107 (naive upper bound 2.310) | ...`, with
+    the E[len] interval, the gated/sampled figures where set, and whether an engine's number falls outside."""
     m = result.metrics
     alpha = ",".join("-" if a is None else f"{a:.2f}" for a in m.alpha)
+    figures = by_key(result_conventions(result))
     line = (f"ACCEPT | k={m.k} chains={m.chains} | E[len]={m.e_len:.3f} (naive upper bound {m.e_len_naive:.3f}) "
-            f"| alpha={alpha} | target={result.target}")
-    if result.quantize is None:
-        return line
-    q = result.quantize
-    changed = int((result.drafts != q.baseline_drafts).sum())
-    return (f"{line} | quantized: {' '.join(map(str, q.head.specs))} | unquantized E[len]={q.baseline.e_len:.3f} "
-            f"| drafts changed {changed}/{result.drafts.size}")
+            f"| alpha={alpha} | target={result.target} | 95% E[len] {_interval(figures['e_len'])}")
+    settings = settings_of(result)
+    if settings.p_min is not None:
+        line += f" | llama.cpp rate={_value(figures['llama_cpp_acceptance_rate'])} at p_min={settings.p_min}"
+    if settings.temperature is not None:
+        line += f" | sampled E[len]={_value(figures['sampled_e_len'])} at T={settings.temperature}"
+    if result.quantize is not None:
+        q = result.quantize
+        changed = int((result.drafts != q.baseline_drafts).sum())
+        line += (f" | quantized: {' '.join(map(str, q.head.specs))} | unquantized E[len]={q.baseline.e_len:.3f} "
+                 f"| drafts changed {changed}/{result.drafts.size}")
+    if engine is not None:
+        line += " | " + engine_summary(compare_engine(result, engine))
+    return line
 
 
-def result_json(result: AcceptResult, command: str = "") -> dict:
+def result_json(result: AcceptResult, command: str = "", engine: list[EngineFigure] | None = None) -> dict:
     """Everything measured: rates with their counts, and per chain its drafts and targets."""
     m = result.metrics
     accepted = _accepted(result.drafts, result.targets)  # (C,)
-    return {
+    stats = result.stats
+    per_chain = [{"position": int(i), "drafts": d.tolist(), "targets": t.tolist(), "accepted": int(a)}
+                 for i, d, t, a in zip(result.chain_positions, result.drafts, result.targets, accepted)]
+    if stats is not None:
+        for row, conf, full in zip(per_chain, stats.confidence, stats.confidence_full):
+            row["confidence"], row["confidence_full_vocab"] = conf.tolist(), full.tolist()
+        if stats.beta is not None:
+            for row, beta in zip(per_chain, stats.beta):
+                row["acceptance_probability"] = beta.tolist()
+    extra = {"settings": settings_of(result).as_json(),
+             "conventions": [f.as_json() for f in result_conventions(result)],
+             "buckets": [{"positions": [b.first, b.last], "figures": {k: f.as_json() for k, f in b.figures.items()}}
+                         for b in result_buckets(result)]}
+    if engine is not None:
+        rows = compare_engine(result, engine)
+        extra["engine"] = {"comparisons": rows, "verdict": engine_verdict(rows)}
+    return extra | {
         "schema": SCHEMA, "k": m.k, "chains": m.chains, "target": result.target,
         "target_note": TARGET_NOTES[result.target],
         "p": list(m.p), "p_hits": list(m.hits),
         "alpha": list(m.alpha), "alpha_num": list(m.runs), "alpha_den": list(m.alpha_den),
         "e_len": m.e_len, "e_len_naive": m.e_len_naive,
         "sequence": result.sequence.tolist(),
-        "per_chain": [{"position": i, "drafts": d.tolist(), "targets": t.tolist(), "accepted": int(a)}
-                       for i, (d, t, a) in enumerate(zip(result.drafts, result.targets, accepted))],
+        "per_chain": per_chain,
         "source": result.source, "command": command,
     } | ({} if result.quantize is None else {"quantize": quantize_json(result)})
 
@@ -160,17 +321,54 @@ def _finite_or_none(value: float) -> float | None:
     return value if np.isfinite(value) else None
 
 
-def write_json(result: AcceptResult, path: Path, command: str = "") -> None:
+def write_json(result: AcceptResult, path: Path, command: str = "", engine: list[EngineFigure] | None = None) -> None:
     with atomic_output(path, "--json") as tmp:
-        tmp.write_text(json.dumps(result_json(result, command), indent=1, allow_nan=False) + "\n")
+        tmp.write_text(json.dumps(_json_safe(result_json(result, command, engine)), indent=1, allow_nan=False) + "\n")
+
+
+def _json_safe(value):
+    """NaN and infinities (an interval no resample could form) as null: JSON has no NaN."""
+    if isinstance(value, float):
+        return value if np.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _plot_conventions(ax, result: AcceptResult) -> None:
+    """The engines' per-depth rates with their 95 % intervals; their lengths and rates in the title."""
+    figures = by_key(result_conventions(result))
+    k = result.metrics.k
+    depth = np.arange(1, k + 1)
+    for prefix, label, marker in (("alpha_", "ours: alpha_j (conditional)", "o-"),
+                                  ("vllm_rate_", "vLLM per-position rate (unconditional)", "s--"),
+                                  ("sampled_alpha_", "ours: alpha_j sampled", "^:")):
+        rows = [figures.get(f"{prefix}{j}") for j in depth]
+        if rows[0] is None:
+            continue
+        value = np.array([np.nan if f.value is None else f.value for f in rows])
+        low = np.array([np.nan if f.interval is None else f.interval[0] for f in rows])
+        high = np.array([np.nan if f.interval is None else f.interval[1] for f in rows])
+        ax.errorbar(depth, value, yerr=[np.nan_to_num(value - low), np.nan_to_num(high - value)], fmt=marker,
+                    capsize=3, label=label)
+    ax.set_xticks(depth)
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("draft depth j")
+    ax.set_ylabel("rate (95% interval)")
+    llama = figures["llama_cpp_acceptance_rate"]
+    ax.set_title(f"vLLM AL = SGLang accept len {_value(figures['e_len'])} {_interval(figures['e_len'])}; "
+                 f"llama.cpp rate {_value(llama)} {_interval(llama)}", fontsize=8)
+    ax.legend(fontsize=7)
 
 
 def write_plot(result: AcceptResult, path: Path) -> None:
     """A picture (PNG, or what the extension names) of α_j and p_j by depth, with E[len] and the naive bound."""
     m = result.metrics
     depth = np.arange(1, m.k + 1)
-    fig = agg_figure((5, 3.5))  # the Agg canvas, without pyplot's global state
-    ax = fig.add_subplot()
+    fig = agg_figure((10, 3.5))  # the Agg canvas, without pyplot's global state
+    ax = fig.add_subplot(1, 2, 1)
     alpha = [np.nan if a is None else a for a in m.alpha]  # undefined α_j leaves a gap
     ax.plot(depth, alpha, "o-", label="α_j (conditional)" + (", quantized" if result.quantize else ""))
     if result.quantize is not None:
@@ -185,6 +383,7 @@ def write_plot(result: AcceptResult, path: Path) -> None:
     ax.set_title(f"E[len]={m.e_len:.3f}{unquantized} (naive {m.e_len_naive:.3f}), {m.chains} chains, "
                  f"target={result.target}", fontsize=9)
     ax.legend(fontsize=8)
+    _plot_conventions(fig.add_subplot(1, 2, 2), result)
     fig.tight_layout()
     with atomic_output(path, "--plot") as tmp:
         fig.savefig(tmp, format=figure_format(path, "--plot"), dpi=100)

@@ -119,6 +119,19 @@ Examples:
   mtp-oracle accept CHECKPOINT --tokens-file text.txt --hidden H.npy --json acc.json --plot acc.png
   mtp-oracle accept CHECKPOINT --tokens-file text.txt --hidden-seed 0 --target text -q
   mtp-oracle accept CHECKPOINT --tokens-file text.txt --hidden H.npy --quantize '*=int8' --quantize '*.mlp.*=int4'
+  mtp-oracle accept CHECKPOINT --tokens-file text.txt --hidden H.npy --p-min 0.75 --temperature 0.7
+  mtp-oracle accept CHECKPOINT --tokens-file text.txt --hidden H.npy --k 3 --engine-log vllm.log --positions 0:512
+
+\b
+--engine-log reads (format as in each engine's source):
+  vLLM:      SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: %.2f tokens/s,
+             Drafted throughput: %.2f tokens/s, Accepted: %d tokens, Drafted: %d tokens,
+             Per-position acceptance rate: %s, Avg Draft acceptance rate: %.1f%%
+  SGLang:    Decode batch. ... accept len: %.2f, ...   or   "avg_spec_accept_length": %f
+  llama.cpp: draft acceptance rate = %0.5f (%5d accepted / %5d generated)
+             statistics TYPE: ... #gen drafts = N, #acc drafts = N, #gen tokens = N, #acc tokens = N
+             n_drafted = %d / n_accept  = %d
+Exit 1 when an engine's figure falls outside our 95% interval, 3 when none could be decided.
 """)
 @click.argument("checkpoint", type=CHECKPOINT)
 @click.option("--k", type=INT, default=4, show_default=True, help="Drafts per chain (speculation depth).")
@@ -140,26 +153,55 @@ Examples:
                    "heads on the same chains and the difference.")
 @click.option("--plot", type=click.Path(path_type=Path),
               help="Write a picture of alpha_j and p_j by depth (.png, .jpg, .svg or .pdf).")
+@click.option("--p-min", type=float, help="Simulate llama.cpp's --spec-draft-p-min gate: a draft is proposed only "
+              "while the head's own top probability is >= P (needs the exact distributions: slower).")
+@click.option("--p-min-top-k", type=INT, default=10, show_default=True,
+              help="The gate's probability is the softmax over the top K logits (llama.cpp's draft sampler: "
+                   "top_k 10); 0: the whole vocabulary.")
+@click.option("--n-min", type=INT, default=0, show_default=True,
+              help="llama.cpp's --spec-draft-n-min: a gated draft shorter than this is dropped.")
+@click.option("--temperature", type=float, help="Sampled verification at this temperature: each draft accepted "
+              "with the rejection-sampling probability, expected over the exact distributions (default greedy).")
+@click.option("--draft-sampling", type=click.Choice(["greedy", "sampled"]), default="greedy", show_default=True,
+              help="With --temperature: drafts are the head's argmax (acceptance p(draft), as vLLM's MTP/EAGLE "
+                   "proposers) or sampled from its softmax (acceptance sum_v min(p_v, q_v)).")
+@click.option("--positions", metavar="FIRST:LAST", help="Only the chains after bridge steps FIRST..LAST-1.")
+@click.option("--buckets", type=INT, default=4, show_default=True,
+              help="Rows of the table along the sequence (contiguous ranges of context positions).")
+@click.option("--engine-log", type=EXISTING_FILE, help="An engine's log for the same text (vLLM, SGLang or "
+              "llama.cpp): its acceptance beside ours under the same convention, with our interval.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress messages.")
 @click.pass_obj
 def accept(obj, checkpoint, k, tokens, tokens_file, hidden_file, main_model, hidden_seed, target, chunk_rows,
-           quantize, json_out, plot, quiet) -> None:
+           quantize, json_out, plot, p_min, p_min_top_k, n_min, temperature, draft_sampling, positions, buckets,
+           engine_log, quiet) -> None:
     """Measure the head's acceptance: conditional alpha_j and chain-break E[len] over k-draft chains."""
     from oracle.export import HiddenSource
     from oracle.inputs import token_ids_from_file, token_ids_from_text
 
     _exactly_one({"--tokens": tokens, "--tokens-file": tokens_file})
     _exactly_one({"--hidden": hidden_file, "--main-model": main_model or None, "--hidden-seed": hidden_seed})
-    _refuse_overwriting_inputs({"--json": json_out, "--plot": plot}, checkpoint, tokens_file, hidden_file)
+    _refuse_overwriting_inputs({"--json": json_out, "--plot": plot}, checkpoint, tokens_file, hidden_file,
+                               {"--engine-log": engine_log})
     for path, option in ((json_out, "--json"), (plot, "--plot")):
         if path is not None:
             check_writable(path, option)  # fail before the work, not after it
     if plot is not None:
         figure_format(plot, "--plot")  # the extension names the format; one it cannot write is refused now
     ids = token_ids_from_file(tokens_file) if tokens_file else token_ids_from_text(tokens, "--tokens")
-    from oracle.quantize_sim import parse_spec  # no torch
+    from oracle.accept_conventions import Settings, parse_positions  # no torch
+    from oracle.engine_logs import parse_engine_log, vllm_depth
+    from oracle.errors import InputError
+    from oracle.quantize_sim import parse_spec
 
     specs = tuple(parse_spec(text) for text in quantize)
+    settings = Settings(k=k, p_min=p_min, p_min_top_k=p_min_top_k, n_min=n_min, temperature=temperature,
+                        draft_sampling=draft_sampling, positions=parse_positions(positions), buckets=buckets)
+    engine = None if engine_log is None else parse_engine_log(engine_log)  # a bad log before the work
+    if engine is not None and vllm_depth(engine) not in (None, k):
+        raise InputError(f"--engine-log {engine_log}: the vLLM run drafted k={vllm_depth(engine)} per round "
+                        f"({vllm_depth(engine)} per-position rates) but --k is {k}; rerun accept with --k "
+                        f"{vllm_depth(engine)}.")
     if main_model:  # a head-only checkpoint: said now, not after torch loads
         from oracle.checkpoint import Checkpoint
 
@@ -168,19 +210,24 @@ def accept(obj, checkpoint, k, tokens, tokens_file, hidden_file, main_model, hid
     log = (lambda msg: None) if quiet else say
     log("loading torch and transformers …")
     from oracle.accept import measure_acceptance  # torch: only once the arguments are known to be usable
-    from oracle.accept_report import render_report, summary_line, write_json, write_plot
+    from oracle.accept_report import engine_verdict, compare_engine, render_report, summary_line, write_json
+    from oracle.accept_report import write_plot
     with reporting(enabled=not quiet):
         result = measure_acceptance(checkpoint, ids, HiddenSource(file=hidden_file, seed=hidden_seed,
                                     main_model=main_model), k=k, target=target, chunk_rows=chunk_rows, log=log,
-                                    quantize=specs)
-    click.echo(render_report(result))
+                                    quantize=specs, settings=settings)
+    click.echo(render_report(result, engine))
     if json_out is not None:
-        write_json(result, json_out, command=obj["command"])
+        write_json(result, json_out, command=obj["command"], engine=engine)
         click.echo(f"wrote --json {json_out}")
     if plot is not None:
         write_plot(result, plot)
         click.echo(f"wrote --plot {plot}")
-    click.echo(summary_line(result))
+    click.echo(summary_line(result, engine))
+    if engine is not None:
+        verdict = engine_verdict(compare_engine(result, engine))
+        if verdict != "pass":
+            click.get_current_context().exit(1 if verdict == "diverged" else 3)
 
 
 @cli.command(epilog="""\b
@@ -283,7 +330,7 @@ def gguf(checkpoint, out, outtype, quiet) -> None:
 
 
 def _refuse_overwriting_inputs(outputs: dict, checkpoint: Path, tokens_file: Path | None,
-                               hidden_file: str | None) -> None:
+                               hidden_file: str | None, others: dict | None = None) -> None:
     from oracle.gguf_source import cache_files, gguf_file
     from oracle.inputs import hidden_file_path
 
@@ -291,7 +338,8 @@ def _refuse_overwriting_inputs(outputs: dict, checkpoint: Path, tokens_file: Pat
     beside = {} if gguf is None else {"config.json beside the GGUF": gguf.parent / "config.json",
                                       "GGUF's dequantized cache": cache_files(Path(checkpoint))}
     refuse_overwriting_inputs(outputs, {"checkpoint": checkpoint, "--tokens-file": tokens_file,
-                                        "--hidden file": hidden_file and hidden_file_path(hidden_file)} | beside)
+                                        "--hidden file": hidden_file and hidden_file_path(hidden_file)} | beside
+                              | (others or {}))
 
 
 def _exactly_one(options: dict) -> None:
