@@ -358,8 +358,8 @@ def _plot_conventions(ax, result: AcceptResult) -> None:
     ax.set_xlabel("draft depth j")
     ax.set_ylabel("rate (95% interval)")
     llama = figures["llama_cpp_acceptance_rate"]
-    ax.set_title(f"vLLM AL = SGLang accept len {_value(figures['e_len'])} {_interval(figures['e_len'])}; "
-                 f"llama.cpp rate {_value(llama)} {_interval(llama)}", fontsize=8)
+    ax.set_title(f"vLLM AL = SGLang accept len = E[len] {_value(figures['e_len'])} {_interval(figures['e_len'])}\n"
+                 f"llama.cpp accepted/generated {_value(llama)} {_interval(llama)}", fontsize=8)
     ax.legend(fontsize=7)
 
 
