@@ -73,16 +73,24 @@ def _value(f: Figure) -> str:
     return "-" if f.value is None else f"{f.value:.3f}"
 
 
+def settings_text(settings: Settings) -> str:
+    """k, the gate and the verification, as the text report states them."""
+    if settings.p_min is None:
+        gate = "p_min not simulated"
+    else:
+        over = f"its top {settings.p_min_top_k} logits" if settings.p_min_top_k else "the whole vocabulary"
+        gate = f"p_min={settings.p_min} over {over}"
+    verification = ("greedy" if settings.temperature is None else
+                    f"sampled at T={settings.temperature} ({settings.draft_sampling} drafts)")
+    return f"k=n_max={settings.k}, {gate}, n_min={settings.n_min}, verification={verification}"
+
+
 def convention_lines(result: AcceptResult) -> list[str]:
     """Each engine's figure with its 95 % interval and definition; the settings; the table along the sequence."""
     settings, figures = settings_of(result), result_conventions(result)
     positions = result.chain_positions
-    lines = [f"as engines count it (settings: k=n_max={settings.k}, p_min="
-             f"{'not simulated' if settings.p_min is None else settings.p_min}"
-             f"{'' if settings.p_min is None else f' over the top {settings.p_min_top_k} logits' if settings.p_min_top_k else ' over the whole vocabulary'}"
-             f", n_min={settings.n_min}, verification="
-             f"{'greedy' if settings.temperature is None else f'sampled at T={settings.temperature} ({settings.draft_sampling} drafts)'}"
-             f", chains after bridge steps {int(positions[0])}..{int(positions[-1])}):",
+    lines = [f"as engines count it (settings: {settings_text(settings)}, chains after bridge steps "
+             f"{int(positions[0])}..{int(positions[-1])}):",
              f"  {'engine':<10}{'figure':<46}{'value':>7}  {'95% interval':<17}{'n':>6}  interval"]
     for f in figures:
         few = f"  TOO FEW (n<{FEW_TRIALS}): decides nothing" if f.too_few and f.interval is not None else ""

@@ -280,7 +280,8 @@ def test_accept_quantize_end_to_end(tmp_path):
     assert result.exit_code == 0, result.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     last = result.stdout.strip().splitlines()[-1]
-    assert re.fullmatch(r"ACCEPT \| k=4 chains=195 \| E\[len\]=\d\.\d{3} .* \| target=greedy \| quantized: "
+    assert re.fullmatch(r"ACCEPT \| k=4 chains=195 \| E\[len\]=\d\.\d{3} .* \| target=greedy \| 95% E\[len\] "
+                        r"\[\d\.\d{3}, \d\.\d{3}\] \| quantized: "
                         r"\*=int8 mtp\.fc\.weight=int4 \| unquantized E\[len\]=2\.267 \| drafts changed \d+/780", last)
     assert "alpha_j unquantized" in result.stdout and "paired s.e." in result.stdout
     assert re.search(r"mtp\.fc\.weight +int4 +\d\.\d\de-0\d", result.stdout)
@@ -319,7 +320,8 @@ def test_moe_experts_per_expert_and_fused(tmp_path, fixture, spec, rows):
 def test_without_quantize_the_output_has_no_quantization_section():
     result = accept_cli("--k", "2")
     assert result.exit_code == 0 and "quantiz" not in result.stdout
-    assert result.stdout.strip().splitlines()[-1].endswith("target=greedy")
+    assert "| target=greedy |" in result.stdout.strip().splitlines()[-1]
+    assert "quantized" not in result.stdout.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("spec, message", [

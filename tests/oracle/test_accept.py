@@ -26,7 +26,7 @@ from tests.helpers import FIXTURES, TINY, run_cli
 TRAINED = FIXTURES / "qwen3_5_trained"
 HELDOUT = TRAINED / "heldout_tokens.txt"
 SUMMARY = re.compile(r"ACCEPT \| k=(\d+) chains=(\d+) \| E\[len\]=(\d+\.\d{3}) \(naive upper bound (\d+\.\d{3})\) "
-                     r"\| alpha=([-0-9.,]+) \| target=(greedy|text)")
+                     r"\| alpha=([-0-9.,]+) \| target=(greedy|text) \| 95% E\[len\] \[(\d+\.\d{3}), (\d+\.\d{3})\]")
 
 
 # --- the arithmetic ------------------------------------------------------------------------------------------
@@ -79,7 +79,7 @@ def test_report_marks_undefined_alpha_with_a_dash_and_json_null():
     result = accept.AcceptResult(acceptance_metrics(drafts, targets), "text", np.zeros(6, dtype=np.int64),
                                  drafts, targets, {})
     assert summary_line(result) == ("ACCEPT | k=3 chains=2 | E[len]=1.000 (naive upper bound 3.000) "
-                                    "| alpha=0.00,-,- | target=text")
+                                    "| alpha=0.00,-,- | target=text | 95% E[len] [1.000, 1.000]")
     assert "    2  1.000  (2/2)" + " " * 12 + "-  (0/0)" in render_report(result).splitlines()
     data = json.loads(json.dumps(result_json(result)))
     assert data["alpha"] == [0.0, None, None] and data["per_chain"][0]["accepted"] == 0
@@ -204,6 +204,7 @@ def test_accept_end_to_end_on_the_trained_fixture(tmp_path):
     last = result.stdout.strip().splitlines()[-1]
     match = SUMMARY.fullmatch(last)
     assert match and match.group(1, 2, 6) == ("4", "195", "greedy"), last
+    assert float(match.group(7)) < float(match.group(3)) < float(match.group(8))  # E[len] inside its interval
     assert "alpha_j (given drafts 1..j-1 right)" in result.stdout and "upper bound" in result.stdout
     data = json.loads(out_json.read_text())
     assert data["schema"] == "mtp-accept/1" and data["k"] == 4 and data["chains"] == 195
@@ -223,7 +224,7 @@ def test_a_hidden_dump_gives_what_the_main_model_gives(tmp_path):
     assert runs[0].exit_code == runs[1].exit_code == 0
     assert runs[0].stdout == runs[1].stdout
     text = accept_cli(TRAINED, "--tokens", tokens, "--main-model", "--target", "text", "--k", "2")
-    assert text.stdout.strip().endswith("target=text") and "a proxy" in text.stdout
+    assert "| target=text |" in text.stdout.strip().splitlines()[-1] and "a proxy" in text.stdout
 
 
 def tokens_arg(n: int) -> str:

@@ -69,9 +69,9 @@ def test_confidence_and_acceptance_probabilities_against_a_float64_brute_force(m
         full = softmax64(q_logits).max(axis=1)
         p = softmax64(h[i + 1:i + 1 + K].astype(np.float64) @ w.T / 0.7)  # the main model at positions i+1..i+k
         q = softmax64(q_logits / 0.7)
-        for run in runs.values():
-            np.testing.assert_allclose(run.stats.confidence[i], conf, rtol=1e-5, atol=1e-9)  # the float32 out rows of a batched and a stepwise run differ by rounding
-            np.testing.assert_allclose(run.stats.confidence_full[i], full, rtol=1e-5, atol=1e-9)  # the float32 out rows of a batched and a stepwise run differ by rounding
+        for run in runs.values():  # 1e-5: the float32 out rows of a batched and a stepwise run differ by rounding
+            np.testing.assert_allclose(run.stats.confidence[i], conf, rtol=1e-5, atol=1e-9)
+            np.testing.assert_allclose(run.stats.confidence_full[i], full, rtol=1e-5, atol=1e-9)
         np.testing.assert_allclose(runs["greedy"].stats.beta[i], p[np.arange(K), drafts], rtol=1e-5, atol=1e-9)
         np.testing.assert_allclose(runs["sampled"].stats.beta[i], np.minimum(p, q).sum(axis=1), rtol=1e-5, atol=1e-9)
         shifted = softmax64(h[i:i + K].astype(np.float64) @ w.T / 0.7)  # twin: the target one position early
@@ -103,7 +103,8 @@ def test_bad_settings_are_refused():
 def test_a_position_range_keeps_those_chains():
     x = token_ids_from_file(TRAINED / "heldout_tokens.txt")[:40]
     whole = measure_acceptance(TRAINED, x, HiddenSource(main_model=True), k=2)
-    part = measure_acceptance(TRAINED, x, HiddenSource(main_model=True), k=2, settings=Settings(k=2, positions=(10, 20)))
+    part = measure_acceptance(TRAINED, x, HiddenSource(main_model=True), k=2,
+                              settings=Settings(k=2, positions=(10, 20)))
     assert list(part.chain_positions) == list(range(10, 20))
     np.testing.assert_array_equal(part.drafts, whole.drafts[10:20])
     assert part.metrics.chains == 10
