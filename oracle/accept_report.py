@@ -11,6 +11,7 @@ from oracle.accept_conventions import (FEW_TRIALS, Figure, Settings, by_key, con
                                        position_buckets)
 from oracle.engine_logs import EngineFigure
 from oracle.output import agg_figure, atomic_output, figure_format
+from oracle.speedup import quantized_worth_line, speed_json, speed_lines, speed_summary
 from oracle.quantize_sim import SCHEMES, QuantizedTensor
 
 SCHEMA = "mtp-accept/1"  # extended compatibly: `quantize` is present only with --quantize (see result_json)
@@ -26,7 +27,7 @@ def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def render_report(result: AcceptResult, engine: list[EngineFigure] | None = None) -> str:
+def render_report(result: AcceptResult, engine: list[EngineFigure] | None = None, speed=None) -> str:
     """The side-by-side table of p_j and α_j with their counts, then E[len] and the naive upper bound."""
     m = result.metrics
     lines = [f"acceptance: k={m.k} drafts per chain, {m.chains} chains (one after each bridge step "
@@ -44,6 +45,8 @@ def render_report(result: AcceptResult, engine: list[EngineFigure] | None = None
     if result.quantize is not None:
         lines += ["", *quantization_lines(result)]
     lines += ["", *convention_lines(result)]
+    if speed is not None:
+        lines += ["", *speed_report_lines(speed)]
     if engine is not None:
         lines += ["", *engine_lines(compare_engine(result, engine))]
     return "\n".join(lines)
@@ -250,7 +253,16 @@ def _rate_with_counts(m: AcceptMetrics, j: int) -> str:
     return f"{_rate(m.alpha[j])}  ({m.runs[j]}/{m.alpha_den[j]})"
 
 
-def summary_line(result: AcceptResult, engine: list[EngineFigure] | None = None) -> str:
+def speed_report_lines(speed) -> list[str]:
+    """The speed table (oracle/speedup.py); with --quantize the unquantized head's beside it."""
+    measured, base = speed
+    if base is None:
+        return speed_lines(measured)
+    return (["quantized head:", *speed_lines(measured), "unquantized head:", *speed_lines(base),
+             quantized_worth_line(measured, base)])
+
+
+def summary_line(result: AcceptResult, engine: list[EngineFigure] | None = None, speed=None) -> str:
     """The greppable last line: `ACCEPT | k=4 chains=169 | E[len]=2.107 (naive upper bound 2.310) | ...`, with
     the E[len] interval, the gated/sampled figures where set, and whether an engine's number falls outside."""
     m = result.metrics
@@ -268,12 +280,17 @@ def summary_line(result: AcceptResult, engine: list[EngineFigure] | None = None)
         changed = int((result.drafts != q.baseline_drafts).sum())
         line += (f" | quantized: {' '.join(map(str, q.head.specs))} | unquantized E[len]={q.baseline.e_len:.3f} "
                  f"| drafts changed {changed}/{result.drafts.size}")
+    if speed is not None:
+        line += " | " + speed_summary(speed[0])
+        if speed[1] is not None:
+            line += f" (unquantized {speed_summary(speed[1])})"
     if engine is not None:
         line += " | " + engine_summary(compare_engine(result, engine))
     return line
 
 
-def result_json(result: AcceptResult, command: str = "", engine: list[EngineFigure] | None = None) -> dict:
+def result_json(result: AcceptResult, command: str = "", engine: list[EngineFigure] | None = None,
+                speed=None) -> dict:
     """Everything measured: rates with their counts, and per chain its drafts and targets."""
     m = result.metrics
     accepted = _accepted(result.drafts, result.targets)  # (C,)
@@ -293,6 +310,8 @@ def result_json(result: AcceptResult, command: str = "", engine: list[EngineFigu
     if engine is not None:
         rows = compare_engine(result, engine)
         extra["engine"] = {"comparisons": rows, "verdict": engine_verdict(rows)}
+    if speed is not None:
+        extra["speed"] = speed_json(speed[0]) | ({} if speed[1] is None else {"unquantized": speed_json(speed[1])})
     return extra | {
         "schema": SCHEMA, "k": m.k, "chains": m.chains, "target": result.target,
         "target_note": TARGET_NOTES[result.target],
@@ -329,9 +348,11 @@ def _finite_or_none(value: float) -> float | None:
     return value if np.isfinite(value) else None
 
 
-def write_json(result: AcceptResult, path: Path, command: str = "", engine: list[EngineFigure] | None = None) -> None:
+def write_json(result: AcceptResult, path: Path, command: str = "", engine: list[EngineFigure] | None = None,
+               speed=None) -> None:
+    data = _json_safe(result_json(result, command, engine, speed))
     with atomic_output(path, "--json") as tmp:
-        tmp.write_text(json.dumps(_json_safe(result_json(result, command, engine)), indent=1, allow_nan=False) + "\n")
+        tmp.write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
 
 
 def _json_safe(value):
@@ -371,12 +392,31 @@ def _plot_conventions(ax, result: AcceptResult) -> None:
     ax.legend(fontsize=7)
 
 
-def write_plot(result: AcceptResult, path: Path) -> None:
+def _plot_speed(ax, speed) -> None:
+    """Speedup against k with its 95 % interval (and the unquantized head's with --quantize)."""
+    for part, label, marker in ((speed[0], "speedup" if speed[1] is None else "quantized head", "o-"),
+                                (speed[1], "unquantized head", "s:")):
+        if part is None:
+            continue
+        k = np.array([r.k for r in part.rows])
+        value = np.array([r.speedup for r in part.rows])
+        low, high = np.array([r.interval for r in part.rows]).T
+        ax.errorbar(k, value, yerr=[value - low, high - value], fmt=marker, capsize=3, label=label)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks([r.k for r in speed[0].rows])
+    ax.set_xlabel("k (drafts per round)")
+    ax.set_ylabel("speedup over plain decoding")
+    ax.set_title(speed_summary(speed[0]), fontsize=8)
+    ax.legend(fontsize=7)
+
+
+def write_plot(result: AcceptResult, path: Path, speed=None) -> None:
     """A picture (PNG, or what the extension names) of α_j and p_j by depth, with E[len] and the naive bound."""
     m = result.metrics
     depth = np.arange(1, m.k + 1)
-    fig = agg_figure((10, 3.5))  # the Agg canvas, without pyplot's global state
-    ax = fig.add_subplot(1, 2, 1)
+    panels = 2 if speed is None else 3
+    fig = agg_figure((5 * panels, 3.5))  # the Agg canvas, without pyplot's global state
+    ax = fig.add_subplot(1, panels, 1)
     alpha = [np.nan if a is None else a for a in m.alpha]  # undefined α_j leaves a gap
     ax.plot(depth, alpha, "o-", label="α_j (conditional)" + (", quantized" if result.quantize else ""))
     if result.quantize is not None:
@@ -391,7 +431,9 @@ def write_plot(result: AcceptResult, path: Path) -> None:
     ax.set_title(f"E[len]={m.e_len:.3f}{unquantized} (naive {m.e_len_naive:.3f}), {m.chains} chains, "
                  f"target={result.target}", fontsize=9)
     ax.legend(fontsize=8)
-    _plot_conventions(fig.add_subplot(1, 2, 2), result)
+    _plot_conventions(fig.add_subplot(1, panels, 2), result)
+    if speed is not None:
+        _plot_speed(fig.add_subplot(1, panels, 3), speed)
     fig.tight_layout()
     with atomic_output(path, "--plot") as tmp:
         fig.savefig(tmp, format=figure_format(path, "--plot"), dpi=100)

@@ -121,6 +121,7 @@ Examples:
   mtp-oracle accept CHECKPOINT --tokens-file text.txt --hidden H.npy --quantize '*=int8' --quantize '*.mlp.*=int4'
   mtp-oracle accept CHECKPOINT --tokens-file text.txt --hidden H.npy --p-min 0.75 --temperature 0.7
   mtp-oracle accept CHECKPOINT --tokens-file text.txt --hidden H.npy --k 3 --engine-log vllm.log --positions 0:512
+  mtp-oracle accept CHECKPOINT --tokens-file text.txt --hidden H.npy --device H200 --context 4096
 
 \b
 --engine-log reads (format as in each engine's source):
@@ -168,13 +169,21 @@ Exit 1 when an engine's figure falls outside our 95% interval, 3 when none could
 @click.option("--positions", metavar="FIRST:LAST", help="Only the chains after bridge steps FIRST..LAST-1.")
 @click.option("--buckets", type=INT, default=4, show_default=True,
               help="Rows of the table along the sequence (contiguous ranges of context positions).")
+@click.option("--bandwidth", help="Memory bandwidth for the speed table (e.g. 4.8TB/s): decode at batch 1 is "
+              "memory-bound, a step's time is its bytes over this.")
+@click.option("--device", help="A device profile for the speed table: H100, H200, B200, MI300X, MI325X (bandwidth and "
+              "bf16 peak), or cpu (this machine's bandwidth, measured now).")
+@click.option("--main-step-ms", type=float, help="The engine's measured plain decode step (ms); with "
+              "--draft-step-ms they win over the model.")
+@click.option("--draft-step-ms", type=float, help="The engine's measured draft step (ms).")
+@click.option("--context", type=INT, help="Context length for the KV-cache terms of the speed table (default: N).")
 @click.option("--engine-log", type=EXISTING_FILE, help="An engine's log for the same text (vLLM, SGLang or "
               "llama.cpp): its acceptance beside ours under the same convention, with our interval.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress messages.")
 @click.pass_obj
 def accept(obj, checkpoint, k, tokens, tokens_file, hidden_file, main_model, hidden_seed, target, chunk_rows,
            quantize, json_out, plot, p_min, p_min_top_k, n_min, temperature, draft_sampling, positions, buckets,
-           engine_log, quiet) -> None:
+           bandwidth, device, main_step_ms, draft_step_ms, context, engine_log, quiet) -> None:
     """Measure the head's acceptance: conditional alpha_j and chain-break E[len] over k-draft chains."""
     from oracle.export import HiddenSource
     from oracle.inputs import token_ids_from_file, token_ids_from_text
@@ -198,6 +207,11 @@ def accept(obj, checkpoint, k, tokens, tokens_file, hidden_file, main_model, hid
     settings = Settings(k=k, p_min=p_min, p_min_top_k=p_min_top_k, n_min=n_min, temperature=temperature,
                         draft_sampling=draft_sampling, positions=parse_positions(positions), buckets=buckets)
     engine = None if engine_log is None else parse_engine_log(engine_log)  # a bad log before the work
+    from oracle.speedup import clock_of, speed_of
+
+    clock = clock_of(bandwidth, device, main_step_ms, draft_step_ms)
+    if context is not None and context < 1:
+        raise InputError(f"--context {context}: a context length of 1 token or more.")
     if engine is not None and vllm_depth(engine) not in (None, k):
         raise InputError(f"--engine-log {engine_log}: the vLLM run drafted k={vllm_depth(engine)} per round "
                         f"({vllm_depth(engine)} per-position rates) but --k is {k}; rerun accept with --k "
@@ -216,14 +230,15 @@ def accept(obj, checkpoint, k, tokens, tokens_file, hidden_file, main_model, hid
         result = measure_acceptance(checkpoint, ids, HiddenSource(file=hidden_file, seed=hidden_seed,
                                     main_model=main_model), k=k, target=target, chunk_rows=chunk_rows, log=log,
                                     quantize=specs, settings=settings)
-    click.echo(render_report(result, engine))
+    speed = None if clock is None else speed_of(result, checkpoint, clock, context)
+    click.echo(render_report(result, engine, speed))
     if json_out is not None:
-        write_json(result, json_out, command=obj["command"], engine=engine)
+        write_json(result, json_out, command=obj["command"], engine=engine, speed=speed)
         click.echo(f"wrote --json {json_out}")
     if plot is not None:
-        write_plot(result, plot)
+        write_plot(result, plot, speed)
         click.echo(f"wrote --plot {plot}")
-    click.echo(summary_line(result, engine))
+    click.echo(summary_line(result, engine, speed))
     if engine is not None:
         verdict = engine_verdict(compare_engine(result, engine))
         if verdict != "pass":
