@@ -19,9 +19,9 @@ The cost is the lm_head (real scale 248320 x 5120): one sweep per depth for all 
 exact logits found by a bf16 screen under a proven bound and an exact rescoring of the survivors (oracle/lm_head.py).
 """
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-import math
 from fractions import Fraction
 from pathlib import Path
 from typing import Protocol
@@ -278,7 +278,7 @@ def measure_acceptance(checkpoint_dir: Path, sequence: np.ndarray, hidden: Hidde
     lm_head = _lm_head(ckpt, chunk_rows)
     target = _resolved_target(target, hidden)
     _check_settings(settings, k, len(sequence), hidden)
-    main_head = lm_head_of(ckpt, chunk_rows) if target == "greedy" or settings.temperature is not None else None
+    main_head = _main_lm_head(ckpt, chunk_rows, lm_head) if target == "greedy" or settings.temperature else None
     rides_along = target == "greedy" and main_head.name == lm_head.name  # one sweep scores drafts and targets
     quantized = _quantized_head(ckpt, head_weights, quantize) if quantize else None  # bad globs before H's run
     h = _hidden_of(ckpt, hidden, sequence, log)
@@ -287,7 +287,6 @@ def measure_acceptance(checkpoint_dir: Path, sequence: np.ndarray, hidden: Hidde
     chains = len(sequence) - 1 - k
     log(f"drafting {chains} chains of k={k} (N={len(sequence)} tokens); lm_head {lm_head.name} in chunks of "
         f"{chunk_rows} rows")
-    # For greedy, the main model's own argmax at positions 1..N-2 rides along the first drafts' lm_head sweep.
     main_rows = _lm_head_input(ckpt, h) if main_head is not None else None  # (N, D): lm_head input at each m
     with Progress("accept", total=chains * k * (2 if quantized else 1), unit="draft") as bar:
         # greedy targets: the main model's own argmax at positions 1..N-2, riding along the first drafts' sweep
@@ -396,6 +395,20 @@ def _lm_head(ckpt: Checkpoint, chunk_rows: int) -> LmHead:
         raise CheckpointError(f"{own} is {entry.dtype} {list(entry.shape)}; acceptance reads a BF16/F16/F32 "
                               f"[{cfg.vocab_size}, {cfg.hidden_size}] (vocab_size, hidden_size) head.")
     return LmHead(ckpt, own, chunk_rows)
+
+
+def _main_lm_head(ckpt: Checkpoint, chunk_rows: int, own: LmHead) -> LmHead:
+    """The main model's output projection, which scores greedy targets and gives the verifier's distribution:
+    `lm_head.weight` (or the tied embedding); the family's own projection only where it is a main-model tensor
+    (DeepSeek-V4's shared `head.weight`), never the MTP layer's copy (`shared_head.head`), which only drafts."""
+    try:
+        return lm_head_of(ckpt, chunk_rows)
+    except CheckpointError as missing:
+        if not own.name.startswith(ckpt.family.head_prefix.format(num_hidden_layers=getattr(
+                ckpt.config, "num_hidden_layers", None))):
+            return own
+        raise CheckpointError(f"greedy targets and --temperature are scored with the main model's lm_head, not the "
+                              f"MTP layer's own copy {own.name} (it drafts). {missing} Or use --target text.") from None
 
 
 def _embedding_rows(ckpt: Checkpoint, token_ids: np.ndarray) -> np.ndarray:

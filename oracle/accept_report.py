@@ -146,7 +146,9 @@ def compare_engine(result: AcceptResult, engine: list[EngineFigure]) -> list[dic
     rows = []
     for e in engine:
         mine = ours.get(counterpart(e.key, sampled))
-        if mine is None or mine.value is None or mine.interval is None or not np.isfinite(mine.interval).all():
+        if e.engine == "llama.cpp" and settings_of(result).p_min is None:
+            verdict = "undecided (llama.cpp's rate depends on its gate: pass --p-min as the engine ran it)"
+        elif mine is None or mine.value is None or mine.interval is None or not np.isfinite(mine.interval).all():
             verdict = "undecided (no interval of ours)"
         elif mine.too_few:
             verdict = f"undecided (too few: n={mine.trials})"

@@ -71,13 +71,15 @@ def parse_engine_log(path: Path) -> list[EngineFigure]:
     """Every acceptance figure the log holds; exit 2 (InputError) for an unreadable log, a malformed line of a
     known format, inconsistent depths, or a log with no acceptance line at all."""
     path = Path(path)
+    if not path.is_file():  # a FIFO or a device would block or never end
+        raise InputError(f"--engine-log {path}: not a regular file; save the engine's log to a file first.")
+    counts = _Counts()
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        with path.open(encoding="utf-8", errors="replace") as lines:  # line by line: a long log is not held whole
+            for number, line in enumerate(lines, start=1):
+                _read_line(counts, line.rstrip("\r\n"), path, number)
     except OSError as err:
         raise InputError(f"--engine-log {path}: cannot read it ({err.strerror or err}).") from None
-    counts = _Counts()
-    for number, line in enumerate(text.splitlines(), start=1):
-        _read_line(counts, line, path, number)
     figures = _vllm(counts, path) + _sglang(counts) + _llama(counts)
     if not figures:
         raise InputError(f"--engine-log {path}: no acceptance line found. Expected vLLM's '{VLLM_MARK} ...', "

@@ -78,6 +78,15 @@ def test_malformed_logs_are_bad_input_with_the_line(tmp_path, text, message):
         parse_engine_log(log)
 
 
+def test_a_fifo_is_refused_not_waited_on(tmp_path):
+    import os
+
+    fifo = tmp_path / "log.fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(InputError, match="not a regular file"):
+        parse_engine_log(fifo)
+
+
 def accept_cli(*args):
     return run_cli(cli, ["accept", TRAINED, "--tokens-file", HELDOUT, "--main-model", "-q", *args])
 
@@ -124,3 +133,12 @@ def test_cli_puts_the_engine_beside_ours_inside_exit_0_outside_exit_1(tmp_path):
     assert any(c["verdict"] == "OUTSIDE" for c in verdict["comparisons"])
     assert np.isclose([c for c in verdict["comparisons"] if c["key"] == "vllm_mean_acceptance_length"][0]["ours"],
                       ours["e_len"])
+
+
+def test_a_llama_cpp_rate_is_only_compared_under_the_gate_it_ran_with(tmp_path):
+    log = tmp_path / "llama.log"
+    log.write_text(LLAMA_FORMAT % (0.5, 30, 60) + "\n")
+    r = accept_cli("--k", "2", "--engine-log", log)
+    assert r.exit_code == 3 and "pass --p-min as the engine ran it" in r.output  # inconclusive, and why
+    r = accept_cli("--k", "2", "--engine-log", log, "--p-min", "0.0")
+    assert r.exit_code in (0, 1) and "llama_cpp_acceptance_rate" in r.output
