@@ -148,19 +148,27 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
         raise RuntimeError(f"the {family.name} head recorded {sorted(stages)}, its stage list is {stage_list.names}")
     evidence = recorded | {"attn_uniform": uniform}
     check_finite_reference(ckpt, inputs, stages, stage_list.names, evidence)  # NaN/Inf: refused, naming the tensor
-    evidence_attrs = {}
-    if projection is not None:
+    # Teacher-forced drafts feed nothing: every depth's are taken in one sweep of the vocabulary, after the chains.
+    # Argmax chain tokens need depth j-1's drafts before depth j runs: one sweep per depth, in the loop.
+    in_loop = projection is not None and chain is not None and chain.tokens == "argmax"
+    if in_loop:
         stages["draft"], evidence["draft_margin"] = _drafted(projection, stages["out"])
-        evidence_attrs["draft_margin"] = {"row_norm_max": projection.row_norm_max()}
-    chains = None
+    chains = {}
     if chain is not None:
         log(f"running depths 2..{chain.depths} of the chains ({TOKEN_MODES[chain.tokens]} tokens, recycling "
             f"{recycle})")
-        chains = _chain_records(ckpt, head, rotary, inputs, bridge, stages, chain, recycle, projection, stage_list,
-                                evidence_attrs.get("draft_margin", {}))
+        chains = _chain_records(ckpt, head, rotary, inputs, bridge, stages, chain, recycle,
+                                projection if in_loop else None)
         check_finite_reference(ckpt, inputs, {f"d{j}/{n}": v for j, r in chains.items() for n, v in r.stages.items()},
                                [f"d{j}/{n}" for j in chains for n in stage_list.names],
                                {f"d{j}/{n}": v for j, r in chains.items() for n, v in r.evidence.items()})
+    evidence_attrs = {}
+    if projection is not None:
+        if not in_loop:
+            _draft_every_depth(projection, stages, evidence, chains)
+        evidence_attrs["draft_margin"] = {"row_norm_max": projection.row_norm_max()}
+        for record in chains.values():
+            record.evidence_attrs["draft_margin"] = evidence_attrs["draft_margin"]
     blind = qk_blind_tokens(stages["attn"], evidence["attn_uniform"])
     if blind.all():
         warn(qk_warning(inputs.num_tokens))
@@ -203,7 +211,7 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
                                         "recycle_convention": family.recycled}
     log(f"writing {out}")
     write_trace(out, inputs, stages, attrs, evidence=evidence, stage_list=stage_list, dims=family.dims(cfg),
-                evidence_attrs=evidence_attrs, chain=chain_record, chains=chains)
+                evidence_attrs=evidence_attrs, chain=chain_record, chains=chains or None)
     return Path(out)
 
 
@@ -269,9 +277,21 @@ def _drafted(projection, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return ids[:, None].astype(np.int64), margin[:, None].astype(np.float32)
 
 
+def _draft_every_depth(projection, stages: dict, evidence: dict, chains: dict) -> None:
+    """Stage `draft` and evidence `draft_margin` of depth 1 and every chain depth, in one sweep of the projection."""
+    parts = [(stages, evidence)] + [(r.stages, r.evidence) for r in chains.values()]
+    ids, margin = _drafted(projection, np.concatenate([rows["out"] for rows, _ in parts]))
+    start = 0
+    for rows, recorded in parts:
+        n = len(rows["out"])
+        rows["draft"], recorded["draft_margin"] = ids[start:start + n], margin[start:start + n]
+        start += n
+
+
 def _chain_records(ckpt: Checkpoint, head, rotary, inputs: TraceInputs, bridge, stages: dict, chain: ChainOptions,
-                   recycle: str, projection, stage_list, margin_attrs: dict) -> dict:
-    """Depths 2..K through the draft loop, as the trace records them (oracle/trace.py ChainDepthRecord)."""
+                   recycle: str, projection) -> dict:
+    """Depths 2..K through the draft loop, as the trace records them (oracle/trace.py ChainDepthRecord); with
+    `projection` (argmax chain tokens) each depth's draft too, which the next depth is fed."""
     from oracle.draft_loop import ARGMAX, TEACHER, ChainSpec, chain_rows, embedding_rows, run_chains
 
     num_steps, family = inputs.num_tokens, ckpt.family
@@ -292,8 +312,7 @@ def _chain_records(ckpt: Checkpoint, head, rotary, inputs: TraceInputs, bridge, 
             inputs_j = {"bridge": depth.bridge, "token_ids": depth.token_ids, "positions": depth.positions,
                         "layer": depth.layer, "recycled": np.ascontiguousarray(depth.recycled.numpy()),
                         "embed": depth.embed}
-            records[depth.depth] = ChainDepthRecord(inputs_j, {n: rows[n] for n in stage_list.names}, evidence,
-                                                    {"draft_margin": margin_attrs} if projection is not None else {})
+            records[depth.depth] = ChainDepthRecord(inputs_j, rows, evidence)
             bar.update()
     return records
 
