@@ -32,14 +32,20 @@ Datasets
     /inputs/embed      float32 [T, D]   embedding rows of token_ids as stored (bf16 widened exactly)
     /stages/<name>     float32 [T, w]   row t = step t; chunked by token rows. Attributes: `doc` (one line: what the
                                         stage is), `kind` ("rows": judged by the tolerance rule; "index_set": int64
-                                        [T, k] compared as sets, e.g. topk_ids) and `shape` (T×D, T×2D, T×E, T×k,
-                                        T×hc·D). Absent attributes mean kind "rows".
+                                        [T, k] compared as sets, e.g. topk_ids; the `draft` stage, [T, 1]) and
+                                        `shape` (T×D, T×2D, T×E, T×k, T×hc·D, T×1). Absent attributes mean kind
+                                        "rows".
     /evidence/attn_uniform
                        float32 [T, D]   optional (the oracle always writes it): `attn` recomputed from the same
                                         `ah` rows with uniform attention weights over the visible keys. Where it
                                         passes the tolerance rule against /stages/attn, that row cannot witness
                                         q, k, q_norm, k_norm or RoPE (oracle/attention_evidence.py); a reference
                                         without it can at best give an inconclusive verdict.
+
+    /evidence/<name>   the other EVIDENCE_DOCS records (routing margins, draft_margin with its `row_norm_max`
+                                        attribute), each [T, w] float32
+    /chain/d{j}/...    depths 2..K of the draft loop, with the root `chain` record and `chain_digest`: see Chains
+                                        at the end of this module
 
 Every dataset above (and its group) is stored in the file itself: a hard link, not virtual. External and soft
 links, virtual datasets and external raw storage are refused (TraceFormatError): the direct reader reads this
