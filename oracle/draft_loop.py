@@ -110,7 +110,7 @@ def chain_rows(num_steps: int, depth: int) -> int:
 
 
 @torch.inference_mode()
-def bridge_pass(head, rotary: Rotary, embed: np.ndarray, hidden: np.ndarray, positions: np.ndarray,
+def bridge_pass(head: Head, rotary: Rotary, embed: np.ndarray, hidden: np.ndarray, positions: np.ndarray,
                 window: int | None) -> Bridge:
     """Bridge steps (embed [n, D], H [n, w], positions [n]) as one causal (windowed) pass through a cache."""
     e = torch.from_numpy(np.ascontiguousarray(embed, dtype=np.float32))[None]  # (n, D) -> (1, n, D)
@@ -173,8 +173,9 @@ class ChainSpec:
 
 
 @torch.inference_mode()
-def run_chains(head, rotary: Rotary, bridge: Bridge, spec: ChainSpec, embedding_rows: Callable[[np.ndarray], np.ndarray],
-               draft: Draft | None = None, first_drafts: np.ndarray | None = None) -> Iterator[Depth]:
+def run_chains(head: Head, rotary: Rotary, bridge: Bridge, spec: ChainSpec,
+               embedding_rows: Callable[[np.ndarray], np.ndarray], draft: Draft | None = None,
+               first_drafts: np.ndarray | None = None) -> Iterator[Depth]:
     """Depths 2..K of the chains from `bridge`, one Depth at a time (all its chains), in blocks of chains.
 
     `draft` (out rows -> ids, margin) drafts every depth; the ARGMAX token mode feeds depth j the draft of depth
@@ -212,8 +213,9 @@ def run_chains(head, rotary: Rotary, bridge: Bridge, spec: ChainSpec, embedding_
         if draft is not None:
             result.drafts, result.margins = draft(stages["out"].numpy())
             drafts = result.drafts
-        keep = set(stages) if spec.keep is None else {*spec.keep, spec.recycle, *([spec.prenorm] if spec.prenorm else [])}
-        result.stages = {k: v for k, v in stages.items() if k in keep}
+        if spec.keep is not None:  # the next depth reads its recycled (and pre-norm) rows from this one
+            keep = {*spec.keep, spec.recycle, *([spec.prenorm] if spec.prenorm else [])}
+            result.stages = {k: v for k, v in stages.items() if k in keep}
         previous = result.stages
         yield result
 

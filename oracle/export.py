@@ -240,9 +240,10 @@ def _checked_chain(ckpt: Checkpoint, chain: "ChainOptions | None", num_tokens: i
     width = family.hidden_width(cfg)
     fits = [s.name for s in family.stages(cfg) if s.kind == "rows" and s.width(family.dims(cfg)) == width]
     if recycle not in fits:
+        prenorm = f"; the pre-norm alternative: {family.recycle_prenorm}" if family.recycle_prenorm else ""
         raise InputError(f"--recycle {recycle}: the recycled hidden is {width} wide (the hidden a step reads); the "
                          f"{family.name} stages that fit are {', '.join(fits)} (convention: {family.recycled}"
-                         f"{f'; the pre-norm alternative: {family.recycle_prenorm}' if family.recycle_prenorm else ''}).")
+                         f"{prenorm}).")
     return recycle
 
 

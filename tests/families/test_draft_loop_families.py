@@ -205,7 +205,8 @@ def test_recycle_option_changes_depth_2_h_and_equals_the_recorded_alternative(fa
         from oracle.errors import InputError
 
         with pytest.raises(InputError, match="--recycle res2"):
-            export_trace(ckpt_dir, tmp_path / "r.h5", tokens, HiddenSource(seed=4), chain=ChainOptions(K, recycle="res2"))
+            export_trace(ckpt_dir, tmp_path / "r.h5", tokens, HiddenSource(seed=4),
+                         chain=ChainOptions(K, recycle="res2"))
         return
     one = depth_one(trace)
     other = export_trace(ckpt_dir, tmp_path / "res2.h5", one["inputs"].token_ids, HiddenSource(seed=4),
