@@ -71,7 +71,7 @@ def test_profile_records_rule_margin_and_the_references_identity(dense, tmp_path
     assert (profile["schema"], profile["family"], profile["margin"]) == ("mtp-noise-profile/1", "qwen3_5", 4.0)
     for path in ("float32", "bfloat16", "float16"):
         u = profile["paths"][path]["unit_roundoff"]
-        for f in profile["paths"][path]["stages"].values():
+        for f in (f for f in profile["paths"][path]["stages"].values() if f["kind"] == "rows"):  # not the draft
             assert f["rtol"] == pytest.approx(4 * max(f["measured_max_rel"], u))
             assert f["atol"] == pytest.approx(f["rtol"] * f["min_row_scale"])
     doubled = noise(tmp_path, TINY, TOKENS, "--margin", "8", "--paths", "bfloat16")
