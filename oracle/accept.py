@@ -24,40 +24,28 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
 from oracle.accept_conventions import Settings
 from oracle.checkpoint import Checkpoint, check_token_ids
 from oracle.draft_distributions import DraftStats, draft_stats, replayed_out_rows
+from oracle.draft_loop import ARGMAX, CHAIN_BLOCK, ChainSpec, Head, bridge_pass, draft_projection, run_chains
+from oracle.draft_loop import embedding_rows as _embedding_rows
 from oracle.errors import CheckpointError, InputError
 from oracle.export import HiddenSource, quiet_kernel_fallbacks
 from oracle.fp8 import dequantize
 from oracle.families.registry import head_module
 from oracle.inputs import hidden_from_file, hidden_from_seed, token_ids_from_array
 from oracle.limits import check_accept_memory
-from oracle.lm_head import CHUNK_ROWS, LM_HEAD, LmHead, lm_head_of
+from oracle.lm_head import CHUNK_ROWS, LmHead, lm_head_of
 from oracle.progress import Progress
 from oracle.quantize_sim import QuantizedHead, QuantSpec, quantize_tensor
 from oracle.quantize_sim import plan as quantization_plan
 
 TARGETS = ("greedy", "text")
-CHAIN_BLOCK = 256  # chains per attention call: its scores take heads x block x (bridge + block * k) floats
 Rotary = torch.nn.Module
-Stages = dict[str, torch.Tensor]
-
-
-class Head(Protocol):
-    """What accept needs of any family's head (oracle/families/*.py)."""
-
-    text_config: object
-
-    def steps(self, rotary: Rotary, embed: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-              mask: torch.Tensor | None, cache: DynamicCache | None) -> Stages:
-        """Steps (1, n, ·) at `positions` (1, n) under an additive `mask` through `cache` -> {stage: (1, n, w)}."""
 
 
 @dataclass(frozen=True)
@@ -113,110 +101,30 @@ def acceptance_metrics(drafts: np.ndarray, targets: np.ndarray) -> AcceptMetrics
                          runs=tuple(int(v) for v in runs.sum(axis=0)))
 
 
-@dataclass(frozen=True)
-class Bridge:
-    """Bridge steps 0..C-1 through the head: their outputs and the K/V they leave in its cache."""
-
-    out: torch.Tensor  # (C, D)
-    recycled: torch.Tensor  # (C, w): the hidden draft 2 reads (FamilySpec.recycled; w = hidden_width)
-    keys: torch.Tensor  # (1, kv_heads, C, head_dim), after k_norm and RoPE, as the cache holds them
-    values: torch.Tensor  # (1, kv_heads, C, head_dim)
-
-
-@torch.inference_mode()
-def bridge_pass(ckpt: Checkpoint, head: Head, rotary: Rotary, sequence: np.ndarray, hidden: np.ndarray,
-                chains: int) -> Bridge:
-    """Bridge steps i = 0..chains-1, (x_{i+1}, H_i, position i), as one causal (windowed) pass."""
-    embed = torch.from_numpy(_embedding_rows(ckpt, sequence[1:chains + 1]))[None]  # (C, D) -> (1, C, D)
-    h = torch.from_numpy(np.ascontiguousarray(hidden[:chains]))[None]  # (C, w) -> (1, C, w)
-    positions = torch.arange(chains)[None]
-    mask = within_window(chain_mask(0, chains, 1), positions[0], positions[0], _window(ckpt))
-    # The head's own cache, holding every key: a window is the mask's job, so the chains can see the bridge keys
-    # their own windows reach (a sliding-window cache would keep only the last W-1).
-    cache = DynamicCache()
-    stages = head.steps(rotary, embed, h, positions, mask, cache)
-    keys, values, _ = next(iter(cache))
-    return Bridge(stages["out"][0], stages[ckpt.family.recycled][0], keys, values)  # (1, C, w) -> (C, w)
-
-
-def chain_mask(first: int, n: int, depth: int) -> torch.Tensor:
-    """Additive mask (1, 1, n, first+n + n*(depth-1)) for chains first..first+n-1 at draft depth >= 2.
-
-    Keys: bridge steps 0..first+n-1, then n draft entries per depth 2..depth (chain order). Chain i sees bridge
-    steps 0..i and its own draft entries, never another chain's."""
-    chain = torch.arange(first, first + n)
-    sees_bridge = torch.arange(first + n)[None, :] <= chain[:, None]  # (n, first+n)
-    sees_own = torch.eye(n, dtype=torch.bool).repeat(1, depth - 1)  # (n, n) -> (n, n*(depth-1))
-    allowed = torch.cat([sees_bridge, sees_own], dim=1)
-    return torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
-
-
-def key_positions(first: int, n: int, depth: int) -> torch.Tensor:
-    """Positions of chain_mask's keys: bridge step i at i; chain c's draft entry of depth d at c + d - 1."""
-    drafts = [torch.arange(first, first + n) + (d - 1) for d in range(2, depth + 1)]
-    return torch.cat([torch.arange(first + n), *drafts])
-
-
-def within_window(mask: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:
-    """`mask` with every key at or beyond `window` positions behind its query blocked as well: a query at p sees
-    keys at p-W+1..p, as a stepwise run through the window cache (W-1 kept, plus itself) does. None: unchanged."""
-    if window is None:
-        return mask
-    outside = keys[None, :] <= queries[:, None] - window  # (n, keys)
-    return mask.masked_fill(outside[None, None], torch.finfo(torch.float32).min)
-
-
-def _window(ckpt: Checkpoint) -> int | None:
-    return ckpt.family.attention_window(ckpt.config)
-
-
-def _draft_step(ckpt: Checkpoint, head: Head, rotary: Rotary, cache: DynamicCache, embed: torch.Tensor,
-                recycled: torch.Tensor, first: int, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One draft step of chains first..first+n-1 (chain i's query at position i + depth - 1): their `out` (n, D)
-    and the hidden the next depth recycles (n, w)."""
-    n = len(embed)
-    positions = torch.arange(first, first + n) + (depth - 1)  # (n,)
-    mask = within_window(chain_mask(first, n, depth), positions, key_positions(first, n, depth), _window(ckpt))
-    stages = head.steps(rotary, embed[None], recycled[None], positions[None], mask, cache)
-    return stages["out"][0], stages[ckpt.family.recycled][0]  # (1, n, w) -> (n, w)
-
-
-@torch.inference_mode()
-def extend_chains(ckpt: Checkpoint, head: Head, rotary: Rotary, lm_head: LmHead, bridge: Bridge,
-                  first_drafts: np.ndarray, k: int, chain_block: int = CHAIN_BLOCK,
-                  on_depth: Callable[[int], None] = lambda drafts: None) -> np.ndarray:
-    """Drafts [C, k]: depth by depth, all chains (in blocks) through the head, then one lm_head sweep."""
-    chains = len(first_drafts)
-    drafts = np.empty((chains, k), dtype=np.int64)
-    drafts[:, 0] = first_drafts
-    blocks = [(a, min(a + chain_block, chains)) for a in range(0, chains, chain_block)]
-    # A block's cache starts as the bridge steps its chains may see; draft entries are appended, then dropped.
-    caches = [DynamicCache([(bridge.keys[:, :, :b], bridge.values[:, :, :b])]) for _, b in blocks]
-    recycled = bridge.recycled
-    for depth in range(2, k + 1):
-        embed = torch.from_numpy(_embedding_rows(ckpt, drafts[:, depth - 2]))  # (C, D)
-        steps = [_draft_step(ckpt, head, rotary, cache, embed[a:b], recycled[a:b], a, depth)
-                 for (a, b), cache in zip(blocks, caches)]
-        out, recycled = torch.cat([s[0] for s in steps]), torch.cat([s[1] for s in steps])
-        drafts[:, depth - 1] = lm_head.argmax(out.numpy())
-        on_depth(chains)
-    return drafts
-
-
 def draft_chains(ckpt: Checkpoint, head: Head, rotary: Rotary, sequence: np.ndarray, hidden: np.ndarray, k: int,
                  chunk_rows: int = CHUNK_ROWS, chain_block: int = CHAIN_BLOCK,
                  also_score: np.ndarray | None = None,
                  on_depth: Callable[[int], None] = lambda drafts: None) -> tuple[np.ndarray, np.ndarray]:
-    """Drafts [C, k], C = N-1-k: row i is the chain drafted after bridge step i; and the lm_head argmax of the
-    `also_score` rows [R, D], which ride along the first vocabulary sweep (empty when not given)."""
-    lm_head = _lm_head(ckpt, chunk_rows)
+    """Drafts [C, k], C = N-1-k: row i is the chain drafted after bridge step i (oracle/draft_loop.py, its own
+    argmax fed back); and the lm_head argmax of the `also_score` rows [R, D], which ride along the first
+    vocabulary sweep (empty when not given)."""
+    lm_head = draft_projection(ckpt, chunk_rows)
     chains = len(sequence) - 1 - k
-    bridge = bridge_pass(ckpt, head, rotary, sequence, hidden, chains)
+    window = ckpt.family.attention_window(ckpt.config)
+    bridge = bridge_pass(head, rotary, _embedding_rows(ckpt, sequence[1:chains + 1]), hidden[:chains],
+                         np.arange(chains), window)
     extra = [] if also_score is None else [np.asarray(also_score, dtype=np.float32)]
-    scored = lm_head.argmax(np.concatenate([bridge.out.numpy(), *extra]))
+    scored = lm_head.argmax(np.concatenate([bridge.stages["out"].numpy(), *extra]))
     on_depth(chains)
-    return (extend_chains(ckpt, head, rotary, lm_head, bridge, scored[:chains], k, chain_block, on_depth),
-            scored[chains:])
+    drafts = np.empty((chains, k), dtype=np.int64)
+    drafts[:, 0] = scored[:chains]
+    spec = ChainSpec(depths=k, rows=lambda depth: chains, tokens=ARGMAX, recycle=ckpt.family.recycled,
+                     window=window, keep=("out",), chain_block=chain_block)
+    for depth in run_chains(head, rotary, bridge, spec, lambda ids: _embedding_rows(ckpt, ids),
+                            draft=lambda rows: (lm_head.argmax(rows), None), first_drafts=drafts[:, 0]):
+        drafts[:, depth.depth - 1] = depth.drafts
+        on_depth(chains)
+    return drafts, scored[chains:]
 
 
 def target_table(sequence: np.ndarray, main_argmax: np.ndarray | None, k: int, target: str) -> np.ndarray:
@@ -267,7 +175,7 @@ def measure_acceptance(checkpoint_dir: Path, sequence: np.ndarray, hidden: Hidde
     `settings` (oracle/accept_conventions.py): the p_min gate and sampled verification need the exact
     distributions per draft (oracle/draft_distributions.py); a position range keeps those chains only.
 
-    The drafts come from the head's own output projection (`_lm_head`: the MTP layer's `shared_head.head` where
+    The drafts come from the head's own output projection (draft_loop.draft_projection: the MTP layer's `shared_head.head` where
     its family has one); greedy targets and the verifier's distribution from the main model's lm_head."""
     sequence = token_ids_from_array(sequence, "sequence")
     _check_k(k, len(sequence))
@@ -275,7 +183,7 @@ def measure_acceptance(checkpoint_dir: Path, sequence: np.ndarray, hidden: Hidde
     ckpt = Checkpoint(checkpoint_dir)
     check_token_ids(sequence, ckpt.config.vocab_size)
     check_accept_memory(ckpt.config, len(sequence), k)  # the bridge pass is quadratic in N (oracle/limits.py)
-    lm_head = _lm_head(ckpt, chunk_rows)
+    lm_head = draft_projection(ckpt, chunk_rows)
     target = _resolved_target(target, hidden)
     _check_settings(settings, k, len(sequence), hidden)
     main_head = _main_lm_head(ckpt, chunk_rows, lm_head) if target == "greedy" or settings.temperature else None
@@ -323,7 +231,7 @@ def _draft_stats(ckpt: Checkpoint, measured: tuple, rotary: Rotary, sequence: np
         return None
     head, drafts = measured
     log(f"replaying {len(drafts)} chains for the exact distributions of {drafts.size} drafts (float64 logits)")
-    out_rows = replayed_out_rows(ckpt, head, rotary, sequence, h, drafts, bridge_pass, extend_chains)
+    out_rows = replayed_out_rows(ckpt, head, rotary, sequence, h, drafts)
     with Progress("distributions", total=len(drafts), unit="chain") as bar:
         return draft_stats(lm_head, main_head, out_rows, main_rows, drafts, settings.p_min_top_k,
                            settings.temperature, settings.draft_sampling, on_block=bar.update)
@@ -376,27 +284,6 @@ def _check_settings(settings: Settings, k: int, num_tokens: int, hidden: HiddenS
                              f"{chains - 1}.")
 
 
-def _lm_head(ckpt: Checkpoint, chunk_rows: int) -> LmHead:
-    """The head's own output projection where its family names one and the checkpoint has it (DeepSeek/GLM:
-    `model.layers.{N}.shared_head.head.weight`), else the main lm_head (lm_head_of)."""
-    own = ckpt.family.lm_head.format(num_hidden_layers=getattr(ckpt.config, "num_hidden_layers", None))
-    if own == LM_HEAD:
-        return lm_head_of(ckpt, chunk_rows)
-    if own not in ckpt.names():
-        try:
-            return lm_head_of(ckpt, chunk_rows)
-        except CheckpointError as missing:  # name what this family reads first, not only the fallback
-            raise CheckpointError(f"{ckpt.path} has no {own} (the {ckpt.family.name} head's output projection), "
-                                  f"and no fallback: {missing}") from None
-    entry, cfg = ckpt.entry(own), ckpt.config
-    if chunk_rows < 1:
-        raise InputError(f"--chunk-rows {chunk_rows}: read at least 1 lm_head row at a time (default {CHUNK_ROWS}).")
-    if entry.dtype not in ("BF16", "F16", "F32") or tuple(entry.shape) != (cfg.vocab_size, cfg.hidden_size):
-        raise CheckpointError(f"{own} is {entry.dtype} {list(entry.shape)}; acceptance reads a BF16/F16/F32 "
-                              f"[{cfg.vocab_size}, {cfg.hidden_size}] (vocab_size, hidden_size) head.")
-    return LmHead(ckpt, own, chunk_rows)
-
-
 def _main_lm_head(ckpt: Checkpoint, chunk_rows: int, own: LmHead) -> LmHead:
     """The main model's output projection, which scores greedy targets and gives the verifier's distribution:
     `lm_head.weight` (or the tied embedding); the family's own projection only where it is a main-model tensor
@@ -409,14 +296,6 @@ def _main_lm_head(ckpt: Checkpoint, chunk_rows: int, own: LmHead) -> LmHead:
             return own
         raise CheckpointError(f"greedy targets and --temperature are scored with the main model's lm_head, not the "
                               f"MTP layer's own copy {own.name} (it drafts). {missing} Or use --target text.") from None
-
-
-def _embedding_rows(ckpt: Checkpoint, token_ids: np.ndarray) -> np.ndarray:
-    """Embedding rows from the family's choice of table (DeepSeek/GLM: the MTP layer's own copy where present)."""
-    impl = head_module(ckpt.family)
-    if hasattr(impl, "embedding_rows"):
-        return impl.embedding_rows(ckpt, token_ids)[0]
-    return ckpt.embedding_rows(token_ids)
 
 
 def _lm_head_input(ckpt: Checkpoint, hidden: np.ndarray) -> np.ndarray:

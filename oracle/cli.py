@@ -72,6 +72,7 @@ Examples:
   mtp-oracle export fixtures/qwen3_5_tiny --out ref.h5 --tokens 17,42,3,255,100,7,511,64 --hidden-seed 0
   mtp-oracle export CHECKPOINT --out ref.h5 --tokens-file steps.txt --hidden H.npy --start-pos 100
   mtp-oracle export CHECKPOINT --out ref.h5 --tokens 17,42,3 --main-model --first-token 9 --mode stepwise
+  mtp-oracle export fixtures/qwen3_5_tiny --out chain.h5 --tokens 17,42,3,255,100,7,511,64 --hidden-seed 0 --chain 4
 """)
 @click.argument("checkpoint", type=CHECKPOINT)
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Trace file to write (HDF5).")
@@ -85,15 +86,27 @@ Examples:
                    "[default: off, as transformers' MtpLayer and SGLang]. Recorded in the trace.")
 @click.option("--mode", type=click.Choice(["batched", "stepwise"]), default="batched", show_default=True,
               help="One causal pass over all steps, or one step at a time through the KV cache.")
+@click.option("--chain", type=INT, metavar="K",
+              help="Also record the draft loop: depths 2..K of the chain from every bridge step that has the tokens "
+                   "(/chain/d{j}; K <= T). One-layer heads drop a chain's KV rows after it.")
+@click.option("--chain-tokens", type=click.Choice(["teacher", "argmax"]), default="teacher", show_default=True,
+              help="With --chain: feed depth j the step token x_{i+j} (teacher-forced), or the head's own draft j-1.")
+@click.option("--recycle", metavar="STAGE",
+              help="With --chain: the stage depth j-1 hands to depth j as its hidden [default: the family's "
+                   "convention, recorded in the trace: out; DeepSeek-V4 block_out]. E.g. res2: the un-normed "
+                   "residual vLLM's GLM-4.5 MTP recycles.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress messages.")
 @click.pass_obj
 def export(obj, checkpoint, out, tokens, tokens_file, hidden_file, hidden_seed, main_model, first_token, start_pos,
-           norm_topk_prob, mask_pos0_embedding, mode, quiet) -> None:
+           norm_topk_prob, mask_pos0_embedding, mode, chain, chain_tokens, recycle, quiet) -> None:
     """Run the head on T teacher-forced steps and write every stage to an mtp-trace/1 file."""
-    from oracle.export import HiddenSource, export_trace  # no torch: export_trace loads it beside its first reads
+    from oracle.export import ChainOptions, HiddenSource, export_trace  # no torch: export_trace loads it later
     from oracle.inputs import token_ids_from_file, token_ids_from_text
 
     _exactly_one({"--tokens": tokens, "--tokens-file": tokens_file})
+    given = [o for o, v in (("--chain-tokens argmax", chain_tokens == "argmax" or None), ("--recycle", recycle)) if v]
+    if chain is None and given:  # else silently ignored
+        raise click.UsageError(f"{' and '.join(given)} appl{'ies' if len(given) == 1 else 'y'} only with --chain K.")
     _exactly_one({"--hidden": hidden_file, "--hidden-seed": hidden_seed, "--main-model": main_model or None})
     _refuse_overwriting_inputs({"--out": out}, checkpoint, tokens_file, hidden_file)
     ids = token_ids_from_file(tokens_file) if tokens_file else token_ids_from_text(tokens, "--tokens")
@@ -104,13 +117,15 @@ def export(obj, checkpoint, out, tokens, tokens_file, hidden_file, hidden_seed, 
         overrides["mask_pos0_embedding"] = True
     with reporting(enabled=not quiet):
         path = export_trace(checkpoint, out, ids, source, start_pos=start_pos, mode=mode, config_overrides=overrides,
-                            command=obj["command"], log=log, warn=lambda msg: click.echo(msg, err=True))
+                            command=obj["command"], log=log, warn=lambda msg: click.echo(msg, err=True),
+                            chain=None if chain is None else ChainOptions(chain, chain_tokens, recycle))
     from oracle.output import staged_path
     from oracle.trace import read_trace
 
     with read_trace(staged_path(path)) as written:  # put in place when the command ends
         count = len(written.stages)
-    click.echo(f"wrote {path}: {len(ids)} step{'s' if len(ids) != 1 else ''} x {count} stages")
+    depths = f", depths 2..{chain} of the chains" if chain is not None else ""
+    click.echo(f"wrote {path}: {len(ids)} step{'s' if len(ids) != 1 else ''} x {count} stages{depths}")
 
 
 @cli.command(epilog="""\b

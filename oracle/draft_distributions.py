@@ -35,27 +35,35 @@ class DraftStats:
 
 
 class ForcedDrafts:
-    """Stands in for the lm_head in a replay of the chains: records each depth's `out` rows and returns the
-    drafts already found, so the replay follows the measured chains exactly and sweeps no vocabulary."""
+    """Stands in for the draft projection in a replay of the chains (oracle/draft_loop.py's `draft`): records each
+    depth's `out` rows and returns the drafts already found, so the replay follows the measured chains exactly and
+    sweeps no vocabulary."""
 
     def __init__(self, drafts: np.ndarray):
-        self.drafts, self.rows, self.name = drafts, [], "forced"
+        self.drafts, self.rows = drafts, []
 
-    def argmax(self, rows: np.ndarray) -> np.ndarray:
+    def __call__(self, rows: np.ndarray) -> tuple[np.ndarray, None]:
         self.rows.append(np.asarray(rows, dtype=np.float32))
-        return self.drafts[:, len(self.rows)]  # depth 2 is the first call (depth 1 comes from the bridge)
+        return self.drafts[:len(rows), len(self.rows)], None  # depth 2 is the first call (depth 1: the bridge's)
 
 
-def replayed_out_rows(ckpt, head, rotary, sequence: np.ndarray, hidden: np.ndarray, drafts: np.ndarray,
-                      bridge_pass: Callable, extend_chains: Callable) -> np.ndarray:
-    """The head's `out` row behind every draft [C, k, D], by replaying the chains with the drafts forced."""
+def replayed_out_rows(ckpt, head, rotary, sequence: np.ndarray, hidden: np.ndarray, drafts: np.ndarray) -> np.ndarray:
+    """The head's `out` row behind every draft [C, k, D], by replaying the chains through the draft loop
+    (oracle/draft_loop.py, the loop accept drafts with) with every draft forced."""
+    from oracle.draft_loop import ARGMAX, ChainSpec, bridge_pass, embedding_rows, run_chains
+
     chains, k = drafts.shape
-    bridge = bridge_pass(ckpt, head, rotary, sequence, hidden, chains)
+    window = ckpt.family.attention_window(ckpt.config)
+    bridge = bridge_pass(head, rotary, embedding_rows(ckpt, sequence[1:chains + 1]), hidden[:chains],
+                         np.arange(chains), window)
     forced = ForcedDrafts(drafts)
-    replayed = extend_chains(ckpt, head, rotary, forced, bridge, drafts[:, 0], k)
-    if not (replayed == drafts).all():
-        raise RuntimeError("the replayed chains differ from the measured ones")
-    return np.stack([bridge.out.numpy(), *forced.rows], axis=1)
+    spec = ChainSpec(depths=k, rows=lambda depth: chains, tokens=ARGMAX, recycle=ckpt.family.recycled,
+                     window=window, keep=("out",))
+    for depth in run_chains(head, rotary, bridge, spec, lambda ids: embedding_rows(ckpt, ids), draft=forced,
+                            first_drafts=drafts[:, 0]):
+        if not (depth.token_ids == drafts[:, depth.depth - 2]).all():
+            raise RuntimeError("the replayed chains differ from the measured ones")
+    return np.stack([bridge.stages["out"].numpy(), *forced.rows], axis=1)
 
 
 def logits64(lm_head: LmHead, rows: np.ndarray) -> torch.Tensor:

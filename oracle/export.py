@@ -22,7 +22,8 @@ from oracle.inputs import hidden_from_file, hidden_from_seed, positions_from_sta
 from oracle.limits import check_export_limits
 from oracle.output import check_writable
 from oracle.progress import Progress
-from oracle.trace import EVIDENCE_DOCS, TraceInputs, write_trace
+from oracle.stages import DRAFT, StageList
+from oracle.trace import EVIDENCE_DOCS, ChainDepthRecord, TraceInputs, write_trace
 
 MODES = ("batched", "stepwise")
 
@@ -62,10 +63,23 @@ class HiddenSource:
         return {"kind": "seed", "seed": self.seed}
 
 
+@dataclass(frozen=True)
+class ChainOptions:
+    """`export --chain K`: depths 2..K of every bridge position that has the tokens (oracle/draft_loop.py).
+
+    `tokens`: "teacher" (x_{i+j}, the default) or "argmax" (the head's own draft j-1); `recycle`: the stage depth
+    j-1 hands to depth j (None: the family's convention, FamilySpec.recycled)."""
+
+    depths: int
+    tokens: str = "teacher"
+    recycle: str | None = None
+
+
 def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden: HiddenSource,
                  start_pos: int = 0, mode: str = "batched", command: str = "",
                  log: Callable[[str], None] = lambda msg: None,
-                 warn: Callable[[str], None] = lambda msg: None, config_overrides: dict | None = None) -> Path:
+                 warn: Callable[[str], None] = lambda msg: None, config_overrides: dict | None = None,
+                 chain: ChainOptions | None = None) -> Path:
     """Run the head on T teacher-forced steps and write every stage to `out` (atomically).
 
     Importing this module loads no torch: the family's torch half (torch, its transformers modules) is imported
@@ -75,7 +89,7 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
 
     `warn` receives what the user must know about the trace (e.g. inputs that cannot evidence q/k), even when
     `log` is silenced. `config_overrides` sets head-config fields where engines disagree on a convention (e.g.
-    {"norm_topk_prob": False}); the trace's config records the value used."""
+    {"norm_topk_prob": False}); the trace's config records the value used. `chain` records depths 2..K too."""
     check_writable(out)
     token_ids = token_ids_from_array(token_ids, "token_ids")
     if mode not in MODES:
@@ -84,7 +98,9 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     cfg = ckpt.config = _overridden(ckpt, config_overrides or {})
     family = ckpt.family
     check_token_ids(token_ids, cfg.vocab_size)
-    check_export_limits(cfg, len(token_ids), start_pos, mode)  # positions RoPE can represent, memory
+    recycle = _checked_chain(ckpt, chain, len(token_ids), mode)
+    depths = chain.depths if chain else 1
+    check_export_limits(cfg, len(token_ids), start_pos, mode, chain=depths)  # positions RoPE can represent, memory
     positions = positions_from_start(len(token_ids), start_pos)
     log(f"checkpoint {ckpt.path}: family {family.name}, D={cfg.hidden_size}, T={len(token_ids)} "
         f"step{'s' if len(token_ids) != 1 else ''}")
@@ -114,9 +130,13 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     inputs = TraceInputs(token_ids=token_ids, positions=positions, hidden=h, embed=embed)
     head, rotary = impl.build_head(cfg, impl.torch_weights(weights))
     log(f"running the head ({mode})")
+    bridge = None
     with reused_projections(head):  # the uniform-weights pass gets the real pass's q/k/v projections back
         with Progress(f"export ({mode})", total=len(token_ids)) as bar:  # one pass: no ETA before it ends
-            if mode == "batched":
+            if chain is not None:  # the bridge steps through the cache the chains start from (oracle/draft_loop.py)
+                bridge, stages = _bridge(ckpt, head, rotary, inputs)
+                bar.update(len(token_ids))
+            elif mode == "batched":
                 stages = impl.run_batched(head, rotary, inputs)
                 bar.update(len(token_ids))
             else:
@@ -124,12 +144,36 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
         uniform = impl.attention_with_uniform_weights(head, rotary, inputs, stages["ah"])
         part_rows, qk_parts = qk_part_evidence(impl, head, rotary, inputs, stages["ah"], stages["attn"])
     heap.close()
+    projection = _draft_projection(ckpt, warn, needed=chain is not None and chain.tokens == "argmax")
     stage_list = family.stages(cfg)
+    if projection is None:
+        stage_list = StageList(s for s in stage_list if s.name != DRAFT.name)
     recorded = {k: stages.pop(k) for k in list(stages) if k in EVIDENCE_DOCS}  # e.g. topk_margin: evidence
-    if set(stages) != set(stage_list.names):  # a bug in the family's head, never the user's input
+    if set(stages) | {DRAFT.name} != set(stage_list.names) | {DRAFT.name}:  # a bug in the head, never the input
         raise RuntimeError(f"the {family.name} head recorded {sorted(stages)}, its stage list is {stage_list.names}")
     evidence = recorded | {"attn_uniform": uniform} | part_rows
     check_finite_reference(ckpt, inputs, stages, stage_list.names, evidence)  # NaN/Inf: refused, naming the tensor
+    # Teacher-forced drafts feed nothing: every depth's are taken in one sweep of the vocabulary, after the chains.
+    # Argmax chain tokens need depth j-1's drafts before depth j runs: one sweep per depth, in the loop.
+    in_loop = projection is not None and chain is not None and chain.tokens == "argmax"
+    if in_loop:
+        stages["draft"], evidence["draft_margin"] = _drafted(projection, stages["out"])
+    chains = {}
+    if chain is not None:
+        log(f"running depths 2..{chain.depths} of the chains ({TOKEN_MODES[chain.tokens]} tokens, recycling "
+            f"{recycle})")
+        chains = _chain_records(ckpt, head, rotary, inputs, bridge, stages, chain, recycle,
+                                projection if in_loop else None)
+        check_finite_reference(ckpt, inputs, {f"d{j}/{n}": v for j, r in chains.items() for n, v in r.stages.items()},
+                               [f"d{j}/{n}" for j in chains for n in stage_list.names],
+                               {f"d{j}/{n}": v for j, r in chains.items() for n, v in r.evidence.items()})
+    evidence_attrs = {}
+    if projection is not None:
+        if not in_loop:
+            _draft_every_depth(projection, stages, evidence, chains)
+        evidence_attrs["draft_margin"] = {"row_norm_max": projection.row_norm_max()}
+        for record in chains.values():
+            record.evidence_attrs["draft_margin"] = evidence_attrs["draft_margin"]
     blind = qk_blind_tokens(stages["attn"], evidence["attn_uniform"])
     if blind.all():
         warn(qk_warning(inputs.num_tokens))
@@ -171,8 +215,15 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     if embedding:
         attrs["embedding"] = embedding
     ckpt.check_unchanged()  # a shard rewritten or cut meanwhile: the stages may mix old and new bytes
+    chain_record = None
+    if chain is not None:
+        chain_record = {"depths": chain.depths, "tokens": TOKEN_MODES[chain.tokens], "recycle": recycle,
+                        "layers": [0] * (chain.depths - 1), "num_layers": 1, "kv": KV_DROPPED}
+        attrs["provenance"]["chain"] = {"depths": chain.depths, "tokens": chain.tokens, "recycle": recycle,
+                                        "recycle_convention": family.recycled}
     log(f"writing {out}")
-    write_trace(out, inputs, stages, attrs, evidence=evidence, stage_list=stage_list, dims=family.dims(cfg))
+    write_trace(out, inputs, stages, attrs, evidence=evidence, stage_list=stage_list, dims=family.dims(cfg),
+                evidence_attrs=evidence_attrs, chain=chain_record, chains=chains or None)
     return Path(out)
 
 
@@ -184,6 +235,109 @@ def qk_part_evidence(impl, head, rotary, inputs: TraceInputs, ah: np.ndarray,
     from oracle.qk_parts import measure
 
     return measure(impl.qk_part_variants(head, rotary, inputs, ah), attn, impl.qk_output_projection(head))
+
+
+TOKEN_MODES = {"teacher": "teacher_forced", "argmax": "argmax"}  # --chain-tokens -> the trace's `chain.tokens`
+KV_DROPPED = "dropped_after_chain"  # one-layer heads: a chain's KV entries live only for their chain
+
+
+def _checked_chain(ckpt: Checkpoint, chain: "ChainOptions | None", num_tokens: int, mode: str) -> str | None:
+    """The recycled stage of a valid `--chain` request (None without one); InputError saying what to pass."""
+    if chain is None:
+        return None
+    k = chain.depths
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 2:
+        raise InputError(f"--chain {k}: depth 1 (the bridge step) is what every trace records; pass --chain 2 or "
+                         f"more to record depths 2..K as well, or leave --chain out.")
+    if k > num_tokens:
+        raise InputError(f"--chain {k} is past the tokens available: depth K of bridge step 0 feeds the step token "
+                         f"t_K, and there are T={num_tokens}. Pass --chain {num_tokens} or less, or more tokens.")
+    if mode != "batched":
+        raise InputError("--chain runs the bridge steps as one causal pass through the head's cache, then the chains "
+                         "from it; --mode stepwise is not supported with it. Drop --mode stepwise.")
+    if chain.tokens not in TOKEN_MODES:
+        raise InputError(f"--chain-tokens {chain.tokens!r}: use one of {', '.join(TOKEN_MODES)}.")
+    family, cfg = ckpt.family, ckpt.config
+    recycle = chain.recycle or family.recycled
+    width = family.hidden_width(cfg)
+    fits = [s.name for s in family.stages(cfg) if s.kind == "rows" and s.width(family.dims(cfg)) == width]
+    if recycle not in fits:
+        prenorm = f"; the pre-norm alternative: {family.recycle_prenorm}" if family.recycle_prenorm else ""
+        raise InputError(f"--recycle {recycle}: the recycled hidden is {width} wide (the hidden a step reads); the "
+                         f"{family.name} stages that fit are {', '.join(fits)} (convention: {family.recycled}"
+                         f"{prenorm}).")
+    return recycle
+
+
+def _bridge(ckpt: Checkpoint, head, rotary, inputs: TraceInputs):
+    """The bridge pass the chains start from (oracle/draft_loop.py) and its stages as depth 1's [T, w] rows."""
+    from oracle.draft_loop import bridge_pass
+
+    bridge = bridge_pass(head, rotary, inputs.embed, inputs.hidden, inputs.positions,
+                         ckpt.family.attention_window(ckpt.config))
+    return bridge, {name: rows.numpy() for name, rows in bridge.stages.items()}
+
+
+def _draft_projection(ckpt: Checkpoint, warn: Callable[[str], None], needed: bool):
+    """The family's draft projection (oracle/draft_loop.py), or None with a warning when the checkpoint lacks it
+    (a head-only checkpoint): the trace then has no `draft` stage. `needed` (argmax chain tokens): refused."""
+    from oracle.draft_loop import draft_projection
+    from oracle.errors import CheckpointError
+
+    try:
+        return draft_projection(ckpt)
+    except CheckpointError as missing:
+        if needed:
+            raise InputError(f"--chain-tokens argmax feeds each depth the head's own draft, which needs the draft "
+                             f"projection: {missing}") from None
+        warn(f"warning: the trace has no `draft` stage (the argmax of the head's draft projection on out): {missing}")
+        return None
+
+
+def _drafted(projection, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Stage `draft` int64 [n, 1] and evidence `draft_margin` float32 [n, 1] of `out` rows."""
+    ids, margin = projection.argmax_margin(out)
+    return ids[:, None].astype(np.int64), margin[:, None].astype(np.float32)
+
+
+def _draft_every_depth(projection, stages: dict, evidence: dict, chains: dict) -> None:
+    """Stage `draft` and evidence `draft_margin` of depth 1 and every chain depth, in one sweep of the projection."""
+    parts = [(stages, evidence)] + [(r.stages, r.evidence) for r in chains.values()]
+    ids, margin = _drafted(projection, np.concatenate([rows["out"] for rows, _ in parts]))
+    start = 0
+    for rows, recorded in parts:
+        n = len(rows["out"])
+        rows["draft"], recorded["draft_margin"] = ids[start:start + n], margin[start:start + n]
+        start += n
+
+
+def _chain_records(ckpt: Checkpoint, head, rotary, inputs: TraceInputs, bridge, stages: dict, chain: ChainOptions,
+                   recycle: str, projection) -> dict:
+    """Depths 2..K through the draft loop, as the trace records them (oracle/trace.py ChainDepthRecord); with
+    `projection` (argmax chain tokens) each depth's draft too, which the next depth is fed."""
+    from oracle.draft_loop import ARGMAX, TEACHER, ChainSpec, chain_rows, embedding_rows, run_chains
+
+    num_steps, family = inputs.num_tokens, ckpt.family
+    spec = ChainSpec(depths=chain.depths, rows=lambda j: chain_rows(num_steps, j),
+                     tokens=ARGMAX if chain.tokens == "argmax" else TEACHER, token_ids=inputs.token_ids,
+                     recycle=recycle, window=family.attention_window(ckpt.config), prenorm=family.recycle_prenorm,
+                     record_main=True, uniform=True)
+    draft = None if projection is None else lambda rows: projection.argmax_margin(rows)
+    first = None if projection is None else stages["draft"][:, 0]
+    records = {}
+    with Progress("export (chains)", total=chain.depths - 1, unit="depth") as bar:
+        for depth in run_chains(head, rotary, bridge, spec, lambda ids: embedding_rows(ckpt, ids), draft, first):
+            rows = {name: t.numpy() for name, t in depth.stages.items()}
+            evidence = {k: rows.pop(k) for k in list(rows) if k in EVIDENCE_DOCS} | depth.evidence
+            if projection is not None:
+                rows["draft"] = depth.drafts[:, None].astype(np.int64)
+                evidence["draft_margin"] = depth.margins[:, None].astype(np.float32)
+            inputs_j = {"bridge": depth.bridge, "token_ids": depth.token_ids, "positions": depth.positions,
+                        "layer": depth.layer, "recycled": np.ascontiguousarray(depth.recycled.numpy()),
+                        "embed": depth.embed}
+            records[depth.depth] = ChainDepthRecord(inputs_j, rows, evidence)
+            bar.update()
+    return records
 
 
 class _Prefetch:

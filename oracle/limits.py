@@ -37,11 +37,12 @@ _GIB = 1 << 30
 
 
 def check_export_limits(cfg: HeadConfig, num_tokens: int, start_pos: int, mode: str = "batched",
-                        available: int | None = None) -> None:
+                        available: int | None = None, chain: int = 1) -> None:
     """Refuse an export whose positions the head cannot represent or whose memory exceeds what is available
-    (`available` bytes; default: MemAvailable of /proc/meminfo, unchecked where that cannot be read)."""
-    check_positions(cfg, num_tokens, start_pos)
-    check_memory(cfg, num_tokens, mode, available_memory() if available is None else available)
+    (`available` bytes; default: MemAvailable of /proc/meminfo, unchecked where that cannot be read). `chain`: K,
+    depths 2..K recorded too (their positions run K-1 past the last step's)."""
+    check_positions(cfg, num_tokens + max(chain, 1) - 1, start_pos)
+    check_memory(cfg, num_tokens, mode, available_memory() if available is None else available, chain)
 
 
 def position_limit(cfg: HeadConfig) -> int:
@@ -71,8 +72,26 @@ def check_positions(cfg: HeadConfig, num_tokens: int, start_pos: int) -> None:
                                                                 else "."))
 
 
-def estimate_bytes(cfg: HeadConfig, num_tokens: int, mode: str) -> int:
-    """Peak working memory of an export beyond the mapped weights, in bytes (an estimate, on the high side)."""
+CHAIN_BLOCK = 256  # chains per attention call (oracle/draft_loop.py CHAIN_BLOCK; this module imports no torch)
+
+
+def estimate_bytes(cfg: HeadConfig, num_tokens: int, mode: str, chain: int = 1) -> int:
+    """Peak working memory of an export beyond the mapped weights, in bytes (an estimate, on the high side).
+    `chain` K > 1 adds depths 2..K: each keeps its rows (as depth 1's), and a depth's attention call per block of
+    chains holds scores over the bridge rows and the block's chain entries, beside every block's cache."""
+    base = _estimate_depth1(cfg, num_tokens, mode)
+    if chain <= 1:
+        return base
+    t, depths = num_tokens, chain - 1
+    q_width = cfg.num_attention_heads * cfg.head_dim
+    kept = depths * t * 4 * (16 * cfg.hidden_size + 4 * q_width + 3 * cfg.intermediate_size)
+    block = min(CHAIN_BLOCK, t)
+    scores = 4 * 2 * cfg.num_attention_heads * block * (t + block * chain)
+    caches = 4 * 2 * cfg.num_key_value_heads * cfg.head_dim * (-(-t // block)) * (t + block * depths)
+    return base + kept + scores + caches
+
+
+def _estimate_depth1(cfg: HeadConfig, num_tokens: int, mode: str) -> int:
     t, d = num_tokens, cfg.hidden_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     # per step, float32: 11 stage rows (fc_in is 2D: 12 D), inputs (4 D), activations inside the modules (q and
@@ -86,29 +105,32 @@ def estimate_bytes(cfg: HeadConfig, num_tokens: int, mode: str) -> int:
     return t * t * per_pair + t * per_token
 
 
-def largest_fitting_tokens(cfg: HeadConfig, mode: str, available: int) -> int:
+def largest_fitting_tokens(cfg: HeadConfig, mode: str, available: int, chain: int = 1) -> int:
     """The largest T whose estimate fits in `available` bytes."""
     lo, hi = 0, 1
-    while estimate_bytes(cfg, hi, mode) <= available:
+    while estimate_bytes(cfg, hi, mode, chain) <= available:
         lo, hi = hi, hi * 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if estimate_bytes(cfg, mid, mode) <= available else (lo, mid)
+        lo, hi = (mid, hi) if estimate_bytes(cfg, mid, mode, chain) <= available else (lo, mid)
     return lo
 
 
-def check_memory(cfg: HeadConfig, num_tokens: int, mode: str, available: int | None) -> None:
+def check_memory(cfg: HeadConfig, num_tokens: int, mode: str, available: int | None, chain: int = 1) -> None:
     if available is None:
         return
-    need = estimate_bytes(cfg, num_tokens, mode)
+    need = estimate_bytes(cfg, num_tokens, mode, chain)
     if need <= available:
         return
-    fits = largest_fitting_tokens(cfg, mode, available)
+    fits = largest_fitting_tokens(cfg, mode, available, chain)
     why = (f"the batched pass holds attention scores and weights of {cfg.num_attention_heads} heads x T x T float32"
            if mode == "batched" else "the stepwise pass keeps every step's activations")
-    hint = (f"Export at most {fits} tokens" + (", or use --mode stepwise (memory linear in T)."
+    hint = (f"Export at most {fits} tokens" + (", or a smaller --chain." if chain > 1 else
+                                                 ", or use --mode stepwise (memory linear in T)."
                                                  if mode == "batched" else "."))
-    raise InputError(f"T={num_tokens} steps in --mode {mode} need about {_gib(need)} of memory ({why}), but only "
+    chained = f" with --chain {chain}" if chain > 1 else ""
+    raise InputError(f"T={num_tokens} steps in --mode {mode}{chained} need about {_gib(need)} of memory ({why}), "
+                     f"but only "
                      f"{_gib(available)} is available (MemAvailable). {hint}")
 
 

@@ -71,6 +71,7 @@ class LmHead:
     name: str
     chunk_rows: int = CHUNK_ROWS
     _column_max: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # chunk start -> M[c]
+    _row_norm_max: list = field(default_factory=list, init=False, repr=False, compare=False)  # computed once
 
     def argmax(self, rows: np.ndarray) -> np.ndarray:
         """argmax over the full vocabulary of the exact logits W @ row for each float32 row [R, D]; ties go to the
@@ -83,13 +84,52 @@ class LmHead:
             return np.zeros(0, dtype=np.int64)
         return self._decide(x, self._screen(x))
 
+    def argmax_margin(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(`argmax(rows)`, and per row a lower bound on the exact top-1 logit minus the best other id's logit).
+
+        The screen keeps every id that may be one of the two largest logits (its threshold is a lower bound on the
+        second largest, not the largest), so the runner-up is among the candidates; both get float64 logits, and the
+        margin is their difference less both float64 error bounds (never above the exact margin; 0 at a tie). A draft
+        flip is rounding only where this margin is within what an error in the row could move the logits."""
+        x = np.ascontiguousarray(rows, dtype=np.float32)
+        if not np.isfinite(x).all():
+            raise InputError(f"lm_head argmax: {np.count_nonzero(~np.isfinite(x).all(axis=1))} of {len(x)} rows "
+                             f"hold NaN or Inf; their logits have no argmax.")
+        if len(x) == 0:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
+        cand = self._screen(x, second=True)
+        ids = self._decide(x, cand)
+        logit, err = self._float64_logits(x.astype(np.float64), cand.rows, cand.ids)
+        best = cand.ids == ids[cand.rows]
+        top = np.full(len(x), -np.inf)
+        np.maximum.at(top, cand.rows[best], logit[best] - err[best])
+        runner = np.full(len(x), -np.inf)
+        np.maximum.at(runner, cand.rows[~best], logit[~best] + err[~best])
+        margin = np.maximum(top - runner, 0.0).astype(np.float32)  # inf where the vocabulary has one id
+        return ids, np.where(np.isinf(margin), margin, np.nextafter(margin, np.float32(0)))  # rounded down
+
+    def row_norm_max(self) -> float:
+        """The largest L2 norm of a row of the projection, rounded up (float32 sums of squares of D terms err by
+        under D·2^-24 relative; 2^-10 covers D < 2^14): a row error of d (L2) moves a logit difference by at most
+        2 * row_norm_max * d. Computed once, in one pass over the stored rows."""
+        if not self._row_norm_max:
+            largest = 0.0
+            for _, w in self._chunks():
+                for a in range(0, len(w), 1024):
+                    largest = max(largest, float(torch.linalg.vector_norm(w[a:a + 1024], dim=1,
+                                                                          dtype=torch.float32).max()))
+            self._row_norm_max.append(largest * (1 + 2.0**-10))
+        return self._row_norm_max[0]
+
     # ---- 1-3: screen, bound, keep -------------------------------------------------------------------------------
 
-    def _screen(self, x: np.ndarray) -> "Candidates":
-        """Every (row, id) whose logit may still be its row's maximum, with its screen score and bound."""
+    def _screen(self, x: np.ndarray, second: bool = False) -> "Candidates":
+        """Every (row, id) whose logit may still be its row's maximum (`second`: one of its two largest), with its
+        screen score and bound."""
         bf16 = self.checkpoint.entry(self.name).dtype == "BF16"
         operand, weight, phi, rel = _screen_operand(x, bf16)
-        lower = np.full(len(x), -np.inf)  # L[r]: a lower bound on max_v t_v
+        lower = np.full(len(x), -np.inf)  # L[r]: a lower bound on max_v t_v (second: on the second largest t_v)
+        best_lower = np.full(len(x), -np.inf)  # second: a lower bound on max_v t_v
         found = []
         for start, w in self._chunks():
             colmax = self._colmax(start, w)
@@ -97,8 +137,16 @@ class LmHead:
             # cores from torch's GEMM below (measured: 2x slower sweeps).
             slack = (weight @ torch.from_numpy(colmax).double()).numpy() + phi + FLUSH * float(colmax.sum())
             s = operand @ w.T  # (R, D) x (D, n) -> (R, n)
-            top = s.amax(dim=1).double().numpy()
-            lower = np.maximum(lower, _down(top - rel * np.abs(top) - slack, np.abs(top) + slack))
+            if second:  # the two largest lower bounds of distinct ids: ids of one chunk and of different chunks
+                pair = torch.topk(s, min(2, s.shape[1]), dim=1).values.double().numpy()
+                low = _down(pair - rel * np.abs(pair) - slack[:, None], np.abs(pair) + slack[:, None])
+                low2 = low[:, 1] if low.shape[1] > 1 else np.full(len(x), -np.inf)
+                lower = np.maximum(np.minimum(best_lower, low[:, 0]), np.maximum(lower, low2))
+                best_lower = np.maximum(best_lower, low[:, 0])
+                top = pair[:, 0]
+            else:
+                top = s.amax(dim=1).double().numpy()
+                lower = np.maximum(lower, _down(top - rel * np.abs(top) - slack, np.abs(top) + slack))
             theta = _keep_threshold(lower, slack, rel)
             hit = np.flatnonzero(top >= theta)  # rows with a candidate in this chunk: few, once L[r] is high
             sub, ids = (s[hit] >= torch.from_numpy(theta[hit])[:, None]).nonzero(as_tuple=True)

@@ -35,12 +35,12 @@ from pathlib import Path
 import numpy as np
 
 from oracle.checkpoint import Checkpoint, check_token_ids
-from oracle.errors import InputError
+from oracle.errors import CheckpointError, InputError
 from oracle.families.registry import head_module
 from oracle.inputs import positions_from_start, token_ids_from_array
 from oracle.limits import check_export_limits
 from oracle.output import atomic_output
-from oracle.stages import INDEX_SET
+from oracle.stages import DRAFT, INDEX_SET, StageList
 from oracle.trace import TraceInputs, inputs_digest
 
 SCHEMA = "mtp-noise-profile/1"
@@ -73,9 +73,11 @@ def measure_noise(checkpoint: Path, token_ids: np.ndarray, hidden, start_pos: in
     embed = impl.embedding_rows(ckpt, token_ids)[0] if hasattr(impl, "embedding_rows") else \
         ckpt.embedding_rows(token_ids)
     inputs = TraceInputs(token_ids, positions_from_start(len(token_ids), start_pos), h, embed)
-    stage_list = family.stages(cfg)
+    stage_list, projection = family.stages(cfg), _draft_projection(ckpt)
+    if projection is None:  # as the export: no draft stage without the draft projection
+        stage_list = StageList(s for s in stage_list if s.name != DRAFT.name)
     weights = ckpt.read_head(widen=False, digest=False)
-    run = _Runner(impl, cfg, weights, inputs, stage_list.names)
+    run = _Runner(impl, cfg, weights, inputs, tuple(n for n in stage_list.names if n != DRAFT.name), projection)
     log("running the head in float64 (the truth)")
     truth = run("float64")
     measured = {}
@@ -124,8 +126,9 @@ def _check_request(paths: tuple[str, ...], margin: float) -> None:
 class _Runner:
     """Builds the head afresh for each computation path and runs the T steps as one batched pass."""
 
-    def __init__(self, impl, cfg, weights, inputs: TraceInputs, names: tuple[str, ...]):
+    def __init__(self, impl, cfg, weights, inputs: TraceInputs, names: tuple[str, ...], projection=None):
         self.impl, self.cfg, self.weights, self.inputs, self.names = impl, cfg, weights, inputs, names
+        self.projection = projection  # the draft projection (oracle/lm_head.py LmHead), or None: no draft stage
 
     def __call__(self, path: str) -> dict[str, np.ndarray]:
         import torch
@@ -134,7 +137,20 @@ class _Runner:
         if path != "float32":  # float32 is the export's own computation, untouched
             _compute_in(head, getattr(torch, path))
         stages = self.impl.run_batched(head, rotary, self.inputs)
-        return {name: stages[name] for name in self.names}  # evidence (e.g. topk_margin) is not measured
+        got = {name: stages[name] for name in self.names}  # evidence (e.g. topk_margin) is not measured
+        if self.projection is not None:  # the draft of this path's out (float64 truth rows rounded to float32)
+            got[DRAFT.name] = self.projection.argmax(np.asarray(got["out"], dtype=np.float32))[:, None]
+        return got
+
+
+def _draft_projection(ckpt: Checkpoint):
+    """The family's draft projection, or None where the checkpoint lacks it (oracle/draft_loop.py)."""
+    from oracle.draft_loop import draft_projection
+
+    try:
+        return draft_projection(ckpt)
+    except CheckpointError:
+        return None
 
 
 def _compute_in(head, dtype) -> None:
@@ -165,7 +181,8 @@ def _path_figures(truth: dict, got: dict, stage_list, path: str, margin: float) 
         if stage.kind == INDEX_SET:  # compared as sets by the probe: no float tolerance
             flipped = ~(np.sort(a, axis=1) == np.sort(e, axis=1)).all(axis=1)
             stages[stage.name] = {"kind": INDEX_SET, "flipped_tokens": np.flatnonzero(flipped).tolist()}
-            flips |= flipped
+            if stage.name != DRAFT.name:  # a draft flip (last stage) is no routing flip
+                flips |= flipped
             continue
         stages[stage.name] = _stage_figures(a[~flips], e[~flips], path, margin)
     return {"unit_roundoff": UNIT_ROUNDOFF[path], "routing_flips": np.flatnonzero(flips).tolist(), "stages": stages}

@@ -1,7 +1,7 @@
 """Stages: what an MTP head records per step, with the metadata that lets a trace explain itself.
 
-A stage has a name, a shape in symbols (TxD, Tx2D, TxE, Txk, Txhc*D: ASCII, as HDF5 tools print attributes; traces
-written before issue 28 say T×D … T×hc·D, read as these), a kind and a one-line doc:
+A stage has a name, a shape in symbols (TxD, Tx2D, TxE, Txk, Txhc*D, Tx1: ASCII, as HDF5 tools print attributes; traces
+written before issue 28 say T×D … T×hc·D, T×1, read as these), a kind and a one-line doc:
 
     kind "rows"       float32 [T, width], judged per row by the tolerance rule (probe/tolerance.py)
     kind "index_set"  int64 [T, k], each row compared as a set (e.g. the experts a router selected)
@@ -46,9 +46,11 @@ _WIDTH = {
     "TxE": lambda d: d.num_experts,
     "Txk": lambda d: d.top_k,
     "Txhc*D": lambda d: d.hc_mult * d.hidden_size,
+    "Tx1": lambda d: 1,
 }
 SHAPES = tuple(_WIDTH)
-LEGACY_SHAPES = {"T×D": "TxD", "T×2D": "Tx2D", "T×E": "TxE", "T×k": "Txk", "T×hc·D": "Txhc*D"}  # written before
+LEGACY_SHAPES = {"T×D": "TxD", "T×2D": "Tx2D", "T×E": "TxE", "T×k": "Txk", "T×hc·D": "Txhc*D",
+                 "T×1": "Tx1"}  # written before
 
 
 def shape_symbol(text: str) -> str:
@@ -153,8 +155,18 @@ HEAD_COLLAPSED = Stage("head_collapsed", "TxD", "the head's hyper-connection col
                                                 "the final norm")
 HC_STAGES = (X_IN, AFTER_ATTN, BLOCK_OUT, HEAD_COLLAPSED, E_PROJ, H_PROJ)
 
+# --- The draft (issue 24): the head's argmax token of its draft projection applied to `out`, last in a list. ---
+DRAFT = Stage("draft", "Tx1", "the draft token: argmax of the family's draft projection (lm_head) applied to out, "
+                              "by the screened exact argmax", kind=INDEX_SET)
+
 # Every stage name any family uses (for validating names before a reference says which family it is).
-KNOWN_STAGE_NAMES: tuple[str, ...] = with_moe(SPINE).names + tuple(s.name for s in HC_STAGES)
+KNOWN_STAGE_NAMES: tuple[str, ...] = with_moe(SPINE).names + tuple(s.name for s in HC_STAGES) + (DRAFT.name,)
+
+
+def with_draft(stages: StageList) -> StageList:
+    """`stages` with the draft last: every family lists it; an export records it only when the checkpoint has the
+    draft projection (oracle/export.py warns otherwise)."""
+    return StageList((*stages, DRAFT))
 
 # The default list: a trace that records no stage metadata (written before families) has these stages.
 STAGES: StageList = SPINE

@@ -33,9 +33,9 @@ Datasets
     /inputs/embed      float32 [T, D]   embedding rows of token_ids as stored (bf16 widened exactly)
     /stages/<name>     float32 [T, w]   row t = step t; chunked by token rows. Attributes: `doc` (one line: what the
                                         stage is), `kind` ("rows": judged by the tolerance rule; "index_set": int64
-                                        [T, k] compared as sets, e.g. topk_ids) and `shape` (TxD, Tx2D, TxE, Txk,
-                                        Txhc*D; ASCII. Older traces: T×D …, still read). Absent attributes mean
-                                        kind "rows".
+                                        [T, k] compared as sets, e.g. topk_ids; the `draft` stage, [T, 1]) and
+                                        `shape` (TxD, Tx2D, TxE, Txk, Txhc*D, Tx1; ASCII. Older traces: T×D …,
+                                        still read). Absent attributes mean kind "rows".
     /evidence/attn_uniform
                        float32 [T, D]   optional (the oracle always writes it): `attn` recomputed from the same
                                         `ah` rows with uniform attention weights over the visible keys. Where it
@@ -52,6 +52,11 @@ Datasets
                                         tolerance (max_rel = max_abs / max|attn row|): a row evidences a variant
                                         only where the variant would fail there; a reference without these
                                         datasets has the parts "not measured" (never claimed).
+
+    /evidence/<name>   the other EVIDENCE_DOCS records (routing margins, draft_margin with its `row_norm_max`
+                                        attribute), each [T, w] float32
+    /chain/d{j}/...    depths 2..K of the draft loop, with the root `chain` record and `chain_digest`: see Chains
+                                        at the end of this module
 
 Every dataset above (and its group) is stored in the file itself: a hard link, not virtual. External and soft
 links, virtual datasets and external raw storage are refused (TraceFormatError): the direct reader reads this
@@ -70,7 +75,7 @@ import json
 import os
 import re
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import h5py
@@ -79,8 +84,8 @@ import numpy as np
 from oracle.errors import InputError, TraceFormatError
 from oracle.output import atomic_output, hdf5_target
 from oracle.reading import loads_json
-from oracle.stages import (KINDS, ROWS, SHAPES, STAGE_BY_NAME, STAGE_NAMES, STAGES, Dims, Stage, StageList,
-                           shape_symbol)
+from oracle.stages import (DRAFT, KINDS, KNOWN_STAGE_NAMES, ROWS, SHAPES, STAGE_BY_NAME, STAGE_NAMES, STAGES, Dims,
+                           Stage, StageList, shape_symbol)
 
 SCHEMA = "mtp-trace/1"
 INPUT_NAMES = ("token_ids", "positions", "hidden", "embed")
@@ -113,6 +118,16 @@ EVIDENCE_DOCS = {
     "router_group_limited": "[T, 1] per token, 1 where a group-limited router's group limit (n_group, topk_group) "
                             "changed the expert choice (the plain top-k over all experts differs): a group-limit "
                             "error can show only at these tokens",
+    "draft_margin": "[T, 1] per token, the top-1 minus the top-2 logit of the draft projection on out (exact, "
+                    "rounded down); attribute row_norm_max is the largest L2 norm of a projection row: a draft flip "
+                    "of a candidate whose out row is off by d (L2) is rounding only where draft_margin <= 2 * "
+                    "row_norm_max * d (a near-tie), never a pass",
+    "h_if_prenorm": "[n_j, width of h] chain depths only: the h this depth would have had, had the engine recycled "
+                    "the family's pre-norm tensor (e.g. res2) instead of the recorded recycle; a row evidences the "
+                    "recycle choice only where this fails the tolerance rule against stage h",
+    "h_if_main": "[n_j, width of h] chain depths only: the h this depth would have had, had the engine fed the main "
+                 "model's H_i at every depth; a row evidences the recycle choice only where this fails the "
+                 "tolerance rule against stage h",
 }
 _JSON_ATTRS = ("versions", "config", "provenance", "dims", "evidence_rules", "experts", "embedding",
                "stage_checksums")
@@ -187,34 +202,91 @@ def rows_per_chunk(width: int, num_tokens: int) -> int:
     return max(1, min(num_tokens, _CHUNK_BYTES // (4 * width)))
 
 
+@dataclass(frozen=True)
+class ChainDepthRecord:
+    """What a trace records of chain depth j (/chain/d{j}): its inputs (CHAIN_INPUT_NAMES), stages and evidence, each
+    [n_j, ...] with row r = bridge position r; `evidence_attrs` {name: {attribute: value}} (draft_margin's
+    row_norm_max)."""
+
+    inputs: dict[str, np.ndarray]
+    stages: dict[str, np.ndarray]
+    evidence: dict[str, np.ndarray]
+    evidence_attrs: dict[str, dict] = field(default_factory=dict)
+
+
 def write_trace(path: Path, inputs: TraceInputs, stages: dict[str, np.ndarray], attrs: dict,
                 option: str = "--out", evidence: dict[str, np.ndarray] | None = None,
-                stage_list: StageList = STAGES, dims: Dims | None = None) -> None:
+                stage_list: StageList = STAGES, dims: Dims | None = None,
+                evidence_attrs: dict[str, dict] | None = None,
+                chain: dict | None = None, chains: dict[int, ChainDepthRecord] | None = None) -> None:
     """Write an `mtp-trace/1` file atomically.
 
     `stages` maps stage names (a subset of STAGES) to float32 [T, width] arrays; `attrs` holds the optional root
     attributes (family, producer, versions, config, checkpoint_digest, provenance); dict values are stored as JSON.
     The required attributes, `stages` and `inputs_digest` are derived here. `evidence` holds /evidence datasets
-    (EVIDENCE_DOCS names), each float32 [T, w]. `stage_list` (the family's) gives order, widths, dtypes and the
-    metadata stored on each dataset; `dims` the sizes widths are written in (default: D only).
+    (EVIDENCE_DOCS names), each float32 [T, w], `evidence_attrs` attributes on them. `stage_list` (the family's)
+    gives order, widths, dtypes and the metadata stored on each dataset; `dims` the sizes widths are written in
+    (default: D only). `chain` (the root `chain` record) and `chains` {j: ChainDepthRecord} add depths 2..K (see
+    Chains below): their stages join stage_checksums as "d{j}/<name>", their evidence the evidence_digest as
+    "d{j}/<name>", and chain_digest covers their inputs.
     """
     dims = dims or Dims(inputs.hidden_size)
     names = [n for n in stage_list.names if n in stages]
     unknown = set(stages) - set(names)
     if unknown:
         raise ValueError(f"unknown stage names {sorted(unknown)}; valid: {stage_list.names}")
-    attrs = {"dims": dims.to_dict()} | attrs | {"stage_checksums": stage_checksums({n: stages[n] for n in names})}
-    if evidence:
-        attrs["evidence_digest"] = evidence_digest(attrs.get("evidence_rules"), evidence)
+    chains = _checked_chains(chain, chains or {}, inputs.num_tokens, names)
+    checksums = stage_checksums({n: stages[n] for n in names})
+    all_evidence = dict(evidence or {})
+    for depth, record in chains.items():
+        checksums |= {f"d{depth}/{k}": v for k, v in stage_checksums({n: record.stages[n] for n in names}).items()}
+        all_evidence |= {f"d{depth}/{n}": v for n, v in record.evidence.items()}
+    attrs = {"dims": dims.to_dict()} | attrs | {"stage_checksums": checksums}
+    if all_evidence:
+        attrs["evidence_digest"] = evidence_digest(attrs.get("evidence_rules"), all_evidence)
+    if chains:
+        attrs |= {"chain": chain, "chain_digest": chain_digest({j: r.inputs for j, r in chains.items()})}
     # h5py writes through hdf5_target: HDF5 never sees a failed write (a full disk), which it does not survive
     with atomic_output(path, option) as tmp, hdf5_target(tmp) as sink, _create_hdf5(sink) as f:
         _write_root_attrs(f, inputs, names, attrs)
         for name in INPUT_NAMES:
             f.create_dataset(f"inputs/{name}", data=getattr(inputs, name))
         for name in names:
-            _write_stage(f, stage_list[name], stages[name], inputs, dims)
+            _write_stage(f, stage_list[name], stages[name], inputs.num_tokens, dims)
         for name, values in (evidence or {}).items():
-            _write_evidence(f, name, values, inputs)
+            _write_evidence(f, name, values, inputs.num_tokens, attrs=(evidence_attrs or {}).get(name))
+        for depth, record in chains.items():
+            _write_chain_depth(f, depth, record, stage_list, names, dims)
+
+
+def _checked_chains(chain: dict | None, chains: dict[int, ChainDepthRecord], num_tokens: int,
+                    names: list[str]) -> dict[int, ChainDepthRecord]:
+    """`chains` in depth order, checked against the `chain` record: depths 2..K, n_j rows, depth 1's stages."""
+    if not chains:
+        if chain is not None:
+            raise ValueError("a `chain` record without chain depths")
+        return {}
+    if chain is None or sorted(chains) != list(range(2, chain["depths"] + 1)):
+        raise ValueError(f"chain depths {sorted(chains)} do not match the chain record {chain}")
+    for depth, record in chains.items():
+        rows = chain_rows(num_tokens, depth)
+        if set(record.stages) != set(names) or tuple(record.inputs) != CHAIN_INPUT_NAMES:
+            raise ValueError(f"depth {depth}: stages {sorted(record.stages)} / inputs {tuple(record.inputs)}; need "
+                             f"depth 1's stages {names} and the inputs {CHAIN_INPUT_NAMES}")
+        if any(len(v) != rows for v in (*record.inputs.values(), *record.stages.values())):
+            raise ValueError(f"depth {depth}: every input and stage needs n_j = {rows} rows")
+    return dict(sorted(chains.items()))
+
+
+def _write_chain_depth(f: h5py.File, depth: int, record: ChainDepthRecord, stage_list: StageList, names: list[str],
+                       dims: Dims) -> None:
+    rows, prefix = chain_rows(int(f.attrs["num_tokens"]), depth), f"chain/d{depth}"
+    for name in CHAIN_INPUT_NAMES:
+        f.create_dataset(f"{prefix}/inputs/{name}", data=record.inputs[name])
+    for name in names:
+        _write_stage(f, stage_list[name], record.stages[name], rows, dims, prefix)
+    for name, values in record.evidence.items():
+        _write_evidence(f, name, values, rows, prefix, record.evidence_attrs.get(name))
 
 
 def _put(attrs, key: str, value) -> None:
@@ -252,24 +324,28 @@ def _write_root_attrs(f: h5py.File, inputs: TraceInputs, names: list[str], attrs
         _put(f.attrs, key, json.dumps(value, sort_keys=True) if isinstance(value, dict) else value)
 
 
-def _write_stage(f: h5py.File, stage: Stage, values: np.ndarray, inputs: TraceInputs, dims: Dims) -> None:
+def _write_stage(f: h5py.File, stage: Stage, values: np.ndarray, rows: int, dims: Dims, prefix: str = "") -> None:
     width = stage.width(dims)
-    if values.shape != (inputs.num_tokens, width) or values.dtype != np.dtype(stage.dtype):
-        raise ValueError(f"stage {stage.name}: got {values.dtype} {values.shape}, need {stage.dtype} "
-                         f"{(inputs.num_tokens, width)}")
-    ds = f.create_dataset(f"stages/{stage.name}", data=values,
-                          chunks=(rows_per_chunk(max(width, 1), inputs.num_tokens), max(width, 1)))
+    if values.shape != (rows, width) or values.dtype != np.dtype(stage.dtype):
+        raise ValueError(f"stage {prefix}/{stage.name}: got {values.dtype} {values.shape}, need {stage.dtype} "
+                         f"{(rows, width)}")
+    ds = f.create_dataset(f"{prefix + '/' if prefix else ''}stages/{stage.name}", data=values,
+                          chunks=(rows_per_chunk(max(width, 1), rows), max(width, 1)))
     for key, value in (("doc", stage.doc), ("kind", stage.kind), ("shape", stage.shape)):
         _put(ds.attrs, key, value)
 
 
-def _write_evidence(f: h5py.File, name: str, values: np.ndarray, inputs: TraceInputs) -> None:
-    shape = (inputs.num_tokens, values.shape[-1] if values.ndim == 2 else -1)
+def _write_evidence(f: h5py.File, name: str, values: np.ndarray, rows: int, prefix: str = "",
+                    attrs: dict | None = None) -> None:
+    shape = (rows, values.shape[-1] if values.ndim == 2 else -1)
     if name not in EVIDENCE_DOCS or values.shape != shape or values.dtype != np.float32:
-        raise ValueError(f"evidence {name}: got {values.dtype} {values.shape}, need one of {sorted(EVIDENCE_DOCS)} "
-                         f"as float32 [T, w]")
-    ds = f.create_dataset(f"evidence/{name}", data=values, chunks=(rows_per_chunk(shape[1], shape[0]), shape[1]))
+        raise ValueError(f"evidence {prefix}/{name}: got {values.dtype} {values.shape}, need one of "
+                         f"{sorted(EVIDENCE_DOCS)} as float32 [{rows}, w]")
+    ds = f.create_dataset(f"{prefix + '/' if prefix else ''}evidence/{name}", data=values,
+                          chunks=(rows_per_chunk(shape[1], shape[0]), shape[1]))
     _put(ds.attrs, "doc", EVIDENCE_DOCS[name])
+    for key, value in (attrs or {}).items():
+        _put(ds.attrs, key, value)
 
 
 class TraceReader:
@@ -792,3 +868,225 @@ def _dataset_names(f: h5py.File) -> list[str]:
     names = []
     f.visititems(lambda name, obj: names.append("/" + name) if isinstance(obj, h5py.Dataset) else None)
     return names[:20] + ([f"… {len(names) - 20} more"] if len(names) > 20 else [])
+
+
+# --- Chains (issue 24; the schema: /work/wt/CHAIN_SCHEMA.md, summarised here) ----------------------------------------
+# Root attribute `chain` (JSON; absent: the trace records depth 1 only) {"depths": K >= 2, "tokens": "teacher_forced" |
+# "argmax", "recycle": stage name, "layers": [l_2..l_K], "num_layers": N, "kv": "dropped_after_chain"}. Depth j = 2..K
+# lives in /chain/d{j} with n_j = T - j + 1 rows, row r = bridge position r (bridge i has depth j iff i + j - 1 <= T-1):
+#     inputs/{bridge, token_ids, positions, layer} int64 [n_j]; inputs/recycled float32 [n_j, w]; inputs/embed [n_j, D]
+#     stages/<name>    [n_j, width], every stage of the family, with depth 1's names, attributes and order
+#     evidence/<name>  as /evidence (attn_uniform, topk_margin, draft_margin, ...) plus h_if_<alt> [n_j, width of h]:
+#                      the `h` this depth would have had had the engine recycled <alt> ("prenorm", "main") instead
+# Root `stage_checksums` holds "d{j}/<name>" for chain stages; root `chain_digest` ("sha256:...") covers every
+# /chain/d{j}/inputs dataset, in depth then CHAIN_INPUT_NAMES order. The root `evidence_digest` covers chain evidence
+# too where the writer includes it (keys "d{j}/<name>" among /evidence's names, see evidence_covers_chain): chain
+# evidence it does not cover is not trusted by the probe.
+CHAIN_INPUT_NAMES = ("bridge", "token_ids", "positions", "layer", "recycled", "embed")
+CHAIN_TOKENS = ("teacher_forced", "argmax")
+_DEPTH_GROUP = re.compile(r"d([2-9]|[1-9][0-9]{1,3})")
+
+
+@dataclass(frozen=True)
+class ChainInfo:
+    """The root `chain` record: which depths a trace holds and the loop conventions they were computed with."""
+
+    depths: int  # K: depths 2..K are recorded
+    tokens: str  # teacher_forced | argmax
+    recycle: str  # the stage depth j-1 hands to depth j as its hidden
+    layers: tuple[int, ...]  # physical layer at depths 2..K
+    num_layers: int
+    kv: str
+
+    @property
+    def chain_depths(self) -> tuple[int, ...]:
+        return tuple(range(2, self.depths + 1))
+
+
+def chain_rows(num_tokens: int, depth: int) -> int:
+    """n_j: bridge positions 0..T-j have a depth-j step (teacher-forced depth j of bridge i feeds x_{i+j})."""
+    return max(num_tokens - depth + 1, 0)
+
+
+def chain_info(reader: "TraceReader") -> ChainInfo | None:
+    """The trace's `chain` record, validated (TraceFormatError naming the field); None for a depth-1-only trace."""
+    raw = reader._file.attrs.get("chain")
+    if raw is None:
+        return None
+    record = _json_object_attr(reader.path, "chain", _as_str(raw))
+    fields = {"depths": int, "tokens": str, "recycle": str, "layers": list, "num_layers": int, "kv": str}
+    for key, kind in fields.items():
+        value = record.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise TraceFormatError(f"{reader.path}: root attribute 'chain' needs {key} as {kind.__name__}, found "
+                                   f"{_attr_kind(value)} (oracle/trace.py, Chains).")
+    depths, layers = record["depths"], record["layers"]
+    if not 2 <= depths < reader.num_tokens + 1 or record["tokens"] not in CHAIN_TOKENS or \
+            len(layers) != depths - 1 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                  for x in layers) or not STAGE_NAME_PATTERN.fullmatch(record["recycle"]):
+        raise TraceFormatError(f"{reader.path}: root attribute 'chain' is {json.dumps(record)[:200]}; it needs "
+                               f"2 <= depths <= T={reader.num_tokens}, tokens one of {', '.join(CHAIN_TOKENS)}, one "
+                               f"layer per depth 2..K and a stage name as recycle. Write it again: "
+                               f"{export_hint(reader.path)}")
+    return ChainInfo(depths, record["tokens"], record["recycle"], tuple(layers), record["num_layers"], record["kv"])
+
+
+def chain_groups(reader: "TraceReader") -> tuple[int, ...]:
+    """The depths j with a /chain/d{j} group, in order (a candidate may hold any; the reference holds 2..K). Any
+    other member of /chain, or a link where a group belongs, is a TraceFormatError."""
+    f = reader._file
+    if f.get("chain", getlink=True) is None:
+        return ()
+    _check_hard_link(f, "chain", reader.path)
+    group = f["chain"]
+    if not isinstance(group, h5py.Group):
+        raise TraceFormatError(f"{reader.path}: /chain is a dataset; it must be a group of depth groups d2, d3, ...")
+    depths = []
+    for member in group:
+        _check_hard_link(group, member, reader.path)
+        match = _DEPTH_GROUP.fullmatch(member)
+        if match is None or group.get(member, getclass=True) is not h5py.Group:
+            raise TraceFormatError(f"{reader.path}: /chain/{member:.40} is not a depth group; /chain holds groups "
+                                   f"d2, d3, ... (depth 1 is the trace's own /stages).")
+        depths.append(int(match.group(1)))
+    return tuple(sorted(depths))
+
+
+class ChainDepthReader:
+    """Depth j of an open trace (/chain/d{j}): the reading side of TraceReader for its stages, inputs and evidence,
+    rows indexed by bridge position. Closed with its TraceReader."""
+
+    def __init__(self, reader: "TraceReader", depth: int):
+        self.reader, self.depth, self.path = reader, depth, reader.path
+        self.prefix = f"chain/d{depth}"
+        self.hidden_size = reader.hidden_size
+        self.num_tokens = chain_rows(reader.num_tokens, depth)  # the rows a complete depth holds
+        for sub in ("inputs", "stages", "evidence"):
+            group = reader._file.get(self.prefix)
+            if group is not None and group.get(sub, getlink=True) is not None:
+                _check_hard_link(group, sub, self.path)
+            reader._guard(f"/{self.prefix}/{sub}", lambda: _check_datasets_group(reader._file, f"{self.prefix}/{sub}",
+                                                                                 self.path))
+        self.stages = reader._guard(f"/{self.prefix}/stages", self._present_stages)
+
+    def _present_stages(self) -> tuple[str, ...]:
+        """The depth's stage datasets: in the trace's own stage order, then any others by name (a candidate may
+        capture a stage at depth j only; the probe orders and checks them against the reference's list)."""
+        group = self.reader._file.get(f"{self.prefix}/stages", {})
+        odd = next((n for n in group if not STAGE_NAME_PATTERN.fullmatch(n)), None)
+        if odd is not None:
+            raise TraceFormatError(f"{self.path}: /{self.prefix}/stages holds {odd!r:.80}; stage names are lower-case "
+                                   f"identifiers, named as depth 1's ({', '.join(STAGE_NAMES[:4])}, ...).")
+        order = [n for n in (*self.reader.stages, *KNOWN_STAGE_NAMES) if n in group]
+        return tuple(dict.fromkeys(order + sorted(group)))
+
+    @property
+    def stage_list(self) -> StageList:
+        """The depth's stages with the metadata stored on their datasets (as depth 1's, TraceReader.stage_list)."""
+        return self.reader._guard(f"/{self.prefix}/stages", lambda: StageList(
+            _stage_meta_at(self.reader._dataset(self._path("stages", n)).attrs, n, self.path) for n in self.stages))
+
+    def _path(self, group: str, name: str) -> str:
+        return f"{self.prefix}/{group}/{name}"
+
+    def stage_shape(self, name: str) -> tuple[int, ...]:
+        return self.reader._guard(f"/{self._path('stages', name)}",
+                                  lambda: tuple(self.reader._dataset(self._path("stages", name)).shape))
+
+    def stage_dtype(self, name: str) -> np.dtype:
+        return self.reader._guard(f"/{self._path('stages', name)}",
+                                  lambda: self.reader._dataset(self._path("stages", name)).dtype)
+
+    def stage_rows(self, name: str, start: int = 0, stop: int | None = None,
+                   out: np.ndarray | None = None) -> np.ndarray:
+        path = self._path("stages", name)
+        return self.reader._guard(f"/{path} rows {start}..{stop}", lambda: self.reader._rows(path, start, stop, out))
+
+    def unwritten_rows(self, name: str) -> np.ndarray | None:
+        path = self._path("stages", name)
+        return self.reader._guard(f"/{path}", lambda: _unwritten_rows(self.reader._dataset(path)))
+
+    def input_names(self) -> tuple[str, ...]:
+        f = self.reader._file
+        return self.reader._guard(f"/{self.prefix}/inputs", lambda: tuple(
+            n for n in CHAIN_INPUT_NAMES if self._path("inputs", n) in f))
+
+    def input_shape(self, name: str) -> tuple[int, ...]:
+        path = self._path("inputs", name)
+        return self.reader._guard(f"/{path}", lambda: tuple(self.reader._dataset(path).shape))
+
+    def input_rows(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        path = self._path("inputs", name)
+        return self.reader._guard(f"/{path} rows {start}..{stop}", lambda: self.reader._rows(path, start, stop, None))
+
+    def has_evidence(self, name: str) -> bool:
+        return self.reader._guard(f"/{self.prefix}/evidence", lambda: self._path("evidence", name) in self.reader._file)
+
+    def evidence_names(self) -> tuple[str, ...]:
+        return self.reader._guard(f"/{self.prefix}/evidence", lambda: tuple(
+            sorted(self.reader._file.get(f"{self.prefix}/evidence", {}))))
+
+    def evidence_rows(self, name: str, start: int = 0, stop: int | None = None,
+                      out: np.ndarray | None = None) -> np.ndarray:
+        path = self._path("evidence", name)
+        return self.reader._guard(f"/{path} rows {start}..{stop}", lambda: self.reader._rows(path, start, stop, out))
+
+    def evidence_attr(self, name: str, key: str):
+        """An attribute of /chain/d{j}/evidence/<name> (e.g. draft_margin's row_norm_max), None when absent."""
+        return evidence_attr(self.reader, name, key, self.prefix)
+
+
+def _stage_meta_at(attrs, name: str, path: Path) -> Stage:
+    """A Stage from a stage dataset's `doc`/`kind`/`shape` attributes (the known stage's where absent)."""
+    known = STAGE_BY_NAME.get(name) or next((s for s in (DRAFT,) if s.name == name), None)
+    doc = _as_str(attrs.get("doc", known.doc if known else ""))
+    shape = _as_str(attrs.get("shape", known.shape if known else "TxD"))
+    shape = shape_symbol(shape) if isinstance(shape, str) else shape  # T×D in traces written before issue 28
+    kind = _as_str(attrs.get("kind", known.kind if known else ROWS))
+    if not isinstance(kind, str) or not isinstance(shape, str) or kind not in KINDS or shape not in SHAPES:
+        raise TraceFormatError(f"{path}: stage {name} has kind {kind!r} / shape {shape!r}; kinds are "
+                               f"{', '.join(KINDS)}, shapes {', '.join(SHAPES)}.")
+    return Stage(name, shape, str(doc), kind)
+
+
+def evidence_attr(reader: "TraceReader", name: str, key: str, prefix: str = ""):
+    """An attribute of an evidence dataset (/evidence/<name>, or under `prefix`), None when absent."""
+    path = f"{prefix + '/' if prefix else ''}evidence/{name}"
+    value = reader._guard(f"/{path}", lambda: reader._dataset(path).attrs.get(key) if path in reader._file else None)
+    return _as_str(value)
+
+
+def evidence_covers_chain(reader: "TraceReader") -> bool:
+    """Whether the root evidence_digest covers /evidence and every /chain/d{j}/evidence dataset (keys "d{j}/<name>"
+    beside /evidence's names, evidence_digest's order): only then is chain evidence trusted."""
+    recorded = reader.attrs.get("evidence_digest")
+    if recorded is None:
+        return False
+    arrays = {n: functools.partial(reader._blocks, "evidence", n, reader.evidence_rows) for n in reader.evidence_names()}
+    for depth in chain_groups(reader):
+        part = ChainDepthReader(reader, depth)
+        for n in part.evidence_names():
+            arrays[f"d{depth}/{n}"] = functools.partial(reader._blocks, f"{part.prefix}/evidence", n,
+                                                         part.evidence_rows)
+    return evidence_digest(reader.attrs.get("evidence_rules"), arrays) == recorded
+
+
+def chain_digest(depths: dict[int, dict]) -> str:
+    """sha256 over every /chain/d{j}/inputs dataset (name "d{j}/<name>", dtype, shape, little-endian bytes), in depth
+    then CHAIN_INPUT_NAMES order. `depths`: {j: {name: array, or (dtype, shape, blocks) callable}}."""
+    digest = hashlib.sha256()
+    for depth in sorted(depths):
+        for name in CHAIN_INPUT_NAMES:
+            if name in depths[depth]:
+                _hash_array(digest, f"d{depth}/{name}", depths[depth][name])
+    return "sha256:" + digest.hexdigest()
+
+
+def recorded_chain_digest(reader: "TraceReader") -> str:
+    """chain_digest of the trace's /chain/d{j}/inputs as stored, hashed a block of rows at a time."""
+    depths = {}
+    for depth in chain_groups(reader):
+        part = ChainDepthReader(reader, depth)
+        depths[depth] = {n: functools.partial(reader._blocks, f"{part.prefix}/inputs", n, part.input_rows)
+                         for n in part.input_names()}
+    return chain_digest(depths)

@@ -306,8 +306,12 @@ QWEN_PATCHES: dict[str, tuple[str, Callable]] = {
 
 # ---- building the head and the three measurements ------------------------------------------------------------
 
+DRAFT = "draft"  # oracle/stages.py DRAFT: after `out`, the argmax of the draft projection (not an operator stage)
+
+
 class Explainer:
-    """The reference's head as per-stage operators over the reference's inputs, with its variants."""
+    """The reference's head as per-stage operators over the reference's inputs, with its variants (and the draft
+    of their `out`, where the candidate captured it)."""
 
     def __init__(self, checkpoint_dir, inputs: TraceInputs, conventions: dict | None = None,
                  expected_digest: str | None = None, reference: dict[str, np.ndarray] | None = None):
@@ -341,6 +345,19 @@ class Explainer:
             self.ops.checkpoint = ckpt
         self.patches = getattr(impl, "EXPLAIN_VARIANTS", QWEN_PATCHES)
         self._base: dict[str, Tensor] | None = None
+        self._checkpoint = ckpt  # the draft projection is read only where a candidate's draft is compared
+
+    def draft(self, out: Tensor) -> np.ndarray | None:
+        """The `draft` stage [n, 1] of these `out` rows: the exact argmax of the family's draft projection
+        (oracle/draft_loop.py); None where the checkpoint has no projection."""
+        from oracle.draft_loop import draft_projection
+        from oracle.errors import CheckpointError
+
+        try:
+            projection = draft_projection(self._checkpoint)
+        except CheckpointError:
+            return None
+        return projection.argmax(np.ascontiguousarray(out.numpy(), dtype=np.float32))[:, None]
 
     @property
     def base(self) -> dict[str, Tensor]:
@@ -374,6 +391,11 @@ class Explainer:
             upstream[name] = tuple(n for n in self.ops.order if n in reached)
             out[name] = value.numpy()
             s[name] = torch.from_numpy(np.ascontiguousarray(cand[name])) if name in cand else value
+        if DRAFT in cand:  # the candidate's own out through the right projection: a wrong matrix is local here
+            drafted = self.draft(s["out"])
+            if drafted is not None:
+                out[DRAFT] = drafted
+                upstream[DRAFT] = () if "out" in cand else ("out", *upstream.get("out", ()))
         return out, upstream
 
     def variants(self, names: tuple[str, ...], cand: dict[str, np.ndarray], row_ok: RowOk,
@@ -423,6 +445,13 @@ class Explainer:
                         "token": int(np.flatnonzero(~ok)[0]), "max_rel": rel, "stages_matched": matched}
             matched.append(stage)
             worst = max(worst, rel)
+        drafted = self.draft(s["out"]) if DRAFT in cand else None
+        if drafted is not None:  # the variant's own draft: the argmax of its out
+            ok = row_ok(DRAFT, cand[DRAFT], drafted)
+            if not ok.all():
+                return {"variant": name, "status": "differs", "first_mismatch": DRAFT,
+                        "token": int(np.flatnonzero(~ok)[0]), "max_rel": worst, "stages_matched": matched}
+            matched.append(DRAFT)
         return {"variant": name, "status": "reproduces", "max_rel": worst, "stages_matched": matched}
 
     def coverage(self, captured: tuple[str, ...], tokens: int, row_ok: RowOk, seed: int = 0) -> list[dict]:

@@ -227,7 +227,7 @@ def explain_stages(report: DiffReport, ref_path: Path, cand: dict[str, np.ndarra
         return explanation
     row_ok, max_rel = _row_rule(tols, kinds)
     tokens = report.compared_tokens
-    cand = {n: a[:tokens] for n, a in cand.items() if n in explainer.ops.order}
+    cand = {n: a[:tokens] for n, a in cand.items() if n in explainer.ops.order or n == "draft"}
     divergent = sorted(report.first_per_token)
     if divergent:
         explanation.local, explanation.bug = _local(explainer, cand, ref, divergent, tols, kinds, order)
@@ -268,7 +268,7 @@ def _local(explainer, cand, ref, divergent, tols, kinds, order) -> tuple[list[di
     before it (`or_uncaptured`), and a row equal to the reference is not blamed: the stand-in, not it, differs."""
     local, upstream = explainer.local(cand)
     rows, bug = [], None
-    for stage in [n for n in order if n in cand]:
+    for stage in [n for n in order if n in cand and n in local]:
         tol, uncaptured = tols[stage], list(upstream.get(stage, ()))
         (lrel, lok) = _verdicts(stage, cand[stage][divergent], local[stage][divergent], tol, kinds,
                                 _ids(stage, cand, local, divergent))

@@ -7,7 +7,8 @@ one table: export (T=169, T=1024) against the floor (bytes to read / measured re
 float32 GEMM rate) and against the naive approach; diff throughput and peak RSS at D=5120 for T=1024 and 4096
 against a raw h5py read of the same files; the C ABI driver against the same C step in a plain C loop; and
 `mtp-oracle accept` (169 chains, k=4) against its float32 lm_head floor (the lm_head matmul FLOPs of its sweeps /
-the float32 GEMM rate at the lm_head's own shape), with its drafts checked against a float32 GEMM argmax.
+the float32 GEMM rate at the lm_head's own shape), with its drafts checked against a float32 GEMM argmax; and
+`export --chain 4` (T=169) against 4 bridge forwards at the export floor plus the screened draft argmax.
 Every measurement runs in a child measured with wait4 (wall time, peak RSS); the parent only orchestrates and stays
 small, because a child's peak RSS starts from its parent's at fork. The machine is noisy: read ratios, not times.
 """
@@ -27,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 BIN = Path(PY).parent
 TARGETS = {"export_rss": 1.3, "export_1024": 1.5, "export_169": 2.5, "diff_rate": 0.5, "diff_rss_mb": 300,
-           "cabi": 1.10, "accept": 1.0, "export_cli": 1.1}
+           "cabi": 1.10, "accept": 1.0, "export_cli": 1.1, "chain": 1.3, "chain_rss": 1.2}
 # What any export of this (Qwen3.5) checkpoint must import: torch and the family's transformers modules.
 FLOOR_IMPORTS = "import torch, transformers.models.qwen3_5.modeling_qwen3_5"
 
@@ -270,6 +271,31 @@ def child_accept(ckpt: str, chains: int, k: int) -> None:
                       "gemm": 2.0 * chains * 8192 * width / best / 1e9, "flops": 2.0 * total * vocab * width,
                       "kept_mean": float(per_row.mean()), "kept_max": int(per_row.max()),
                       "summary": f"E[len]={result.metrics.e_len:.3f}"}))
+
+
+def child_chain(ckpt: str, t: int, k: int, out: str, chain: int) -> None:
+    """export_trace in-process (imports and the head's first read excluded, as child_export), with `--chain k` or
+    without it (chain 0); with it, also the screened lm_head's rate on as many `out`-like rows as the export drafts
+    (T + sum of n_j), from a fresh LmHead (its column maxima computed in the timing, as the export's are)."""
+    from oracle.checkpoint import Checkpoint
+    from oracle.draft_loop import chain_rows, draft_projection
+    from oracle.export import ChainOptions, HiddenSource, export_trace
+    from oracle.families.registry import head_module
+
+    c = Checkpoint(Path(ckpt))
+    head_module(c.family)
+    result = {}
+    begin = time.perf_counter()
+    export_trace(Path(ckpt), Path(out), token_ids(t), HiddenSource(seed=0),
+                 chain=ChainOptions(k) if chain else None)
+    result["export_s"] = time.perf_counter() - begin
+    if chain:
+        rows = t + sum(chain_rows(t, j) for j in range(2, k + 1))
+        x = np.random.default_rng(0).standard_normal((rows, c.config.hidden_size)).astype(np.float32)
+        begin = time.perf_counter()
+        draft_projection(Checkpoint(Path(ckpt))).argmax(x)
+        result |= {"draft_s": time.perf_counter() - begin, "draft_rows": rows}
+    print(json.dumps(result))
 
 
 def float32_argmax(head, rows: np.ndarray) -> np.ndarray:
@@ -569,6 +595,31 @@ def bench_accept(ckpt: Path, rows: list, chains: int = 169, k: int = 4) -> None:
     print(f"accept: {out.strip().splitlines()[-1]}", file=sys.stderr)
 
 
+def bench_chain(ckpt: Path, work: Path, rate: float, gemm: dict[int, float], rows: list, t: int = 169,
+                k: int = 4) -> None:
+    """`export --chain k` (teacher-forced) at real scale against its floor, measured in the same run: k bridge
+    forwards at the export floor (head bytes / read rate + FLOPs / GEMM rate, as bench_export), plus the draft
+    argmax of every recorded row at the screened lm_head's measured rate; peak RSS against the plain T export
+    (which records the draft stage too: the lm_head screen)."""
+    head_bytes = (ckpt / "model-00003-of-00003.safetensors").stat().st_size
+    forward = head_bytes / rate / 1e9 + head_flops(t) / gemm[t] / 1e9
+    runs = int(os.environ.get("BENCH_CHAIN_RUNS", "2"))  # best of; 1 where the machine is short of time
+    chained = [run_child([PY, __file__, "child-chain", str(ckpt), str(t), str(k), str(work / f"chain{t}.h5"), "1"])
+               for _ in range(runs)]
+    plain = [run_child([PY, __file__, "child-chain", str(ckpt), str(t), str(k), str(work / f"plain{t}.h5"), "0"])
+             for _ in range(runs)]
+    inner = [json.loads(out) for _, _, out in chained]
+    export_s, draft_s = min(r["export_s"] for r in inner), min(r["draft_s"] for r in inner)
+    floor = k * forward + draft_s
+    plain_s = min(json.loads(out)["export_s"] for _, _, out in plain)
+    rss, plain_rss = min(r for _, r, _ in chained), min(r for _, r, _ in plain)
+    rows.append((f"export --chain {k} in-process, T={t}", f"{export_s:.2f} s",
+                 f"floor {floor:.2f} s ({k} x {forward:.2f} s + draft {draft_s:.2f} s, {inner[0]['draft_rows']} rows)",
+                 f"{export_s / floor:.2f}x", f"<= {TARGETS['chain']}x"))
+    rows.append((f"export --chain {k} peak RSS, T={t}", f"{rss:.2f} GB", f"plain export {plain_rss:.2f} GB "
+                 f"({plain_s:.2f} s)", f"{rss / plain_rss:.2f}x", f"<= {TARGETS['chain_rss']}x"))
+
+
 def machine() -> str:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
@@ -581,7 +632,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", type=Path, default=Path("/tmp/mtp-bench/q35_27b"))
     parser.add_argument("--work", type=Path, default=Path("/tmp/mtp-bench/work"))
-    parser.add_argument("--only", choices=("export", "diff", "cabi", "accept", "moe"),
+    parser.add_argument("--only", choices=("export", "diff", "cabi", "accept", "moe", "chain"),
                         help="Run one part (floors always run).")
     parser.add_argument("--abi", type=int, choices=(1, 2), action="append",
                         help="C ABI version(s) the cabi part measures (repeatable; default: 2, then 1).")
@@ -609,6 +660,8 @@ def main() -> None:
                 bench_cabi(args.checkpoint, args.work, rows, t=t, abi=abi)
     if args.only in (None, "accept"):
         bench_accept(args.checkpoint, rows)
+    if args.only in (None, "chain"):
+        bench_chain(args.checkpoint, args.work, rate, gemm, rows)
     if args.only in (None, "moe"):  # the Qwen3-Next-shaped MoE layer (scripts/bench_moe.py)
         sys.path.insert(0, str(ROOT / "scripts"))
         from bench_moe import bench_moe
@@ -630,6 +683,7 @@ if __name__ == "__main__":
          "child-naive": lambda a: child_naive(a[0], int(a[1])),
          "child-evidence": lambda a: child_evidence(a[0], int(a[1])),
          "child-diff": lambda a: child_diff(a[0], a[1]),
-         "child-accept": lambda a: child_accept(a[0], int(a[1]), int(a[2]))}[sys.argv[1]](sys.argv[2:])
+         "child-accept": lambda a: child_accept(a[0], int(a[1]), int(a[2])),
+         "child-chain": lambda a: child_chain(a[0], int(a[1]), int(a[2]), a[3], int(a[4]))}[sys.argv[1]](sys.argv[2:])
     else:
         main()

@@ -25,7 +25,7 @@ def test_an_export_ends_with_its_trace_written_and_its_last_line(tmp_path):
     out = tmp_path / "ref.h5"
     proc = _as_program(tmp_path, "export", TINY, "--out", out, "--tokens", "17,42,3", "--hidden-seed", "0", "-q")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines()[-1] == f"wrote {out}: 3 steps x 11 stages" and out.is_file()
+    assert proc.stdout.splitlines()[-1] == f"wrote {out}: 3 steps x 12 stages" and out.is_file()
     assert (tmp_path / "atexit").read_text() == "ran"
 
 

@@ -128,6 +128,20 @@ class V4MtpHead(nn.Module):
         answers (oracle/accept.py drafts through it)."""
         return self(embed, hidden, _rope(rotary, embed, positions), positions, mask, cache)
 
+    def hidden_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Stage `h` (1, n, hc·D) of streams (1, n, hc·D) (hnorm per stream): what the draft loop records for a
+        recycle it did not choose."""
+        b, t, _ = hidden.shape
+        return self.hnorm(hidden.view(b, t, self.hc, -1)).flatten(2)
+
+    def uniform_attention(self, rotary, ah: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                          cache: DynamicCache | None) -> torch.Tensor:
+        """`attn` (1, n, D) of these `ah` rows through `cache` with uniform weights over the keys `mask` lets
+        through and the sink (oracle/attention_evidence.py): the draft loop's attention evidence per depth."""
+        with uniform_weights(self.text_config):
+            return self.layer.self_attn(ah, position_embeddings=_rope(rotary, ah, positions), position_ids=positions,
+                                        attention_mask=mask, cache=cache)[0]
+
     def stem(self, embed: torch.Tensor, streams: torch.Tensor) -> Stages:
         s = {}
         s["e"] = self.enorm(embed)

@@ -36,8 +36,8 @@ from dataclasses import asdict, dataclass, replace
 from oracle.errors import CheckpointError
 from oracle.families.spec import NO_POS0_STEP, ExpertLayout, FamilySpec, TensorLayout, Variant, has_position_0
 from oracle.fp8 import scale_shape
-from oracle.stages import (AFTER_ATTN, AH, ATTN, BLOCK_OUT, E, E_PROJ, H, H_PROJ, HEAD_COLLAPSED, MH, MLP, MOE, OUT,
-                           X_IN, Dims, StageList)
+from oracle.stages import (AFTER_ATTN, AH, ATTN, BLOCK_OUT, DRAFT, E, E_PROJ, H, H_PROJ, HEAD_COLLAPSED, MH, MLP, MOE,
+                           OUT, X_IN, Dims, StageList)
 
 FAMILY = "deepseek_v4"
 MODEL_TYPES = ("deepseek_v4",)
@@ -341,7 +341,8 @@ _DOCS = {
 
 def v4_stages(cfg: HeadConfig) -> StageList:
     h = replace(H, shape="Txhc*D")
-    order = (E, h, E_PROJ, H_PROJ, X_IN, AH, ATTN, AFTER_ATTN, MH, *MOE, MLP, BLOCK_OUT, HEAD_COLLAPSED, OUT)
+    order = (E, h, E_PROJ, H_PROJ, X_IN, AH, ATTN, AFTER_ATTN, MH, *MOE, MLP, BLOCK_OUT, HEAD_COLLAPSED, OUT,
+             DRAFT)
     return StageList(s.with_doc(_DOCS[s.name]) if s.name in _DOCS else s for s in order)
 
 
@@ -418,7 +419,7 @@ SPEC = V4Spec(
     name=FAMILY, model_types=MODEL_TYPES, architectures=ARCHITECTURES, parse_config=head_config_from_json,
     layout=v4_layout, head_prefix="mtp.", stages=v4_stages, dims=dims, main_model_prefixes=("model.",),
     lm_head=LM_HEAD, head_module="oracle.families.deepseek_v4", variants=VARIANTS, tiny_config=tiny_config,
-    layer_input="x_in", layer_output="block_out", recycled="block_out",
+    layer_input="x_in", layer_output="block_out", recycled="block_out", recycle_prenorm=None,
     notes=("norm_topk_prob: transformers' DeepseekV4TopKRouter always renormalises the top-k weights; false is "
            "refused",
            "the MTP layer is built with layer_types ['sliding_attention'] and mlp_layer_types ['moe'], never as "

@@ -104,6 +104,18 @@ class MtpLayerHead(nn.Module):
         answers (oracle/accept.py drafts through it)."""
         return self(embed, hidden, rotary(embed, positions), mask, cache, positions)
 
+    def hidden_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Stage `h` of a hidden (1, n, D) (hnorm): what the draft loop records for a recycle it did not choose."""
+        return self.layer.hnorm(hidden)
+
+    def uniform_attention(self, rotary, ah: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                          cache: DynamicCache | None) -> torch.Tensor:
+        """`attn` (1, n, D) of these `ah` rows through `cache` with uniform weights over the keys `mask` lets
+        through (oracle/attention_evidence.py): the draft loop's attention evidence per depth."""
+        with uniform_weights(self.text_config):
+            return self.layer.mtp_block.self_attn(hidden_states=ah, position_embeddings=rotary(ah, positions),
+                                                  attention_mask=mask, position_ids=positions, cache=cache)[0]
+
     def _keep(self, name: str, value) -> None:
         if self._seen is not None:
             self._seen[name] = value

@@ -30,7 +30,7 @@ from oracle.errors import CheckpointError
 from oracle.families.spec import (MAIN_LM_HEAD, NO_POS0_STEP, ExpertLayout, FamilySpec, TensorLayout, Variant,
                                   has_position_0)
 from oracle.fp8 import scale_shape
-from oracle.stages import SPINE, Dims, StageList, with_moe
+from oracle.stages import SPINE, Dims, StageList, with_draft, with_moe
 
 HEAD_PREFIX = "model.layers.{num_hidden_layers}."  # formatted with the config's num_hidden_layers
 MAIN_MODEL_PREFIXES = ("model.",)
@@ -289,7 +289,8 @@ def mtp_layer_stages(cfg: MtpLayerConfig) -> StageList:
         "mlp": "MoE output: routed + shared",
         "out": "shared_head.norm(res2) (transformers: MtpLayer.post_norm): fed to shared_head.head, recycled as H",
     }
-    return StageList(s.with_doc(docs[s.name]) if s.name in docs else s for s in with_moe(SPINE))
+    return StageList(s.with_doc(docs[s.name]) if s.name in docs else s
+                     for s in with_draft(with_moe(SPINE)))
 
 
 def dims(cfg: MtpLayerConfig) -> Dims:

@@ -127,6 +127,18 @@ class MtpHead(nn.Module):
         answers (oracle/accept.py drafts through it)."""
         return self(embed, hidden, rotary(embed, positions), mask, cache)
 
+    def hidden_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Stage `h` of a hidden (1, n, D): what the draft loop records for a recycle it did not choose."""
+        return self.pre_fc_norm_hidden(hidden)
+
+    def uniform_attention(self, rotary, ah: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                          cache: DynamicCache | None) -> torch.Tensor:
+        """`attn` (1, n, D) of these `ah` rows through `cache` with uniform weights over the keys `mask` lets
+        through (oracle/attention_evidence.py): the draft loop's attention evidence per depth."""
+        with uniform_weights(self.text_config):
+            return self.layers[0].self_attn(ah, position_embeddings=rotary(ah, positions), attention_mask=mask,
+                                            cache=cache)[0]
+
 
 class UpcastLinear(nn.Module):
     """A bias-free linear whose weight stays in the checkpoint's dtype (bf16: half the memory of float32) and is

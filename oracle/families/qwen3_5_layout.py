@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from oracle.errors import CheckpointError
 from oracle.families.spec import MAIN_LM_HEAD, FamilySpec, Fusion, TensorLayout, Variant
 from oracle.fp8 import scale_shape
-from oracle.stages import SPINE, Dims
+from oracle.stages import SPINE, Dims, with_draft
 
 FAMILY = "qwen3_5"
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
@@ -342,7 +342,7 @@ SPEC = FamilySpec(
     name=FAMILY, model_types=MODEL_TYPES,
     architectures=("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"),
     parse_config=head_config_from_json, layout=dense_layout, head_prefix="mtp.",
-    stages=lambda cfg: SPINE, dims=spine_dims, main_model_prefixes=MAIN_MODEL_PREFIXES, lm_head=LM_HEAD,
+    stages=lambda cfg: with_draft(SPINE), dims=spine_dims, main_model_prefixes=MAIN_MODEL_PREFIXES, lm_head=LM_HEAD,
     head_module="oracle.families.qwen3_5", variants=QWEN_VARIANTS, tiny_config=tiny_config,
     fusions=dense_fusions,
     one_plus_norms=True,

@@ -23,7 +23,7 @@ from oracle.families.qwen3_5_layout import (LM_HEAD, MAIN_MODEL_PREFIXES, QWEN_V
                                             attention_fusions, fp8_scale_shapes, parse_qwen_config, spine_dims,
                                             stem_and_attention_shapes)
 from oracle.families.spec import ExpertLayout, FamilySpec, Fusion, TensorLayout, Variant
-from oracle.stages import SPINE, with_moe
+from oracle.stages import SPINE, with_draft, with_moe
 
 FAMILY = "qwen3_5_moe"
 MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
@@ -105,7 +105,7 @@ SPEC = FamilySpec(
     name=FAMILY, model_types=MODEL_TYPES,
     architectures=("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"),
     parse_config=head_config_from_json, layout=moe_layout, head_prefix="mtp.",
-    stages=lambda cfg: with_moe(SPINE), dims=spine_dims, main_model_prefixes=MAIN_MODEL_PREFIXES, lm_head=LM_HEAD,
+    stages=lambda cfg: with_draft(with_moe(SPINE)), dims=spine_dims, main_model_prefixes=MAIN_MODEL_PREFIXES, lm_head=LM_HEAD,
     head_module="oracle.families.qwen3_5_moe", variants=QWEN_VARIANTS + MOE_VARIANTS, tiny_config=tiny_config,
     fusions=moe_fusions,
     one_plus_norms=True,

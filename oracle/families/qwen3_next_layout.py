@@ -6,7 +6,7 @@ accepted too."""
 from oracle.families.qwen3_5_layout import (LM_HEAD, QWEN_VARIANTS, HeadConfig, parse_qwen_config, spine_dims)
 from oracle.families.qwen3_5_moe_layout import MOE_VARIANTS, moe_fusions, moe_layout
 from oracle.families.spec import FamilySpec
-from oracle.stages import SPINE, with_moe
+from oracle.stages import SPINE, with_draft, with_moe
 
 FAMILY = "qwen3_next"
 MODEL_TYPES = ("qwen3_next",)
@@ -32,7 +32,7 @@ def tiny_config(**overrides) -> dict:
 SPEC = FamilySpec(
     name=FAMILY, model_types=MODEL_TYPES, architectures=("Qwen3NextForCausalLM",),
     parse_config=head_config_from_json, layout=moe_layout, head_prefix="mtp.",
-    stages=lambda cfg: with_moe(SPINE), dims=spine_dims, main_model_prefixes=MAIN_MODEL_PREFIXES, lm_head=LM_HEAD,
+    stages=lambda cfg: with_draft(with_moe(SPINE)), dims=spine_dims, main_model_prefixes=MAIN_MODEL_PREFIXES, lm_head=LM_HEAD,
     head_module="oracle.families.qwen3_next", variants=QWEN_VARIANTS + MOE_VARIANTS, tiny_config=tiny_config,
     fusions=moe_fusions,
     one_plus_norms=True,

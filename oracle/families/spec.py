@@ -129,6 +129,10 @@ class FamilySpec:
     # the head's RMSNorms scale by (1 + w) (Qwen: a fresh norm's w is 0) rather than by w (DeepSeek, GLM: 1); the
     # load audit names an all-0 or all-1 norm weight by it
     one_plus_norms: bool = False
+    # the un-normed tensor an engine may recycle instead (vLLM 0.33.0's GLM-4.5 MTP recycles its residual): the
+    # trace records what recycling it would have given (h_if_prenorm) and `export --recycle` can choose it; None
+    # where the family has no pre-norm tensor of the recycled width (DeepSeek-V4: head_collapsed is D, not hc·D)
+    recycle_prenorm: str | None = "res2"
 
     def hidden_width(self, cfg: HeadConfig) -> int:
         """Width of the hidden H one step consumes: hc·D (DeepSeek-V4: the main model's hc_mult residual streams),

@@ -178,7 +178,7 @@ def test_hf_accept_main_model_targets_are_the_argmax_of_the_post_norm_hidden(fam
 def stepwise_through_steps(ckpt, head, rotary, lm, x, h, i: int, k: int, shift: int = 0) -> list[int]:
     """Chain i one step at a time through `head.steps` and the official cache of the head's config (a window cache
     for V4), recycling the family's recycled stage; drafts positioned `shift` late (the twin)."""
-    from oracle.accept import _embedding_rows
+    from oracle.draft_loop import embedding_rows as _embedding_rows
 
     cache = DynamicCache(config=head.text_config)
 
@@ -197,7 +197,7 @@ def stepwise_through_steps(ckpt, head, rotary, lm, x, h, i: int, k: int, shift: 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_every_family_drafts_as_its_head_steps_one_at_a_time(name, tmp_path):
-    from oracle.accept import _lm_head
+    from oracle.draft_loop import draft_projection as _lm_head
 
     ckpt = Checkpoint(WRITERS[name](tmp_path / "ckpt"))
     impl = head_module(ckpt.family)

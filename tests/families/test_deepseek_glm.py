@@ -251,6 +251,8 @@ def transcription(ckpt: Path, tokens, hidden, positions, mask_pos0=False, mutate
     s["res2"] = s["res1"] + s["mlp"]
     final = "model.norm.weight" if "main_norm_for_out" in mutate else p + "shared_head.norm.weight"
     s["out"] = rms(s["res2"], w[final], eps)
+    # the draft: the MTP layer's own shared_head.head where the checkpoint has it, else the main lm_head
+    s["draft"] = (s["out"] @ w.get(p + "shared_head.head.weight", w.get("lm_head.weight")).T).argmax(-1, keepdim=True)
     return {k: v.numpy() for k, v in s.items()}
 
 
@@ -307,7 +309,7 @@ def export(ckpt: Path, out: Path, mask=False, mode="batched", start_pos=0) -> tu
 def test_export_equals_independent_transcription(checkpoints, tmp_path, name, mask):
     stages, evidence, (attrs, hidden, positions) = export(checkpoints[name], tmp_path / "ref.h5", mask=mask)
     assert set(stages) == {"e", "h", "fc_in", "fc", "ah", "attn", "res1", "mh", "router_logits", "topk_ids",
-                           "topk_weights", "shared", "routed", "mlp", "res2", "out"}
+                           "topk_weights", "shared", "routed", "mlp", "res2", "out", "draft"}
     ref = transcription(checkpoints[name], TOKENS, hidden, positions, mask_pos0=mask)
     assert mismatches(stages, ref) == {}
     assert attrs["config"]["mask_pos0_embedding"] is mask

@@ -189,6 +189,7 @@ def transcribe(cfg: dict, w: dict, embed: np.ndarray, hidden: np.ndarray, positi
     pre = torch.sigmoid(flat @ w[P + "hc_head_fn"].T * w[P + "hc_head_scale"] + w[P + "hc_head_base"]) + cfg["hc_eps"]
     s["head_collapsed"] = (pre[..., None] * s["block_out"]).sum(1)
     s["out"] = rms(s["head_collapsed"], w[P + "norm.weight"], eps)
+    s["draft"] = (s["out"] @ w["head.weight"].T).argmax(dim=-1, keepdim=True)  # the shared lm_head's argmax
     return {k: v.reshape(len(pos), -1).numpy() for k, v in s.items()}
 
 

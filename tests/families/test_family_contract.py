@@ -196,7 +196,9 @@ def test_a_perturbation_of_each_stage_is_first_seen_at_that_stage(family, tmp_pa
         for later in order:
             rows = stages[later].copy()
             if order.index(later) >= k:
-                if rows.dtype.kind == "i":  # a wrong expert: an id the reference did not select
+                if later == "draft":  # a wrong draft token
+                    rows = (rows + 1) % Checkpoint(ckpt).config.vocab_size
+                elif rows.dtype.kind == "i":  # a wrong expert: an id the reference did not select
                     experts = stages["router_logits"].shape[1]
                     for row in rows:
                         row[0] = next(e for e in range(experts) if e not in row)

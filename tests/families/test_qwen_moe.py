@@ -223,7 +223,7 @@ def test_experts_in_ordinary_memory_are_never_dropped_and_repeated_passes_agree(
     heap = {n: t.clone() for n, t in impl.torch_weights(checkpoint.read_head(widen=False)).items()}
     head, rotary = impl.build_head(checkpoint.config, heap)
     first, second = impl.run_batched(head, rotary, inputs), impl.run_batched(head, rotary, inputs)
-    for stage in stages:
+    for stage in (s for s in stages if s != "draft"):  # the draft is the export's lm_head argmax, not the head's
         np.testing.assert_array_equal(first[stage], stages[stage], err_msg=stage)
         np.testing.assert_array_equal(second[stage], stages[stage], err_msg=stage)
 

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
-from oracle import accept
+from oracle import accept, draft_loop
 from oracle.accept import acceptance_metrics, draft_chains, measure_acceptance
 from oracle.accept_report import render_report, result_json, summary_line
 from oracle.checkpoint import Checkpoint
@@ -156,12 +156,12 @@ def test_the_stepwise_comparison_sees_a_wrong_mask_or_position(model, monkeypatc
     drafts = draft_chains(ckpt, head, rotary, x, h, k)[0]
     chains = range(0, len(x) - 1 - k, 4)
     assert any(drafts[i].tolist() != stepwise_chain(ckpt, head, rotary, lm, x, h, i, k, shift=1) for i in chains)
-    right_mask = accept.chain_mask
+    right_mask = draft_loop.chain_mask
 
-    def leaky(first: int, n: int, depth: int) -> torch.Tensor:
-        return torch.zeros_like(right_mask(first, n, depth))  # every chain sees every bridge step and draft
+    def leaky(first: int, bridge_keys: int, counts: tuple[int, ...]) -> torch.Tensor:
+        return torch.zeros_like(right_mask(first, bridge_keys, counts))  # every chain sees every bridge step, draft
 
-    monkeypatch.setattr(accept, "chain_mask", leaky)
+    monkeypatch.setattr(draft_loop, "chain_mask", leaky)
     assert (draft_chains(ckpt, head, rotary, x, h, k)[0][:, 1:] != drafts[:, 1:]).any()
 
 

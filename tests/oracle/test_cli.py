@@ -35,12 +35,12 @@ def stages_of(path) -> dict[str, np.ndarray]:
 def test_export_then_inspect(tmp_path):
     out = tmp_path / "ref.h5"
     result = export(TINY, "--out", out, "--tokens", TOKENS, "--hidden-seed", "0")
-    assert result.exit_code == 0 and result.output.strip().endswith("8 steps x 11 stages")
+    assert result.exit_code == 0 and result.output.strip().endswith("8 steps x 12 stages")  # the spine and draft
     shown = run_cli(cli, ["inspect", out])
     assert shown.exit_code == 0
     assert "mtp-trace/1, family qwen3_5, T=8 tokens, D=64" in shown.output
     assert "token_ids          17,42,3,255,100,7,511,64" in shown.output
-    assert shown.output.strip().splitlines()[-1].strip() == "11/11 stages"
+    assert shown.output.strip().splitlines()[-1].strip() == "12/12 stages"
 
 
 def test_stored_reference_trace_regenerates(tmp_path, make_fixtures):

@@ -31,10 +31,12 @@ def test_export_matches_official_layer_on_other_dims(tmp_path, make_fixtures, va
     assert result.exit_code == 0, result.output
     ckpt = Checkpoint(ckpt_dir)
     with read_trace(out) as trace:
-        assert trace.hidden_size == VARIANTS[variant]["hidden_size"] and trace.stages == STAGE_NAMES
-        stages = {n: trace.stage_rows(n) for n in STAGE_NAMES}
+        assert trace.hidden_size == VARIANTS[variant]["hidden_size"] and trace.stages == (*STAGE_NAMES, "draft")
+        stages = {n: trace.stage_rows(n) for n in trace.stages}
         positions = trace.input_rows("positions")
     np.testing.assert_array_equal(positions, np.arange(5, 11))
+    lm_head = ckpt.read("lm_head.weight").astype(np.float64)
+    np.testing.assert_array_equal(stages.pop("draft")[:, 0], (stages["out"].astype(np.float64) @ lm_head.T).argmax(1))
     official = official_layer_stages(ckpt, stages["fc"], positions)
     for name, expected in official.items():
         assert rel_err(stages[name], expected) <= 1e-6, name

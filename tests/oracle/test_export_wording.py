@@ -16,11 +16,11 @@ def _export(tmp_path, tokens: str):
 
 def test_a_one_step_export_says_1_step_and_warns_that_a_diff_is_inconclusive(tmp_path):
     result = _export(tmp_path, "5")
-    assert result.stdout.strip().endswith("1 step x 11 stages") and "1 steps" not in result.output
+    assert result.stdout.strip().endswith("1 step x 12 stages") and "1 steps" not in result.output
     assert "T=1" in result.stderr and "can at best be inconclusive" in result.stderr
 
 
 def test_twin_two_distinct_steps_are_plural_and_carry_no_such_warning(tmp_path):
     result = _export(tmp_path, "5,17")
-    assert result.stdout.strip().endswith("2 steps x 11 stages")
+    assert result.stdout.strip().endswith("2 steps x 12 stages")
     assert "inconclusive" not in result.stderr

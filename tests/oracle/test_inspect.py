@@ -50,9 +50,9 @@ def test_a_moe_trace_is_counted_against_its_own_stage_list(moe_trace):
     result = run_cli(cli, ["inspect", moe_trace])
     assert result.exit_code == 0, result.output
     last = result.output.strip().splitlines()[-1].strip()
-    assert last == "16/16 stages"  # not 16/11: the default list is not this trace's
+    assert last == "17/17 stages"  # not 17/11: the default list is not this trace's
     shown = _stage_lines(result.output)
-    assert len(shown) == 16 and shown["topk_ids"].endswith("[compared as a set]")
+    assert len(shown) == 17 and shown["topk_ids"].endswith("[compared as a set]")
     with read_trace(moe_trace) as ref:
         assert all(shown[s.name].split(maxsplit=1)[1].startswith(s.doc) for s in ref.stage_list)
 

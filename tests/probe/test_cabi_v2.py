@@ -260,7 +260,9 @@ def test_weights_arrive_as_stored_bf16_under_their_checkpoint_names(recorder, re
     assert entries["hidden_size"] == [cfg.hidden_size, cfg.hidden_size] and entries["rope_theta"] == cfg.rope_theta
     assert entries["max_steps"][0] == 8 and entries["hidden_width"][0] == cfg.hidden_size
     assert "mrope_section" not in entries and created["json"]["mrope_section"] == list(cfg.mrope_section)
-    assert step0["stages"] == [[n, 0, 128 if n == "fc_in" else 64] for n in STAGE_NAMES if n != "out"]
+    # every stage of the family but `out` (the step's own output), the draft last as an int64 index set
+    assert step0["stages"] == [[n, 0, 128 if n == "fc_in" else 64] for n in STAGE_NAMES if n != "out"] + [
+        ["draft", cabi_v2.DTYPES["I64"], 1]]
 
 
 def test_a_moe_head_is_driven_from_c_with_index_set_stages(recorder, record):
@@ -275,7 +277,8 @@ def test_a_moe_head_is_driven_from_c_with_index_set_stages(recorder, record):
     assert created["family"] == "qwen3_5_moe" and created["entries"]["norm_topk_prob"] == [0, 0.0]
     stages = {name: (dtype, width) for name, dtype, width in step0["stages"]}
     assert stages["router_logits"] == (0, 8) and stages["topk_ids"] == (cabi_v2.DTYPES["I64"], 2)
-    assert list(result) == [n for n in ckpt.family.stages(ckpt.config).names]  # family order, `out` last
+    names = ckpt.family.stages(ckpt.config).names
+    assert list(result) == [n for n in names if n != "out"] + ["out"]  # family order, the step's `out` last
     assert result["topk_ids"].dtype == np.int64 and result["topk_ids"].tolist() == [[0, 1]] * 3
     assert result["routed"].dtype == np.float32 and (result["routed"][:, 0] == [0.5, 1.5, 2.5]).all()
     assert result["out"][:, 0].tolist() == [0.0, -1.0, -2.0]

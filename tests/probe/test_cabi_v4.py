@@ -46,7 +46,7 @@ def test_the_v4_c_candidate_passes_on_a_v4_reference(v4):
     report = result.report
     assert not report.issues, report.issues
     assert report.verdict.name == "pass", (report.verdict, report.first)
-    assert set(report.captured) == set(report.stage_names)  # every stage compared, out included
+    assert set(report.captured) == set(report.stage_names) - {"draft"}  # every head stage, out included (no draft)
     cli = run_cli(probe_cli, ["run", ref, "--impl", f"c:{libs['']}", "--checkpoint", ckpt])
     assert cli.exit_code == 0 and cli.output.rstrip().splitlines()[-1].startswith("PASSED |"), cli.output
 

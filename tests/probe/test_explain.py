@@ -277,7 +277,8 @@ def test_moe_operators_reproduce_the_reference(moe):
     with read_trace(trace) as r:
         inputs, ref = r.inputs(), {n: r.stage_rows(n) for n in r.stages}
     base = Explainer(ckpt, inputs).base
-    for name, rows in ref.items():
+    assert set(ref) - set(base) == {"draft"}  # the operators run the head up to out; the draft is lm_head's
+    for name, rows in ((n, r) for n, r in ref.items() if n != "draft"):
         got = base[name].numpy()
         if name == "topk_ids":
             assert (np.sort(got, 1) == np.sort(rows, 1)).all()

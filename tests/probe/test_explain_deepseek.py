@@ -29,7 +29,7 @@ CHECKPOINTS = {
     "ds_differ": dict(family="deepseek_v3", copies_differ=True),
     "glm": dict(family="glm4_moe"),
 }
-ALL_STAGES = 16
+ALL_STAGES = 17  # the 16 head stages and the draft (the argmax of the variant's own out)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def candidate(ckpt, inputs, mask: bool, mutate=(), ref_ids: np.ndarray | None = 
     topk_ids order), and the official router's unsorted top-k order is not what a transcription produces."""
     stages = transcription(ckpt, TOKENS, np.asarray(inputs.hidden), np.asarray(inputs.positions), mask_pos0=mask,
                            mutate=set(mutate))
-    cand = {n: v.astype(np.int64 if n == "topk_ids" else np.float32) for n, v in stages.items()}
+    cand = {n: v.astype(np.int64 if n in ("topk_ids", "draft") else np.float32) for n, v in stages.items()}
     for t, row in enumerate(ref_ids if ref_ids is not None else ()):
         ids = cand["topk_ids"][t]
         if set(ids.tolist()) == set(row.tolist()):
@@ -103,7 +103,7 @@ def test_each_mistake_is_diagnosed_by_its_variant_name(refs, name, mask, mistake
     assert [d["variant"] for d in ex.diagnosis] == [variant], (ex.diagnosis_line(), ex.variants)
     best = ex.diagnosis[0]
     assert len(best["stages_matched"]) == ALL_STAGES and best["max_rel"] < 1e-4
-    assert ex.diagnosis_line().startswith(f"DIAGNOSIS | {variant} reproduces the candidate at all 16 stages")
+    assert ex.diagnosis_line().startswith(f"DIAGNOSIS | {variant} reproduces the candidate at all {ALL_STAGES} stages")
     # never a claim that holds only at the first divergent stage: every other variant that ran was rejected
     assert all(v["status"] != "reproduces" for v in ex.variants if v["variant"] != variant)
     assert ex.bug is not None and ex.bug["stage"] == report.first.stage
@@ -151,6 +151,7 @@ def _mlp_bug(ckpt, inputs, ref_ids) -> dict[str, np.ndarray]:
     cand["res2"] = cand["res1"] + cand["mlp"]
     norm = w["model.layers.2.shared_head.norm.weight"].double()
     cand["out"] = rms(torch.from_numpy(cand["res2"]).double(), norm, 1e-6).numpy().astype(np.float32)
+    del cand["draft"]  # not recomputed from this out: not captured
     return cand
 
 
@@ -203,7 +204,7 @@ def test_cli_diff_prints_the_diagnosis_before_the_summary(refs, tmp_path):
     result = run_cli(probe_cli, ["diff", trace, out, "--explain", "--checkpoint", ckpt, "-q", "--json", js])
     lines = result.output.rstrip("\n").splitlines()
     assert result.exit_code == 1, result.output
-    assert lines[-2].startswith("DIAGNOSIS | pos0_mask_missing reproduces the candidate at all 16 stages (max rel ")
+    assert lines[-2].startswith("DIAGNOSIS | pos0_mask_missing reproduces the candidate at all 17 stages (max rel ")
     assert lines[-2].endswith("not zeroed, although the reference masks it (mask_pos0_embedding on)")
     assert lines[-1].startswith("DIVERGED | first divergent stage: e at token 0")
     assert json.loads(js.read_text())["explain"]["diagnosis"][0]["variant"] == "pos0_mask_missing"

@@ -95,7 +95,7 @@ def moe_report(tmp_path_factory):
 
 def test_rows_are_the_references_own_stage_list(moe_report):
     labels = [t.get_text() for t in heatmap_figure(moe_report).axes[0].get_yticklabels()]
-    assert labels == list(moe_report.stage_names) and "topk_ids" in labels and len(labels) == 16
+    assert labels == list(moe_report.stage_names) and "topk_ids" in labels and len(labels) == 17
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ def candidate(tmp_path, ref, change):
     stages = copy_stages(stages)
     change(stages)
     path = tmp_path / "cand.h5"
+    stages.pop("draft", None)  # an engine that captures the head's stages, not its draft
     write_trace(path, inputs, stages, {"producer": "my engine"})
     return path
 

@@ -200,7 +200,7 @@ def test_twin_readme_example_fails_on_a_concat_swapped_engine(tmp_path):
                            env={"SWAP_CONCAT": "1"})
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "AssertionError: DIVERGED | first divergent stage: fc_in at token 0" in proc.stdout
-    assert "FAILED | stage 3/11 'fc_in' token 0" in proc.stdout and "1 failed" in proc.stdout
+    assert "FAILED | stage 3/12 'fc_in' token 0" in proc.stdout and "1 failed" in proc.stdout
 
 
 @pytest.mark.slow

@@ -1,0 +1,284 @@
+"""The draft loop: the one implementation of a head's chains (shared/DESIGN.md "The draft loop"), used by
+`mtp-oracle export --chain K` and `mtp-oracle accept`.
+
+Bridge step i consumes (x_{i+1}, H_i, p_i); its K/V entry is the head's permanent cache row for p_i. The chain from
+bridge i runs depths j = 2..K:
+- token c_{i,j}: teacher-forced x_{i+j} (the step tokens' token_ids[i+j-1]), or the head's own draft j-1 (argmax);
+- recycled hidden r_{i,j}: the `recycle` stage of depth j-1 (the bridge step's for j = 2): the family's convention
+  (FamilySpec.recycled: `out` for Qwen, DeepSeek-V3 and GLM; V4 its block's output streams) or an export option;
+- position p_i + j - 1; layer l(j) = 0 (one-layer heads; `layers` in the trace leaves room for N-layer heads);
+- KV: chain i sees bridge rows 0..i and its own chain entries, never another chain's; afterwards the cache holds
+  exactly bridge rows 0..i (the chain's entries are dropped), so bridge step i+1 never sees a draft entry.
+
+How. All bridge steps run as one causal pass through a DynamicCache (`bridge_pass`): its keys and values are the
+bridge rows. Then depth by depth (`run_chains`), the chains in blocks: a block's cache starts as the bridge rows its
+chains may see, each depth appends one entry per chain, and `chain_mask` lets chain c see bridge rows <= c and its
+own entries only. A block's cache is discarded after the last depth: no chain entry ever reaches a bridge row,
+because the bridge rows were computed before any chain ran. A family with a sliding window (FamilySpec.
+attention_window) has every query see only the keys within W positions, itself included (`within_window`).
+
+Each depth runs every stage of the family (`head.steps`: stages plus routing evidence) and, where asked, the
+draft (the argmax of the family's draft projection on `out`, oracle/lm_head.py), the attention evidence under
+uniform weights (oracle/attention_evidence.py) and the recycle alternatives (h_if_prenorm, h_if_main).
+"""
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from oracle.checkpoint import Checkpoint
+from oracle.errors import CheckpointError, InputError
+from oracle.families.registry import head_module
+from oracle.lm_head import CHUNK_ROWS, LM_HEAD, LmHead, lm_head_of
+
+CHAIN_BLOCK = 256  # chains per attention call: its scores take heads x block x (bridge + block * k) floats
+TEACHER, ARGMAX = "teacher_forced", "argmax"
+TOKEN_MODES = {"teacher": TEACHER, "argmax": ARGMAX}  # the CLI's --chain-tokens -> the trace's `chain.tokens`
+KV_DROPPED = "dropped_after_chain"
+Rotary = torch.nn.Module
+Stages = dict[str, torch.Tensor]
+Draft = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray | None]]  # out rows [n, D] -> (ids [n], margin | None)
+
+
+class Head(Protocol):
+    """What the loop needs of any family's head (oracle/families/*.py)."""
+
+    text_config: object
+
+    def steps(self, rotary: Rotary, embed: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+              mask: torch.Tensor | None, cache: DynamicCache | None) -> Stages:
+        """Steps (1, n, ·) at `positions` (1, n) under an additive `mask` through `cache` -> {stage: (1, n, w)}
+        and the routing evidence (topk_margin, ...)."""
+
+    def hidden_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Stage `h` of a hidden (1, n, w)."""
+
+    def uniform_attention(self, rotary: Rotary, ah: torch.Tensor, positions: torch.Tensor,
+                          mask: torch.Tensor | None, cache: DynamicCache | None) -> torch.Tensor:
+        """`attn` (1, n, D) of `ah` with uniform weights over the keys `mask` lets through."""
+
+
+@dataclass(frozen=True)
+class Bridge:
+    """Bridge steps 0..n-1 through the head: every stage (n, w) and the K/V they leave in its cache."""
+
+    stages: Stages  # {stage or evidence name: (n, w)}
+    positions: torch.Tensor  # (n,) p_i
+    keys: torch.Tensor  # (1, kv_heads, n, head_dim), as the cache holds them (after k_norm and RoPE)
+    values: torch.Tensor
+    hidden: torch.Tensor  # (n, w): H_i, what `main` recycling would feed at every depth
+
+    @property
+    def rows(self) -> int:
+        return len(self.positions)
+
+
+@dataclass
+class Depth:
+    """Depth j >= 2 of the chains from bridge rows 0..n-1: what each row was fed and what the head computed."""
+
+    depth: int
+    token_ids: np.ndarray  # (n,) c_{i,j}
+    positions: np.ndarray  # (n,) p_i + j - 1
+    recycled: torch.Tensor  # (n, w) r_{i,j}
+    embed: np.ndarray  # (n, D) embedding rows of token_ids
+    stages: Stages  # {name: (n, w)}: the kept stages and evidence of the head
+    drafts: np.ndarray | None = None  # (n,) argmax of the draft projection on `out`
+    margins: np.ndarray | None = None  # (n,) its top-1 minus top-2 logit, where the projection gives it
+    evidence: dict[str, np.ndarray] = field(default_factory=dict)  # attn_uniform, h_if_prenorm, h_if_main
+
+    @property
+    def rows(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def bridge(self) -> np.ndarray:
+        return np.arange(self.rows, dtype=np.int64)
+
+    @property
+    def layer(self) -> np.ndarray:
+        return np.zeros(self.rows, dtype=np.int64)  # one-layer heads: layer 0 at every depth
+
+
+def chain_rows(num_steps: int, depth: int) -> int:
+    """Bridge rows that have depth j: bridge i feeds x_{i+j} = token_ids[i+j-1], so i + j - 1 <= T - 1."""
+    return max(num_steps - depth + 1, 0)
+
+
+@torch.inference_mode()
+def bridge_pass(head: Head, rotary: Rotary, embed: np.ndarray, hidden: np.ndarray, positions: np.ndarray,
+                window: int | None) -> Bridge:
+    """Bridge steps (embed [n, D], H [n, w], positions [n]) as one causal (windowed) pass through a cache."""
+    e = torch.from_numpy(np.ascontiguousarray(embed, dtype=np.float32))[None]  # (n, D) -> (1, n, D)
+    h = torch.from_numpy(np.ascontiguousarray(hidden, dtype=np.float32))[None]  # (n, w) -> (1, n, w)
+    p = torch.from_numpy(np.asarray(positions, dtype=np.int64))
+    n = len(p)
+    mask = within_window(chain_mask(0, n, ()), p, p, window)
+    # The head's own cache, holding every key: a window is the mask's job, so the chains can see the bridge keys
+    # their own windows reach (a sliding-window cache would keep only the last W-1).
+    cache = DynamicCache()
+    stages = head.steps(rotary, e, h, p[None], mask, cache)
+    keys, values, _ = next(iter(cache))
+    return Bridge({name: rows[0] for name, rows in stages.items()}, p, keys, values, h[0])  # (1, n, w) -> (n, w)
+
+
+def chain_mask(first: int, bridge_keys: int, counts: tuple[int, ...]) -> torch.Tensor:
+    """Additive mask (1, 1, m, bridge_keys + sum(counts)) for chains first..first+m-1 at the depth after `counts`.
+
+    Keys: bridge rows 0..bridge_keys-1, then counts[d] chain entries per earlier depth and the current one (chains
+    first.., in order; counts never grow with depth, m = counts[-1]). Chain c sees bridge rows 0..c and its own
+    entries, never another chain's. counts == (): the bridge pass itself, m = bridge_keys, causal."""
+    m = counts[-1] if counts else bridge_keys
+    chain = torch.arange(first, first + m)
+    sees_bridge = torch.arange(bridge_keys)[None, :] <= chain[:, None]  # (m, bridge_keys)
+    sees_own = [torch.eye(m, count, dtype=torch.bool) for count in counts]  # (m, count) each
+    allowed = torch.cat([sees_bridge, *sees_own], dim=1)
+    return torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
+
+
+def key_positions(first: int, bridge: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
+    """Positions of chain_mask's keys: bridge row i at p_i; chain c's entry of depth d at p_c + d - 1."""
+    entries = [bridge[first:first + count] + (d - 1) for d, count in enumerate(counts, start=2)]
+    return torch.cat([bridge, *entries])
+
+
+def within_window(mask: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:
+    """`mask` with every key at or beyond `window` positions behind its query blocked as well: a query at p sees
+    keys at p-W+1..p, as a stepwise run through the window cache (W-1 kept, plus itself) does. None: unchanged."""
+    if window is None:
+        return mask
+    outside = keys[None, :] <= queries[:, None] - window  # (n, keys)
+    return mask.masked_fill(outside[None, None], torch.finfo(torch.float32).min)
+
+
+@dataclass(frozen=True)
+class ChainSpec:
+    """What a run of chains feeds and records (see the module docstring)."""
+
+    depths: int  # K: depths 2..K run
+    rows: Callable[[int], int]  # depth j -> bridge rows 0..n_j-1 that have it (non-increasing in j)
+    tokens: str = TEACHER  # TEACHER: token_ids[i+j-1]; ARGMAX: the previous depth's draft
+    token_ids: np.ndarray | None = None  # the step tokens (TEACHER)
+    recycle: str = "out"  # the stage depth j-1 hands to depth j
+    window: int | None = None
+    keep: tuple[str, ...] | None = None  # stages a Depth keeps (None: all); the recycled one is kept anyway
+    prenorm: str | None = None  # the recycle alternative recorded as h_if_prenorm (None: not recorded)
+    record_main: bool = False  # h_if_main: the `h` of recycling H_i at every depth
+    uniform: bool = False  # attn_uniform per depth
+    chain_block: int = CHAIN_BLOCK
+
+
+@torch.inference_mode()
+def run_chains(head: Head, rotary: Rotary, bridge: Bridge, spec: ChainSpec,
+               embedding_rows: Callable[[np.ndarray], np.ndarray], draft: Draft | None = None,
+               first_drafts: np.ndarray | None = None) -> Iterator[Depth]:
+    """Depths 2..K of the chains from `bridge`, one Depth at a time (all its chains), in blocks of chains.
+
+    `draft` (out rows -> ids, margin) drafts every depth; the ARGMAX token mode feeds depth j the draft of depth
+    j-1 (`first_drafts`: the bridge's, depth 1's)."""
+    if spec.tokens == ARGMAX and (draft is None or first_drafts is None):
+        raise ValueError("argmax chain tokens need the draft projection and depth 1's drafts")  # a caller bug
+    blocks = [(a, min(a + spec.chain_block, bridge.rows)) for a in range(0, spec.rows(2), spec.chain_block)]
+    # A block's cache starts as the bridge rows its chains may see; chain entries are appended, then dropped.
+    caches = [DynamicCache([(bridge.keys[:, :, :b], bridge.values[:, :, :b])]) for _, b in blocks]
+    counts: list[tuple[int, ...]] = [() for _ in blocks]  # chain entries per depth in each block's cache
+    previous, drafts = bridge.stages, first_drafts
+    for depth in range(2, spec.depths + 1):
+        n = spec.rows(depth)
+        if n == 0:
+            return
+        tokens = (spec.token_ids[depth - 1:depth - 1 + n] if spec.tokens == TEACHER else drafts[:n]).astype(np.int64)
+        embed = np.ascontiguousarray(embedding_rows(tokens), dtype=np.float32)
+        recycled = previous[spec.recycle][:n]
+        steps, uniform = [], []
+        for index, (a, b) in enumerate(blocks):
+            m = min(b, n) - a
+            if m <= 0:
+                continue
+            counts[index] += (m,)
+            stages, attn = _chain_step(head, rotary, caches[index], bridge.positions[:b], a, counts[index],
+                                       torch.from_numpy(embed[a:a + m]), recycled[a:a + m], depth, spec)
+            steps.append(stages)
+            uniform.append(attn)
+        stages = {name: torch.cat([s[name] for s in steps]) for name in steps[0]}
+        positions = (bridge.positions[:n] + depth - 1).numpy()
+        result = Depth(depth, tokens, positions, recycled, embed, stages)
+        if spec.uniform:
+            result.evidence["attn_uniform"] = torch.cat(uniform).numpy()
+        _recycle_alternatives(head, bridge, previous, spec, n, result)
+        if draft is not None:
+            result.drafts, result.margins = draft(stages["out"].numpy())
+            drafts = result.drafts
+        if spec.keep is not None:  # the next depth reads its recycled (and pre-norm) rows from this one
+            keep = {*spec.keep, spec.recycle, *([spec.prenorm] if spec.prenorm else [])}
+            result.stages = {k: v for k, v in stages.items() if k in keep}
+        previous = result.stages
+        yield result
+
+
+def _chain_step(head, rotary: Rotary, cache: DynamicCache, bridge_positions: torch.Tensor, first: int,
+                counts: tuple[int, ...], embed: torch.Tensor, recycled: torch.Tensor, depth: int,
+                spec: ChainSpec) -> tuple[Stages, torch.Tensor | None]:
+    """One depth of chains first..first+m-1 (m = counts[-1]; chain c's query at p_c + depth - 1) through the
+    block's cache: its stages (m, w), and `attn` under uniform weights over the same keys when asked."""
+    m = counts[-1]
+    positions = bridge_positions[first:first + m] + (depth - 1)  # (m,)
+    keys = key_positions(first, bridge_positions, counts)
+    mask = within_window(chain_mask(first, len(bridge_positions), counts), positions, keys, spec.window)
+    if not spec.uniform:
+        stages = head.steps(rotary, embed[None], recycled[None], positions[None], mask, cache)
+        return {k: v[0] for k, v in stages.items()}, None
+    from oracle.attention_evidence import reused_projections
+
+    with reused_projections(head):  # the uniform pass reuses this pass's q/k/v projections
+        stages = head.steps(rotary, embed[None], recycled[None], positions[None], mask, cache)
+        cache.crop(-m)  # the uniform pass appends this step's entries again (the same keys: they come from `ah`)
+        attn = head.uniform_attention(rotary, stages["ah"], positions[None], mask, cache)
+    return {k: v[0] for k, v in stages.items()}, attn[0]
+
+
+def _recycle_alternatives(head, bridge: Bridge, previous: Stages, spec: ChainSpec, n: int, depth: Depth) -> None:
+    """h_if_prenorm / h_if_main: the `h` this depth would have had, had the engine recycled the family's pre-norm
+    tensor (e.g. res2) or the main model's H_i instead: the head's own hidden norm applied to that tensor."""
+    if spec.prenorm is not None:
+        depth.evidence["h_if_prenorm"] = head.hidden_norm(previous[spec.prenorm][:n][None])[0].numpy()
+    if spec.record_main:
+        depth.evidence["h_if_main"] = head.hidden_norm(bridge.hidden[:n][None])[0].numpy()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the family's tables: the draft projection and the embedding rows a chain token reads
+
+
+def draft_projection(ckpt: Checkpoint, chunk_rows: int = CHUNK_ROWS) -> LmHead:
+    """The head's own output projection where its family names one and the checkpoint has it (DeepSeek/GLM:
+    `model.layers.{N}.shared_head.head.weight`), else the main lm_head (lm_head_of). CheckpointError when neither
+    is there."""
+    own = ckpt.family.lm_head.format(num_hidden_layers=getattr(ckpt.config, "num_hidden_layers", None))
+    if own == LM_HEAD:
+        return lm_head_of(ckpt, chunk_rows)
+    if own not in ckpt.names():
+        try:
+            return lm_head_of(ckpt, chunk_rows)
+        except CheckpointError as missing:  # name what this family reads first, not only the fallback
+            raise CheckpointError(f"{ckpt.path} has no {own} (the {ckpt.family.name} head's output projection), "
+                                  f"and no fallback: {missing}") from None
+    entry, cfg = ckpt.entry(own), ckpt.config
+    if chunk_rows < 1:
+        raise InputError(f"--chunk-rows {chunk_rows}: read at least 1 lm_head row at a time (default {CHUNK_ROWS}).")
+    if entry.dtype not in ("BF16", "F16", "F32") or tuple(entry.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise CheckpointError(f"{own} is {entry.dtype} {list(entry.shape)}; acceptance reads a BF16/F16/F32 "
+                              f"[{cfg.vocab_size}, {cfg.hidden_size}] (vocab_size, hidden_size) head.")
+    return LmHead(ckpt, own, chunk_rows)
+
+
+def embedding_rows(ckpt: Checkpoint, token_ids: np.ndarray) -> np.ndarray:
+    """Embedding rows from the family's choice of table (DeepSeek/GLM: the MTP layer's own copy where present)."""
+    impl = head_module(ckpt.family)
+    if hasattr(impl, "embedding_rows"):
+        return impl.embedding_rows(ckpt, token_ids)[0]
+    return ckpt.embedding_rows(token_ids)
