@@ -45,6 +45,7 @@ _WIDTH = {
     "T×E": lambda d: d.num_experts,
     "T×k": lambda d: d.top_k,
     "T×hc·D": lambda d: d.hc_mult * d.hidden_size,
+    "T×1": lambda d: 1,
 }
 SHAPES = tuple(_WIDTH)
 
@@ -146,8 +147,12 @@ HEAD_COLLAPSED = Stage("head_collapsed", "T×D", "the head's hyper-connection co
                                                 "the final norm")
 HC_STAGES = (X_IN, AFTER_ATTN, BLOCK_OUT, HEAD_COLLAPSED, E_PROJ, H_PROJ)
 
+# --- The draft (issue 24): the head's argmax token of its draft projection applied to `out`, last in a list. ---
+DRAFT = Stage("draft", "T×1", "the draft token: argmax of the family's draft projection (lm_head) applied to out, "
+                              "by the screened exact argmax", kind=INDEX_SET)
+
 # Every stage name any family uses (for validating names before a reference says which family it is).
-KNOWN_STAGE_NAMES: tuple[str, ...] = with_moe(SPINE).names + tuple(s.name for s in HC_STAGES)
+KNOWN_STAGE_NAMES: tuple[str, ...] = with_moe(SPINE).names + tuple(s.name for s in HC_STAGES) + (DRAFT.name,)
 
 # The default list: a trace that records no stage metadata (written before families) has these stages.
 STAGES: StageList = SPINE

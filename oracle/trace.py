@@ -64,7 +64,8 @@ import numpy as np
 
 from oracle.errors import InputError, TraceFormatError
 from oracle.output import atomic_output, hdf5_target
-from oracle.stages import KINDS, ROWS, SHAPES, STAGE_BY_NAME, STAGE_NAMES, STAGES, Dims, Stage, StageList
+from oracle.stages import (DRAFT, KINDS, KNOWN_STAGE_NAMES, ROWS, SHAPES, STAGE_BY_NAME, STAGE_NAMES, STAGES, Dims,
+                           Stage, StageList)
 
 SCHEMA = "mtp-trace/1"
 INPUT_NAMES = ("token_ids", "positions", "hidden", "embed")
@@ -692,3 +693,224 @@ def _dataset_names(f: h5py.File) -> list[str]:
     names = []
     f.visititems(lambda name, obj: names.append("/" + name) if isinstance(obj, h5py.Dataset) else None)
     return names
+
+
+# --- Chains (issue 24; the schema: /work/wt/CHAIN_SCHEMA.md, summarised here) ----------------------------------------
+# Root attribute `chain` (JSON; absent: the trace records depth 1 only) {"depths": K >= 2, "tokens": "teacher_forced" |
+# "argmax", "recycle": stage name, "layers": [l_2..l_K], "num_layers": N, "kv": "dropped_after_chain"}. Depth j = 2..K
+# lives in /chain/d{j} with n_j = T - j + 1 rows, row r = bridge position r (bridge i has depth j iff i + j - 1 <= T-1):
+#     inputs/{bridge, token_ids, positions, layer} int64 [n_j]; inputs/recycled float32 [n_j, w]; inputs/embed [n_j, D]
+#     stages/<name>    [n_j, width], every stage of the family, with depth 1's names, attributes and order
+#     evidence/<name>  as /evidence (attn_uniform, topk_margin, draft_margin, ...) plus h_if_<alt> [n_j, width of h]:
+#                      the `h` this depth would have had had the engine recycled <alt> ("prenorm", "main") instead
+# Root `stage_checksums` holds "d{j}/<name>" for chain stages; root `chain_digest` ("sha256:...") covers every
+# /chain/d{j}/inputs dataset, in depth then CHAIN_INPUT_NAMES order. The root `evidence_digest` covers chain evidence
+# too where the writer includes it (keys "d{j}/<name>" among /evidence's names, see evidence_covers_chain): chain
+# evidence it does not cover is not trusted by the probe.
+CHAIN_INPUT_NAMES = ("bridge", "token_ids", "positions", "layer", "recycled", "embed")
+CHAIN_TOKENS = ("teacher_forced", "argmax")
+_DEPTH_GROUP = re.compile(r"d([2-9]|[1-9][0-9]{1,3})")
+
+
+@dataclass(frozen=True)
+class ChainInfo:
+    """The root `chain` record: which depths a trace holds and the loop conventions they were computed with."""
+
+    depths: int  # K: depths 2..K are recorded
+    tokens: str  # teacher_forced | argmax
+    recycle: str  # the stage depth j-1 hands to depth j as its hidden
+    layers: tuple[int, ...]  # physical layer at depths 2..K
+    num_layers: int
+    kv: str
+
+    @property
+    def chain_depths(self) -> tuple[int, ...]:
+        return tuple(range(2, self.depths + 1))
+
+
+def chain_rows(num_tokens: int, depth: int) -> int:
+    """n_j: bridge positions 0..T-j have a depth-j step (teacher-forced depth j of bridge i feeds x_{i+j})."""
+    return max(num_tokens - depth + 1, 0)
+
+
+def chain_info(reader: "TraceReader") -> ChainInfo | None:
+    """The trace's `chain` record, validated (TraceFormatError naming the field); None for a depth-1-only trace."""
+    raw = reader._file.attrs.get("chain")
+    if raw is None:
+        return None
+    record = _json_object_attr(reader.path, "chain", _as_str(raw))
+    fields = {"depths": int, "tokens": str, "recycle": str, "layers": list, "num_layers": int, "kv": str}
+    for key, kind in fields.items():
+        value = record.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise TraceFormatError(f"{reader.path}: root attribute 'chain' needs {key} as {kind.__name__}, found "
+                                   f"{_attr_kind(value)} (oracle/trace.py, Chains).")
+    depths, layers = record["depths"], record["layers"]
+    if not 2 <= depths < reader.num_tokens + 1 or record["tokens"] not in CHAIN_TOKENS or \
+            len(layers) != depths - 1 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                  for x in layers) or not STAGE_NAME_PATTERN.fullmatch(record["recycle"]):
+        raise TraceFormatError(f"{reader.path}: root attribute 'chain' is {json.dumps(record)[:200]}; it needs "
+                               f"2 <= depths <= T={reader.num_tokens}, tokens one of {', '.join(CHAIN_TOKENS)}, one "
+                               f"layer per depth 2..K and a stage name as recycle. Write it again: "
+                               f"{export_hint(reader.path)}")
+    return ChainInfo(depths, record["tokens"], record["recycle"], tuple(layers), record["num_layers"], record["kv"])
+
+
+def chain_groups(reader: "TraceReader") -> tuple[int, ...]:
+    """The depths j with a /chain/d{j} group, in order (a candidate may hold any; the reference holds 2..K). Any
+    other member of /chain, or a link where a group belongs, is a TraceFormatError."""
+    f = reader._file
+    if f.get("chain", getlink=True) is None:
+        return ()
+    _check_hard_link(f, "chain", reader.path)
+    group = f["chain"]
+    if not isinstance(group, h5py.Group):
+        raise TraceFormatError(f"{reader.path}: /chain is a dataset; it must be a group of depth groups d2, d3, ...")
+    depths = []
+    for member in group:
+        _check_hard_link(group, member, reader.path)
+        match = _DEPTH_GROUP.fullmatch(member)
+        if match is None or group.get(member, getclass=True) is not h5py.Group:
+            raise TraceFormatError(f"{reader.path}: /chain/{member:.40} is not a depth group; /chain holds groups "
+                                   f"d2, d3, ... (depth 1 is the trace's own /stages).")
+        depths.append(int(match.group(1)))
+    return tuple(sorted(depths))
+
+
+class ChainDepthReader:
+    """Depth j of an open trace (/chain/d{j}): the reading side of TraceReader for its stages, inputs and evidence,
+    rows indexed by bridge position. Closed with its TraceReader."""
+
+    def __init__(self, reader: "TraceReader", depth: int):
+        self.reader, self.depth, self.path = reader, depth, reader.path
+        self.prefix = f"chain/d{depth}"
+        self.hidden_size = reader.hidden_size
+        self.num_tokens = chain_rows(reader.num_tokens, depth)  # the rows a complete depth holds
+        for sub in ("inputs", "stages", "evidence"):
+            group = reader._file.get(self.prefix)
+            if group is not None and group.get(sub, getlink=True) is not None:
+                _check_hard_link(group, sub, self.path)
+            reader._guard(f"/{self.prefix}/{sub}", lambda: _check_datasets_group(reader._file, f"{self.prefix}/{sub}",
+                                                                                 self.path))
+        self.stages = reader._guard(f"/{self.prefix}/stages", self._present_stages)
+
+    def _present_stages(self) -> tuple[str, ...]:
+        """The depth's stage datasets: in the trace's own stage order, then any others by name (a candidate may
+        capture a stage at depth j only; the probe orders and checks them against the reference's list)."""
+        group = self.reader._file.get(f"{self.prefix}/stages", {})
+        odd = next((n for n in group if not STAGE_NAME_PATTERN.fullmatch(n)), None)
+        if odd is not None:
+            raise TraceFormatError(f"{self.path}: /{self.prefix}/stages holds {odd!r:.80}; stage names are lower-case "
+                                   f"identifiers, named as depth 1's ({', '.join(STAGE_NAMES[:4])}, ...).")
+        order = [n for n in (*self.reader.stages, *KNOWN_STAGE_NAMES) if n in group]
+        return tuple(dict.fromkeys(order + sorted(group)))
+
+    @property
+    def stage_list(self) -> StageList:
+        """The depth's stages with the metadata stored on their datasets (as depth 1's, TraceReader.stage_list)."""
+        return self.reader._guard(f"/{self.prefix}/stages", lambda: StageList(
+            _stage_meta_at(self.reader._dataset(self._path("stages", n)).attrs, n, self.path) for n in self.stages))
+
+    def _path(self, group: str, name: str) -> str:
+        return f"{self.prefix}/{group}/{name}"
+
+    def stage_shape(self, name: str) -> tuple[int, ...]:
+        return self.reader._guard(f"/{self._path('stages', name)}",
+                                  lambda: tuple(self.reader._dataset(self._path("stages", name)).shape))
+
+    def stage_dtype(self, name: str) -> np.dtype:
+        return self.reader._guard(f"/{self._path('stages', name)}",
+                                  lambda: self.reader._dataset(self._path("stages", name)).dtype)
+
+    def stage_rows(self, name: str, start: int = 0, stop: int | None = None,
+                   out: np.ndarray | None = None) -> np.ndarray:
+        path = self._path("stages", name)
+        return self.reader._guard(f"/{path} rows {start}..{stop}", lambda: self.reader._rows(path, start, stop, out))
+
+    def unwritten_rows(self, name: str) -> np.ndarray | None:
+        path = self._path("stages", name)
+        return self.reader._guard(f"/{path}", lambda: _unwritten_rows(self.reader._dataset(path)))
+
+    def input_names(self) -> tuple[str, ...]:
+        f = self.reader._file
+        return self.reader._guard(f"/{self.prefix}/inputs", lambda: tuple(
+            n for n in CHAIN_INPUT_NAMES if self._path("inputs", n) in f))
+
+    def input_shape(self, name: str) -> tuple[int, ...]:
+        path = self._path("inputs", name)
+        return self.reader._guard(f"/{path}", lambda: tuple(self.reader._dataset(path).shape))
+
+    def input_rows(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        path = self._path("inputs", name)
+        return self.reader._guard(f"/{path} rows {start}..{stop}", lambda: self.reader._rows(path, start, stop, None))
+
+    def has_evidence(self, name: str) -> bool:
+        return self.reader._guard(f"/{self.prefix}/evidence", lambda: self._path("evidence", name) in self.reader._file)
+
+    def evidence_names(self) -> tuple[str, ...]:
+        return self.reader._guard(f"/{self.prefix}/evidence", lambda: tuple(
+            sorted(self.reader._file.get(f"{self.prefix}/evidence", {}))))
+
+    def evidence_rows(self, name: str, start: int = 0, stop: int | None = None,
+                      out: np.ndarray | None = None) -> np.ndarray:
+        path = self._path("evidence", name)
+        return self.reader._guard(f"/{path} rows {start}..{stop}", lambda: self.reader._rows(path, start, stop, out))
+
+    def evidence_attr(self, name: str, key: str):
+        """An attribute of /chain/d{j}/evidence/<name> (e.g. draft_margin's row_norm_max), None when absent."""
+        return evidence_attr(self.reader, name, key, self.prefix)
+
+
+def _stage_meta_at(attrs, name: str, path: Path) -> Stage:
+    """A Stage from a stage dataset's `doc`/`kind`/`shape` attributes (the known stage's where absent)."""
+    known = STAGE_BY_NAME.get(name) or next((s for s in (DRAFT,) if s.name == name), None)
+    doc = _as_str(attrs.get("doc", known.doc if known else ""))
+    shape = _as_str(attrs.get("shape", known.shape if known else "T×D"))
+    kind = _as_str(attrs.get("kind", known.kind if known else ROWS))
+    if not isinstance(kind, str) or not isinstance(shape, str) or kind not in KINDS or shape not in SHAPES:
+        raise TraceFormatError(f"{path}: stage {name} has kind {kind!r} / shape {shape!r}; kinds are "
+                               f"{', '.join(KINDS)}, shapes {', '.join(SHAPES)}.")
+    return Stage(name, shape, str(doc), kind)
+
+
+def evidence_attr(reader: "TraceReader", name: str, key: str, prefix: str = ""):
+    """An attribute of an evidence dataset (/evidence/<name>, or under `prefix`), None when absent."""
+    path = f"{prefix + '/' if prefix else ''}evidence/{name}"
+    value = reader._guard(f"/{path}", lambda: reader._dataset(path).attrs.get(key) if path in reader._file else None)
+    return _as_str(value)
+
+
+def evidence_covers_chain(reader: "TraceReader") -> bool:
+    """Whether the root evidence_digest covers /evidence and every /chain/d{j}/evidence dataset (keys "d{j}/<name>"
+    beside /evidence's names, evidence_digest's order): only then is chain evidence trusted."""
+    recorded = reader.attrs.get("evidence_digest")
+    if recorded is None:
+        return False
+    arrays = {n: functools.partial(reader._blocks, "evidence", n, reader.evidence_rows) for n in reader.evidence_names()}
+    for depth in chain_groups(reader):
+        part = ChainDepthReader(reader, depth)
+        for n in part.evidence_names():
+            arrays[f"d{depth}/{n}"] = functools.partial(reader._blocks, f"{part.prefix}/evidence", n,
+                                                         part.evidence_rows)
+    return evidence_digest(reader.attrs.get("evidence_rules"), arrays) == recorded
+
+
+def chain_digest(depths: dict[int, dict]) -> str:
+    """sha256 over every /chain/d{j}/inputs dataset (name "d{j}/<name>", dtype, shape, little-endian bytes), in depth
+    then CHAIN_INPUT_NAMES order. `depths`: {j: {name: array, or (dtype, shape, blocks) callable}}."""
+    digest = hashlib.sha256()
+    for depth in sorted(depths):
+        for name in CHAIN_INPUT_NAMES:
+            if name in depths[depth]:
+                _hash_array(digest, f"d{depth}/{name}", depths[depth][name])
+    return "sha256:" + digest.hexdigest()
+
+
+def recorded_chain_digest(reader: "TraceReader") -> str:
+    """chain_digest of the trace's /chain/d{j}/inputs as stored, hashed a block of rows at a time."""
+    depths = {}
+    for depth in chain_groups(reader):
+        part = ChainDepthReader(reader, depth)
+        depths[depth] = {n: functools.partial(reader._blocks, f"{part.prefix}/inputs", n, part.input_rows)
+                         for n in part.input_names()}
+    return chain_digest(depths)
