@@ -39,9 +39,11 @@ def export_depth1(path: Path, tokens=TOKENS) -> Path:
     return path
 
 
-def compute_chain(inputs, out: np.ndarray, depths: int, checkpoint: Path = TINY) -> Chain:
+def compute_chain(inputs, out: np.ndarray, depths: int, checkpoint: Path = TINY, recycle: str = "out",
+                  freeze_position: bool = False) -> Chain:
     """Depths 2..`depths` of every bridge position that has them, for the trace `inputs` (TraceInputs) whose depth-1
-    `out` rows are given (the draft of depth 1 is taken from them)."""
+    `out` rows are given (the draft of depth 1 is taken from them). `recycle` (a stage name) and `freeze_position`
+    (every depth at the bridge's position) build the engine bugs the probe must catch, with the same head."""
     import torch
     from transformers import DynamicCache
 
@@ -61,12 +63,12 @@ def compute_chain(inputs, out: np.ndarray, depths: int, checkpoint: Path = TINY)
         for i in range(total):
             bridge = _step(head, rotary, inputs.embed[i], inputs.hidden[i], int(inputs.positions[i]), cache)
             chain_cache = copy.deepcopy(cache)  # chain entries live only for this chain
-            recycled, prenorm = bridge["out"], bridge["res2"]
+            recycled, prenorm = bridge[recycle], bridge["res2"]
             for j in range(2, depths + 1):
                 if i + j - 1 > total - 1:
                     break
                 token = int(inputs.token_ids[i + j - 1])  # teacher-forced: x_{i+j}
-                position = int(inputs.positions[i]) + j - 1
+                position = int(inputs.positions[i]) + (0 if freeze_position else j - 1)
                 embed = embed_table[token]
                 with uniform_weights(head.text_config):
                     uniform = _step(head, rotary, embed, recycled, position, copy.deepcopy(chain_cache))["attn"]
@@ -75,7 +77,7 @@ def compute_chain(inputs, out: np.ndarray, depths: int, checkpoint: Path = TINY)
                         for name, x in (("prenorm", prenorm), ("main", inputs.hidden[i]))}
                 rows[j].append({"bridge": i, "token": token, "position": position, "recycled": recycled,
                                 "embed": embed, "stages": step, "uniform": uniform, "h_if": h_if})
-                recycled, prenorm = step["out"], step["res2"]
+                recycled, prenorm = step[recycle], step["res2"]
     norm_max = float(np.sqrt((lm_head ** 2).sum(axis=1)).max())
     return Chain(_draft_of(out, lm_head), {j: _depth_arrays(r, lm_head) for j, r in rows.items()}, norm_max)
 
