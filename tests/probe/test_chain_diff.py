@@ -327,3 +327,58 @@ def test_fail_fast_skips_the_chain_after_a_depth_one_divergence(chained, tmp_pat
     bad = dict(stages, out=stages["out"] + 1)
     result = diff_cli(ref, write_chain_raw(tmp_path / "c", bad, depths), "--fail-fast")
     assert result.exit_code == 1 and "at token 0" in last_line(result), result.output
+
+
+# --- renderings: one bad depth stays visible at T in the thousands ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def long_chain(tmp_path_factory):
+    from tests.probe.tracekit import synthetic, synthetic_chain, write_h5
+
+    folder = tmp_path_factory.mktemp("long")
+    inputs, stages = synthetic(3000, 8)
+    ref = write_h5(folder / "ref.h5", inputs, stages)
+    chain = synthetic_chain(stages, 3)
+    add_chain(ref, chain)
+    depths = {j: chain.depths[j]["stages"] for j in chain.depths}
+    return ref, {**stages, "draft": chain.depth1["draft"]}, depths
+
+
+def _diff(ref, cand):
+    from probe.diff import diff_traces
+
+    return diff_traces(ref, cand)
+
+
+def test_heatmap_shows_one_bad_depth_among_thousands_of_rows(long_chain, tmp_path):
+    from probe.plot import heatmap_figure
+
+    ref, stages, depths = long_chain
+    bad = copies(depths)
+    bad[3]["out"][1700] += 1.0  # one row of one stage of one depth, among 3 x 3000 x 12
+    report = _diff(ref, write_chain_raw(tmp_path / "c", stages, bad))
+    assert report.first_at[0] == 3 and report.first_at[1].token == 1700
+    fig = heatmap_figure(report)
+    overview = [ax for ax in fig.axes if ax.get_title().startswith("depth 3: all 2998 rows")]
+    assert len(overview) == 1
+    budgets = overview[0].collections[0].get_array()
+    assert budgets.max() > 1  # the pooled column holding bridge 1700 shows the failure
+    zoom = [ax for ax in fig.axes if ax.get_title().startswith("depth 3, rows")]
+    assert zoom and zoom[0].get_xlim()[0] <= 1700 <= zoom[0].get_xlim()[1]
+    assert "first divergence: out at depth 3 bridge 1700" in fig._suptitle.get_text()
+    twin = heatmap_figure(_diff(ref, write_chain_raw(tmp_path / "t", stages, depths)))  # the same, correct
+    calm = [ax for ax in twin.axes if ax.get_title().startswith("depth 3: all")][0].collections[0].get_array()
+    assert calm.max() < 1
+
+
+def test_html_has_a_depth_table(long_chain, tmp_path):
+    from probe.html_report import render_html
+
+    ref, stages, depths = long_chain
+    bad = copies(depths)
+    bad[2]["h"][10] += 1.0
+    page = render_html(_diff(ref, write_chain_raw(tmp_path / "c", stages, bad)))
+    assert '<section id="depths">' in page and "first divergence: stage h at depth 2 bridge position 10" in page
+    assert "<td>2</td><td class=\"num\">2999</td><td class=\"bad\">DIVERGED</td>" in page
+    calm = render_html(_diff(ref, write_chain_raw(tmp_path / "t", stages, depths)))
+    assert "DIVERGED" not in calm and '<section id="depths">' in calm

@@ -176,3 +176,27 @@ def write_chain_raw(path: Path, stages: dict[str, np.ndarray], depths: dict[int,
     for j, part in depths.items():
         write_raw(path / f"d{j}", part)
     return path
+
+
+def synthetic_chain(stages: dict[str, np.ndarray], depths: int, seed: int = 0):
+    """A stand-in `Chain` (tests/probe/chain_reference.py) of random rows for long-trace renderings: depths 2..K
+    with n_j rows, attention sensitive at every row, recycle alternatives far from h, margins of 1."""
+    from tests.probe.chain_reference import Chain
+
+    rng = np.random.default_rng(seed)
+    total = len(stages["out"])
+
+    def part(rows: int) -> dict:
+        rows_of = {n: rng.standard_normal((rows, r.shape[1]), dtype=np.float32) for n, r in stages.items()}
+        rows_of["draft"] = rng.integers(0, 100, (rows, 1))
+        width = stages["h"].shape[1]
+        return {"inputs": {"bridge": np.arange(rows), "token_ids": rng.integers(0, 100, rows),
+                           "positions": np.arange(rows) + 1, "layer": np.zeros(rows, np.int64),
+                           "recycled": rng.standard_normal((rows, width), dtype=np.float32),
+                           "embed": rng.standard_normal((rows, width), dtype=np.float32)},
+                "stages": rows_of,
+                "evidence": {"attn_uniform": rows_of["attn"] + 1, "draft_margin": np.ones((rows, 1), np.float32),
+                             "h_if_prenorm": rows_of["h"] + 1, "h_if_main": rows_of["h"] - 1}}
+
+    depth1 = {"draft": rng.integers(0, 100, (total, 1)), "draft_margin": np.ones((total, 1), np.float32)}
+    return Chain(depth1, {j: part(total - j + 1) for j in range(2, depths + 1)}, 1.0)
