@@ -57,7 +57,7 @@ def summary_line(report: DiffReport) -> str:
         parts = ["DIVERGED", f"first divergent stage: {first.stage} {place}",
                  f"budget {budget_text(first.diff.budget_used)}", coverage]
     elif name == "invalid":
-        parts = ["INVALID", _issues_short(report.issues), coverage]
+        parts = ["INVALID", _all_issues_short(report), coverage]
     else:
         parts = ["INCONCLUSIVE", "all compared rows within tolerance, but " + "; ".join(report.verdict.reasons),
                  coverage]
@@ -225,6 +225,14 @@ def _written_text(report: DiffReport) -> str:
 
 def _rows_zero_on_both_sides(report: DiffReport) -> int:
     return sum(int(r.both_zero.sum()) for r in report.rows.values())
+
+
+def _all_issues_short(report: DiffReport) -> str:
+    """_issues_short of depth 1, then of each chain depth that failed a self-check (`depth j: ...`)."""
+    texts = [_issues_short(report.issues)] if report.issues else []
+    texts += [f"depth {d.depth}: {_issues_short(d.report.issues)}" for d in
+              (report.chain.depths if report.chain is not None else ()) if d.report.issues]
+    return "; ".join(texts)
 
 
 def _issues_short(issues: tuple[Issue, ...]) -> str:
