@@ -10,6 +10,16 @@ which writes the step's output into `out` and each captured stage into `trace[na
 buffers: write with `trace["fc"][:] = ...`, not by rebinding). `impl.capture` (optional) lists the stages it
 captures, in any order; the others are "not captured". The impl keeps its own KV cache across its step() calls;
 FACTORY is called once per run, so every run starts with an empty cache.
+
+The draft loop (optional, issue 24): against a reference with chains, an impl that has
+
+    impl.draft_step(depth: int, token: int, pos: int, embed_row: ndarray[D], out: ndarray[D], trace: dict)
+
+is driven in the engine's own order: step() for bridge i, then draft_step(j, token, pos, ...) for its chain j = 2,
+3, ... (while bridge i has depth j), then step() for bridge i+1. No hidden is handed in: the engine recycles its
+own (and chooses which layer runs); `out` and `trace` are rows of depth j's buffers (row i = bridge i). Dropping
+the chain's KV rows before the next bridge step is the engine's job too, so a chain row left in its cache shows as
+a divergence at the next bridge step. An impl without draft_step captures no chain (the verdict says so).
 """
 
 import dataclasses
@@ -71,7 +81,11 @@ class PythonAdapter:
         self._stages = ckpt.family.stages(ckpt.config)
         self._dims = ckpt.family.dims(ckpt.config)
 
-    def run(self, inputs: TraceInputs) -> dict[str, np.ndarray]:
+    supports_chains = True  # run(inputs, chain) drives draft_step where the impl has one
+
+    def run(self, inputs: TraceInputs, chain: dict[int, dict[str, np.ndarray]] | None = None) -> dict[str, np.ndarray]:
+        """Depth 1's buffers by stage; with `chain` ({j: token_ids, positions, embed of depth j}) and an impl with
+        draft_step, also "d{j}": depth j's buffers."""
         impl = self._candidate(self._make, f"in {self._factory_name}()")  # fresh per run: an empty KV cache
         step = self._candidate(lambda: getattr(impl, "step", None), "reading its step attribute")
         if not callable(step):
@@ -80,16 +94,32 @@ class PythonAdapter:
         capture = self._candidate(lambda: _captured_stages(impl, self.name, traceable), "reading its capture list")
         if self.capture_only is not None:
             capture = tuple(n for n in capture if n in self.capture_only)
-        t, d = inputs.num_tokens, inputs.hidden_size
-        buffers = {n: _unwritten(self._stages[n], (t, self._stages[n].width(self._dims))) for n in capture}
-        buffers["out"] = poison((t, d))
+        t = inputs.num_tokens
+        buffers = self._buffers(capture, t)
+        draft = self._candidate(lambda: getattr(impl, "draft_step", None), "reading its draft_step attribute") \
+            if chain else None
+        depths = {j: self._buffers(capture, len(part["token_ids"])) for j, part in chain.items()} \
+            if callable(draft) else {}
         with Progress(f"candidate {self.name}", t) as bar:
             for i in range(t):
                 rows = {n: buffers[n][i] for n in capture}  # views: the impl writes into the buffers
                 self._candidate(lambda: step(int(inputs.positions[i]), inputs.embed[i].copy(),
                                              inputs.hidden[i].copy(), buffers["out"][i], rows), f"at step {i}")
+                for j in (j for j in sorted(depths) if i < len(chain[j]["token_ids"])):  # bridge i's chain
+                    self._draft(draft, j, i, chain[j], depths[j], capture)
                 bar.update()
-        return buffers
+        return buffers | {f"d{j}": part for j, part in depths.items()}
+
+    def _buffers(self, capture: tuple[str, ...], rows: int) -> dict[str, np.ndarray]:
+        out = {n: _unwritten(self._stages[n], (rows, self._stages[n].width(self._dims))) for n in capture}
+        return out | {"out": poison((rows, self._dims.hidden_size))}
+
+    def _draft(self, draft, depth: int, i: int, part: dict, buffers: dict, capture: tuple[str, ...]) -> None:
+        """Depth `depth` of bridge i's chain: the reference's token, position and embedding row, no hidden."""
+        rows = {n: buffers[n][i] for n in capture}
+        self._candidate(lambda: draft(depth, int(part["token_ids"][i]), int(part["positions"][i]),
+                                      part["embed"][i].copy(), buffers["out"][i], rows),
+                        f"at depth {depth} of bridge {i}")
 
     def _candidate(self, call, where: str):
         """call() runs the candidate's own code: what it raises is reported (INVALID, exit 2), never a probe crash

@@ -15,23 +15,11 @@ import pytest
 from oracle.trace import _put, evidence_digest
 from probe.testing import assert_trace_close
 from tests.helpers import TINY_REF
-from tests.probe.chain_reference import compute_chain, export_depth1
+from tests.probe.chain_reference import compute_chain
 from tests.probe.tracekit import (add_chain, diff_cli, last_line, load_trace, write_chain_h5, write_chain_raw,
                                   write_raw)
 
 K = 4  # depths 1..4 of T = 10 bridge positions: n_j = 10, 9, 8, 7
-
-
-@pytest.fixture(scope="module")
-def chained(tmp_path_factory):
-    """(reference path, depth-1 stages with the draft, {j: depth-j stages}, inputs) of a K=4 chain reference."""
-    path = export_depth1(tmp_path_factory.mktemp("chain") / "ref.h5")
-    inputs, stages = load_trace(path)
-    chain = compute_chain(inputs, stages["out"], K)
-    add_chain(path, chain)
-    with h5py.File(path) as f:
-        depths = {j: {n: f[f"chain/d{j}/stages/{n}"][()] for n in f[f"chain/d{j}/stages"]} for j in range(2, K + 1)}
-    return path, {**stages, "draft": chain.depth1["draft"]}, depths, inputs
 
 
 def copies(depths):
