@@ -95,3 +95,49 @@ def test_no_draft_step_is_inconclusive(chained, mutants):
     result = _run(chained[0], "python:loop_mutants:no_loop")
     assert result.exit_code == 3, result.output
     assert "the draft loop was not checked" in last_line(result)
+
+
+# --- C ABI v2: mtp2_draft_step, detected by symbol --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def v2_library(tmp_path_factory):
+    from probe.adapters.cabi import build_library
+
+    out = tmp_path_factory.mktemp("v2-chain")
+    return lambda *defines: build_library(FIXTURES / "candidates" / "mtp_step_v2.c", out, defines)
+
+
+def test_c_draft_step_passes_at_every_depth(chained, v2_library):
+    result = _run(chained[0], f"c:{v2_library()}")
+    assert result.exit_code == 0, result.output
+    assert last_line(result).startswith("PASSED | 11 stages x 10 tokens within tolerance at depths 1-4")
+
+
+def test_c_frozen_chain_position_is_caught_at_depth_two(chained, v2_library):
+    result = _run(chained[0], f"c:{v2_library('MTP_MUTANT_CHAIN_POS_FROZEN')}")
+    assert result.exit_code == 1, result.output
+    assert "first divergent stage: attn at depth 2 bridge 0" in last_line(result)
+
+
+def test_c_library_that_drafts_but_never_writes_is_invalid(chained, v2_library):
+    result = _run(chained[0], f"c:{v2_library('MTP_MUTANT_DRAFT_NO_WRITE')}")
+    assert result.exit_code == 2, result.output
+    assert last_line(result).startswith("INVALID | depth 2: unwritten rows")
+
+
+def test_v2_library_without_draft_step_still_runs_and_says_the_loop_was_not_checked(chained, v2_library):
+    library = v2_library("MTP_NO_DRAFT_STEP")
+    result = _run(chained[0], f"c:{library}")
+    assert result.exit_code == 3 and "the draft loop was not checked" in last_line(result), result.output
+    from tests.helpers import TINY_REF
+
+    old = run_cli(cli, ["run", TINY_REF, "--impl", f"c:{library}", "-q"])  # a reference without chains: as before
+    assert old.exit_code == 0 and last_line(old).startswith("PASSED | 11 stages x 8 tokens"), old.output
+
+
+def test_v1_library_on_a_chain_reference_is_inconclusive(chained, tmp_path):
+    from probe.adapters.cabi import build_library
+
+    library = build_library(FIXTURES / "candidates" / "mtp_step.c", tmp_path)
+    result = _run(chained[0], f"c:{library}")
+    assert result.exit_code == 3 and "the draft loop was not checked" in last_line(result), result.output
