@@ -369,3 +369,13 @@ def test_html_has_a_depth_table(long_chain, tmp_path):
     assert "<td>2</td><td class=\"num\">2999</td><td class=\"bad\">DIVERGED</td>" in page
     calm = render_html(_diff(ref, write_chain_raw(tmp_path / "t", stages, depths)))
     assert "DIVERGED" not in calm and '<section id="depths">' in calm
+
+
+def test_explain_says_it_does_not_diagnose_a_chain_divergence(chained, tmp_path):
+    ref, stages, depths, _ = chained
+    bad = copies(depths)
+    bad[3]["out"][5] += 0.5
+    result = diff_cli(ref, write_chain_raw(tmp_path / "c", stages, bad), "--explain")
+    assert result.exit_code == 1, result.output
+    assert ("DIAGNOSIS | depth 3 of the draft loop diverges, and --explain diagnoses the bridge step (depth 1) "
+            "only") in result.output  # never "nothing to diagnose: no row diverges"
