@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from oracle.trace import ChainInfo, recorded_chain_digest
+from oracle.trace import ChainInfo
 
 from probe.compare import INVALID_STATUSES, rows_from_sums
 from probe.errors import ProbeError, ReferenceTraceError
@@ -99,7 +99,7 @@ def check_chain_reference(ref, info: ChainInfo) -> None:
         raise ReferenceTraceError(f"reference {ref.path}: its chain record says depths 2..{info.depths}, but it holds "
                                   f"/chain groups {_list(ref.depths) or 'none'}. {regenerate}")
     recorded = ref.attrs.get("chain_digest")
-    if not isinstance(recorded, str) or recorded != recorded_chain_digest(ref._reader):
+    if not isinstance(recorded, str) or recorded != ref.recorded_chain_digest():
         what = "records no chain_digest" if recorded is None else "has /chain inputs that do not match its chain_digest"
         raise ReferenceTraceError(f"reference {ref.path} {what} (edited after export?), so its chain rows cannot be "
                                   f"trusted. {regenerate}")
@@ -118,7 +118,7 @@ def _check_reference_depth(ref, part, depth: int) -> None:
         problem = layout_problem(part, stage.name, (part.num_tokens, ref.stage_shape(stage.name)[1]), stage.kind)
         if problem:
             raise ReferenceTraceError(f"reference {problem[1]} {regenerate}")
-    bridge = part.input_rows("bridge", 0, None) if "bridge" in part._reader.input_names() else None
+    bridge = part.chain_input_rows("bridge") if "bridge" in part.chain_input_names() else None
     if bridge is None or not np.array_equal(bridge, np.arange(part.num_tokens)):
         raise ReferenceTraceError(f"reference {ref.path}: /chain/d{depth}/inputs/bridge is not 0..{part.num_tokens - 1} "
                                   f"(row r = bridge position r, n_j = T - j + 1). {regenerate}")
@@ -145,9 +145,8 @@ def check_candidate_depth(ref_part, cand_part, depth: int) -> None:
             raise ProbeError(f"candidate {cand_part.describe(name)} holds {shape[0]} rows at depth {depth}, but the "
                              f"reference has bridge positions 0..{n - 1} there (n_j = T - j + 1 = {n}): rows past "
                              f"{n - 1} refer to bridge positions the reference lacks. Write row r for bridge r only.")
-    reader = getattr(cand_part, "_reader", None)
-    if reader is not None and "bridge" in reader.input_names():
-        bridge = np.asarray(reader.input_rows("bridge", 0, None))
+    if "bridge" in getattr(cand_part, "chain_input_names", tuple)():  # an HDF5 candidate may record it
+        bridge = np.asarray(cand_part.chain_input_rows("bridge"))
         if bridge.ndim != 1 or len(bridge) > n or not np.array_equal(bridge, np.arange(len(bridge))):
             raise ProbeError(f"candidate {cand_part.path}: /chain/d{depth}/inputs/bridge is {bridge[:8].tolist()}...; "
                              f"row r is bridge position r, for r = 0..{n - 1} (the reference's). Write the rows in "
@@ -159,7 +158,7 @@ def recycle_evidence(ref_part, report, tol) -> tuple[RecycleEvidence, ...]:
     those where the candidate's h row is also within tolerance (it evidences the recycle choice there)."""
     if tol is None or HIDDEN_STAGE not in ref_part.stages:
         return ()
-    names = [n for n in ref_part._reader.evidence_names() if n.startswith(RECYCLE_PREFIX)]
+    names = [n for n in ref_part.evidence_names() if n.startswith(RECYCLE_PREFIX)]
     names = [n for n in names if ref_part.has_evidence(n)]  # verified only
     total, out = ref_part.num_tokens, []
     h_rows = report.rows.get(HIDDEN_STAGE)

@@ -309,7 +309,7 @@ def chain_inputs(ref) -> dict[int, dict[str, np.ndarray]] | None:
     from probe.chain import check_chain_reference
 
     check_chain_reference(ref, ref.chain)
-    return {j: {name: np.asarray(ref.depth(j)._reader.input_rows(name)) for name in ("token_ids", "positions", "embed")}
+    return {j: {name: ref.depth(j).chain_input_rows(name) for name in ("token_ids", "positions", "embed")}
             for j in ref.chain.chain_depths}
 
 

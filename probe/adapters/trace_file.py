@@ -36,7 +36,7 @@ import numpy as np
 from oracle.errors import TraceFormatError
 from oracle.stages import INDEX_SET, STAGES, Dims, StageList
 from oracle.trace import (INPUT_NAMES, ChainDepthReader, ChainInfo, chain_groups, chain_info, chain_rows,
-                          evidence_attr, evidence_covers_chain, read_trace)
+                          evidence_attr, evidence_covers_chain, read_trace, recorded_chain_digest)
 from probe.poison import poison
 
 CHECKED_INPUTS = ("token_ids", "positions", "hidden")  # the inputs a candidate is given; embed comes from weights
@@ -160,9 +160,16 @@ class Hdf5Trace(_Closing):
         if not hasattr(self, "_evidence_verified"):
             verified = self._reader.evidence_verified()
             if verified is False and self.depths:  # a digest over depth 1's and the chain's evidence
-                verified = evidence_covers_chain(self._reader)
+                verified = self.chain_evidence_verified
             self._evidence_verified = verified
         return self._evidence_verified
+
+    @property
+    def chain_evidence_verified(self) -> bool:
+        """Whether the root evidence_digest covers the chain's evidence too (hashed once per file)."""
+        if not hasattr(self, "_chain_evidence_verified"):
+            self._chain_evidence_verified = bool(self.depths) and evidence_covers_chain(self._reader)
+        return self._chain_evidence_verified
 
     def evidence_attr(self, name: str, key: str):
         """An attribute of /evidence/<name> (draft_margin's row_norm_max), None when absent."""
@@ -185,6 +192,10 @@ class Hdf5Trace(_Closing):
     def depth(self, depth: int) -> "Hdf5DepthTrace":
         """Depth `depth` (>= 2) of the draft loop as a source of its own: rows = bridge positions."""
         return Hdf5DepthTrace(self, depth)
+
+    def recorded_chain_digest(self) -> str:
+        """chain_digest of the file's /chain/d{j}/inputs as stored (oracle/trace.py)."""
+        return recorded_chain_digest(self._reader)
 
     def evidence_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         return _native_float32(self._reader.evidence_rows(name, start, stop))
@@ -230,9 +241,7 @@ class Hdf5DepthTrace(Hdf5Trace):
 
     @property
     def evidence_verified(self) -> bool | None:
-        if not hasattr(self, "_evidence_verified"):
-            self._evidence_verified = evidence_covers_chain(self.parent._reader) or None
-        return self._evidence_verified
+        return self.parent.chain_evidence_verified or None
 
     def evidence_attr(self, name: str, key: str):
         return self._reader.evidence_attr(name, key)
@@ -250,6 +259,17 @@ class Hdf5DepthTrace(Hdf5Trace):
 
     def recorded_inputs_digest(self) -> None:
         return None  # a depth's inputs are covered by the root chain_digest (checked once per file)
+
+    def chain_input_names(self) -> tuple[str, ...]:
+        """The /chain/d{j}/inputs datasets present (CHAIN_INPUT_NAMES order)."""
+        return self._reader.input_names()
+
+    def chain_input_rows(self, name: str) -> np.ndarray:
+        """All rows of /chain/d{j}/inputs/<name> (bridge, token_ids, positions, layer, recycled, embed)."""
+        return _native_float32(self._reader.input_rows(name, 0, None))
+
+    def evidence_names(self) -> tuple[str, ...]:
+        return self._reader.evidence_names()
 
     def describe(self, name: str) -> str:
         return f"{self.path}:/chain/d{self.depth_index}/stages/{name}"

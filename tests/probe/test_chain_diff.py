@@ -162,6 +162,7 @@ def test_draft_flip_explained_by_out_error_is_a_near_tie(chained, tmp_path):
     cand = write_chain_raw(tmp_path / "c", stages, bad)
     result = diff_cli(ref, cand, "--stage-tol", "out=0.5,1")
     assert result.exit_code == 3, result.output  # a near-tie: not judged, so not a pass
+    assert "depth 2: draft near-ties at row(s) 4" in last_line(result)
     twin = copies(depths)
     twin[2]["draft"] = _flip(twin[2]["draft"], 4)  # the same flip with out exact: rounding cannot explain it
     result = diff_cli(ref, write_chain_raw(tmp_path / "t", stages, twin), "--stage-tol", "out=0.5,1")
