@@ -59,7 +59,7 @@ class ChainDiff:
     depths: tuple[DepthDiff, ...]  # the depths compared, in order
     not_captured: tuple[int, ...]  # reference depths the candidate does not capture
     bridge_verdict: Verdict  # depth 1's own verdict
-    not_compared: str | None = None  # why the captured depths were not compared (--fail-fast at depth 1)
+    not_compared: str | None = None  # why captured depths were not compared (--fail-fast after a failing depth)
 
     @property
     def compared_depths(self) -> tuple[int, ...]:
@@ -84,11 +84,17 @@ def with_chain(bridge: "DiffReport", ref, cand, tols, fail_fast: bool) -> "DiffR
         raise ProbeError(f"candidate {cand.path} captures chain depth {extra[0]}, which the reference {ref.path} "
                          f"lacks (it records depths 2..{info.depths}); drop depths past {info.depths}, or export the "
                          f"reference with --chain {max(captured)}.")
-    skip = fail_fast and bridge.verdict.name in ("diverged", "invalid")
-    depths = [] if skip else [_diff_one_depth(ref, cand, j, tols, fail_fast) for j in info.chain_depths
-                              if j in captured]
+    stopped = 1 if fail_fast and bridge.verdict.name in ("diverged", "invalid") else None
+    depths = []
+    for j in (j for j in info.chain_depths if j in captured and stopped is None):
+        depths.append(_diff_one_depth(ref, cand, j, tols, fail_fast))
+        if fail_fast and depths[-1].report.verdict.name in ("diverged", "invalid"):
+            stopped = j  # --fail-fast: the first depth that failed ends the comparison
+    left = [j for j in captured if j not in {d.depth for d in depths}]
+    why = (f"--fail-fast: depth {stopped} {'diverged' if stopped == 1 and bridge.verdict.name == 'diverged' else 'failed'}"
+           f", so depth(s) {_list(left)} were not compared") if stopped is not None and left else None
     chain = ChainDiff(info, tuple(depths), tuple(j for j in info.chain_depths if j not in captured), bridge.verdict,
-                      "--fail-fast: depth 1 diverged, so the chain was not compared" if skip and captured else None)
+                      why)
     return replace(bridge, chain=chain, verdict=combined_verdict(chain))
 
 

@@ -27,7 +27,7 @@ def chain_text(report: DiffReport, verbose: bool = False) -> str:
     for depth in info.chain_depths:
         part = parts.get(depth)
         if part is None:
-            why = chain.not_compared or "not captured (never counted as passed)"
+            why = "not captured (never counted as passed)" if depth in chain.not_captured else chain.not_compared
             lines.append(f"  {depth:<6}{'-':>8}  {why}")
             continue
         r = part.report
@@ -92,8 +92,8 @@ def chain_json(report: DiffReport) -> dict:
     for depth in info.chain_depths:
         part = parts.get(depth)
         entries.append(_depth_json(depth, part.report, part.report.verdict, part) if part else
-                       {"depth": depth, "captured": False, "verdict": None,
-                        "reason": chain.not_compared or "not captured"})
+                       {"depth": depth, "captured": depth not in chain.not_captured, "verdict": None,
+                        "reason": "not captured" if depth in chain.not_captured else chain.not_compared})
     return {"chain": {"depths": info.depths, "tokens": info.tokens, "recycle": info.recycle,
                       "layers": list(info.layers), "num_layers": info.num_layers, "kv": info.kv},
             "depths": entries}

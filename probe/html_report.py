@@ -119,7 +119,7 @@ def _depth_table(report: DiffReport) -> str:
     parts = {1: (report, chain.bridge_verdict, None)} | {d.depth: (d.report, d.report.verdict, d) for d in chain.depths}
     for depth in (1, *chain.info.chain_depths):
         if depth not in parts:
-            why = chain.not_compared or "not captured (never counted as passed)"
+            why = "not captured (never counted as passed)" if depth in chain.not_captured else chain.not_compared
             lines.append(f'<tr class="missing"><td>{depth}</td><td colspan="5">{_e(why)}</td></tr>')
             continue
         part, verdict, diff = parts[depth]

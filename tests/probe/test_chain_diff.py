@@ -380,3 +380,14 @@ def test_explain_says_it_does_not_diagnose_a_chain_divergence(chained, tmp_path)
     assert result.exit_code == 1, result.output
     assert ("DIAGNOSIS | depth 3 of the draft loop diverges, and --explain diagnoses the bridge step (depth 1) "
             "only") in result.output  # never "nothing to diagnose: no row diverges"
+
+
+def test_fail_fast_stops_at_the_first_failing_depth(chained, tmp_path):
+    ref, stages, depths, _ = chained
+    bad = copies(depths)
+    bad[2]["out"][1] += 1.0
+    result = diff_cli(ref, write_chain_raw(tmp_path / "c", stages, bad), "--fail-fast")
+    assert result.exit_code == 1 and "out at depth 2 bridge 1" in last_line(result), result.output
+    assert "--fail-fast: depth 2 failed, so depth(s) 3, 4 were not compared" in result.output
+    full = diff_cli(ref, write_chain_raw(tmp_path / "t", stages, bad))  # the twin without it compares them all
+    assert "were not compared" not in full.output and "depths compared: 1-4 of 1-4" in last_line(full)
