@@ -123,3 +123,24 @@ def _tensor(ckpt, name: str) -> np.ndarray:
             if name in f.keys():
                 return f.get_tensor(name).float().numpy()
     raise KeyError(name)
+
+
+def chain_reference(path: Path, depths: int, tokens=TOKENS) -> Path:
+    """A chain reference of depths 2..`depths` at `path`: the oracle's own `export --chain` where this oracle has
+    it (oracle/draft_loop.py), else a real depth-1 export plus the chains computed here (`compute_chain`), written
+    per the schema by tests/probe/tracekit.py add_chain. test_real_export_agrees_with_the_independent_chain holds
+    the two equal."""
+    import importlib.util
+
+    if importlib.util.find_spec("oracle.draft_loop") is not None:
+        from oracle.cli import main
+
+        main(["export", str(TINY), "--out", str(path), "--tokens", ",".join(map(str, tokens)), "--hidden-seed", "0",
+              "--chain", str(depths), "-q"], standalone_mode=False)
+        return path
+    from tests.probe.tracekit import add_chain, load_trace
+
+    export_depth1(path, tokens)
+    inputs, stages = load_trace(path)
+    add_chain(path, compute_chain(inputs, stages["out"], depths))
+    return path

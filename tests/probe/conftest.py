@@ -15,16 +15,14 @@ def digest_memo_in_a_scratch_folder(tmp_path_factory):
 @pytest.fixture(scope="session")
 def chained(tmp_path_factory):
     """(reference path, depth-1 stages with the draft, {j: depth-j stages}, inputs) of a chain reference: T = 10,
-    depths 2..4, built by tests/probe/chain_reference.py (a real depth-1 export plus chains from the oracle's head)."""
+    depths 2..4 (tests/probe/chain_reference.py chain_reference)."""
     import h5py
 
-    from tests.probe.chain_reference import compute_chain, export_depth1
-    from tests.probe.tracekit import add_chain, load_trace
+    from tests.probe.chain_reference import chain_reference
+    from tests.probe.tracekit import load_trace
 
-    path = export_depth1(tmp_path_factory.mktemp("chain") / "ref.h5")
+    path = chain_reference(tmp_path_factory.mktemp("chain") / "ref.h5", 4)
     inputs, stages = load_trace(path)
-    chain = compute_chain(inputs, stages["out"], 4)
-    add_chain(path, chain)
     with h5py.File(path) as f:
         depths = {j: {n: f[f"chain/d{j}/stages/{n}"][()] for n in f[f"chain/d{j}/stages"]} for j in range(2, 5)}
-    return path, {**stages, "draft": chain.depth1["draft"]}, depths, inputs
+    return path, stages, depths, inputs

@@ -391,3 +391,27 @@ def test_fail_fast_stops_at_the_first_failing_depth(chained, tmp_path):
     assert "--fail-fast: depth 2 failed, so depth(s) 3, 4 were not compared" in result.output
     full = diff_cli(ref, write_chain_raw(tmp_path / "t", stages, bad))  # the twin without it compares them all
     assert "were not compared" not in full.output and "depths compared: 1-4 of 1-4" in last_line(full)
+
+
+# --- the real oracle's chains (mtp-oracle export --chain K, chain-oracle's half of issue 24) -----------------------
+
+def test_real_export_agrees_with_the_independent_chain(tmp_path):
+    """The oracle's own --chain export against tests/probe/chain_reference.py's step-by-step computation (two
+    implementations of the loop's semantics): a pass at every depth; the twin recycling res2 diverges at depth 2 h.
+    Skipped (not passed) where this oracle has no --chain yet."""
+    pytest.importorskip("oracle.draft_loop", reason="this oracle cannot export chains yet (issue 24, oracle half)")
+    from oracle.cli import main
+
+    from tests.helpers import TINY
+    from tests.probe.chain_reference import TOKENS
+
+    ref = tmp_path / "ref.h5"
+    main(["export", str(TINY), "--out", str(ref), "--tokens", ",".join(map(str, TOKENS)), "--hidden-seed", "0",
+          "--chain", "4", "-q"], standalone_mode=False)
+    inputs, stages = load_trace(ref)
+    mine = compute_chain(inputs, stages["out"], 4)
+    result = diff_cli(ref, write_chain_raw(tmp_path / "c", stages, {j: p["stages"] for j, p in mine.depths.items()}))
+    assert result.exit_code == 0 and "at depths 1-4" in last_line(result), result.output
+    wrong = compute_chain(inputs, stages["out"], 4, recycle="res2")
+    result = diff_cli(ref, write_chain_raw(tmp_path / "w", stages, {j: p["stages"] for j, p in wrong.depths.items()}))
+    assert result.exit_code == 1 and "h at depth 2 bridge 0" in last_line(result), result.output

@@ -206,13 +206,12 @@ def chain_rows(tmp_path_factory):
     """A chain reference (tests/probe/test_chain_diff.py's construction) and its rows as d{j}/<stage>.bin files."""
     import h5py
 
-    from tests.probe.chain_reference import compute_chain, export_depth1
-    from tests.probe.tracekit import add_chain, load_trace
+    from tests.probe.chain_reference import chain_reference
+    from tests.probe.tracekit import load_trace
 
     tmp = tmp_path_factory.mktemp("chain-writer")
-    ref = export_depth1(tmp / "ref.h5")
-    inputs, stages = load_trace(ref)
-    add_chain(ref, compute_chain(inputs, stages["out"], 3))
+    ref = chain_reference(tmp / "ref.h5", 3)
+    inputs, _ = load_trace(ref)
     rows = tmp / "rows"
     with h5py.File(ref) as f:
         for j, group in ((1, f["stages"]), *((j, f[f"chain/d{j}/stages"]) for j in (2, 3))):
