@@ -167,6 +167,10 @@ def run(ctx, ref, spec, checkpoint, out, profile, rtol, atol, stage_tol, json_pa
                  trace) is called for each step t in order: write the head output into out[:] and each
                  captured stage into trace[stage][:] (rows of poison-filled buffers; never rebind them).
                  The optional impl.capture lists the stages it captures; the impl keeps its own KV cache.
+                 Against a reference with chains, an impl with draft_step(depth, token, pos, embed_row, out,
+                 trace) is driven through its own draft loop: step() for bridge i, then draft_step for
+                 depths 2.. of its chain (no hidden: it recycles its own), then bridge i+1. A C ABI v2
+                 library does the same through its optional mtp2_draft_step.
                  Example: fixtures/candidates/numpy_step.py.
       llama.cpp:MODEL.gguf[:LIB]   llama.cpp's own MTP graph (LLAMA_CONTEXT_TYPE_MTP) on MODEL.gguf
                  (write one with `mtp-oracle gguf CHECKPOINT --out MODEL.gguf`), through the pinned

@@ -27,6 +27,7 @@ from probe.compare import (ALIGNED_BY_IDS, DIVERGENT_STATUSES, INDEX_STAGE, Cell
 from probe.errors import ProbeError, ReferenceTraceError
 from probe.evidence import ATTENTION, PART_NAMES, POSITION_NOTE, QkSensitivity, Verdict, cell_at, decide, window_reason
 from probe.localize import first_divergence, first_divergence_per_token
+from probe.drafts import DRAFT_STAGE, DraftTies
 from probe.rule import RULE
 from probe.findings import candidate_findings
 from probe.selfcheck import (Issue, check_reference, coverage_issues, expected_shape, input_issues,
@@ -60,6 +61,18 @@ class DiffReport:
     stage_docs: dict = None  # stage name -> one-line doc (from the reference)
     routing_ties: tuple[int, ...] = ()  # tokens whose routing flipped at a reference near-tie
     evidence_notes: tuple[str, ...] = ()  # what the family's (verified) evidence rules say this trace can show
+    chain: "ChainDiff | None" = None  # the draft loop's depths 2..K (probe/chain.py); None: not compared
+    depth: int = 1  # the depth these rows are (a depth-j report's tokens are bridge positions)
+
+    @property
+    def first_at(self) -> "tuple[int, Cell] | None":
+        """The first divergence as (depth, cell): depth 1's first, else the first depth 2, 3, ... that diverged."""
+        if self.first is not None:
+            return self.depth, self.first
+        for part in self.chain.depths if self.chain is not None else ():
+            if part.report.first is not None:
+                return part.depth, part.report.first
+        return None
 
     @property
     def not_captured(self) -> tuple[str, ...]:
@@ -92,7 +105,16 @@ def diff_traces(ref_path: Path, cand_path: Path, tols: dict[str, Tol] | None = N
 
 
 def diff_sources(ref: TraceSource, cand: TraceSource, tols: dict[str, Tol], fail_fast: bool = False) -> DiffReport:
-    """`diff_traces` on opened sources (a checked reference and a candidate)."""
+    """`diff_traces` on opened sources (a checked reference and a candidate): depth 1 (the bridge step), then each
+    chain depth the reference records (probe/chain.py), into one report whose verdict covers every depth."""
+    from probe.chain import with_chain  # (it builds on this module)
+
+    return with_chain(diff_depth(ref, cand, tols, fail_fast), ref, cand, tols, fail_fast)
+
+
+def diff_depth(ref: TraceSource, cand: TraceSource, tols: dict[str, Tol], fail_fast: bool = False,
+               depth: int = 1) -> DiffReport:
+    """One depth's comparison: every stage of `ref` against `cand`, rows = tokens (depth 1) or bridge positions."""
     unknown = [n for n in cand.stages if n not in ref.stages]
     if unknown:
         raise ProbeError(f"candidate {cand.path} holds stages the reference does not: {', '.join(unknown)}; the "
@@ -114,8 +136,9 @@ def diff_sources(ref: TraceSource, cand: TraceSource, tols: dict[str, Tol], fail
         rows[name] = not_compared_rows(name, ref.num_tokens, expected_shape(ref, name)[1], status, tols[name])
     stop_now = fail_fast and bool(issues)
     routing = _Routing.of(ref, cand, tols)
+    drafts = DraftTies.of(ref, cand, tols)
     compared, compared_tokens = ({}, 0) if stop_now else _compare_stages(ref, cand, comparable, tols, fail_fast, qk,
-                                                                           zero_is_unwritten, routing)
+                                                                           zero_is_unwritten, routing, drafts)
     rows = {name: (rows | compared)[name] for name in ref.stages if name in rows or name in compared}
     issues += unwritten_issues(rows.values(), pos0_convention(ref))
     first = first_divergence(rows.values(), ref.stages)  # its row holds full detail (_StageProgress)
@@ -126,12 +149,12 @@ def diff_sources(ref: TraceSource, cand: TraceSource, tols: dict[str, Tol], fail
                       rows, tuple(issues), decide(rows.values(), [i.message for i in issues], captured, qk),
                       first, first_divergence_per_token(rows.values(), ref.stages), compared_tokens, qk,
                       zero_is_unwritten, findings, tuple(ref.stages), ref.attrs.get("family", LEGACY_FAMILY),
-                      {s.name: s.doc for s in ref.stage_list}, routing.tie_tokens(), evidence_notes(ref))
+                      {s.name: s.doc for s in ref.stage_list}, routing.tie_tokens(), evidence_notes(ref), depth=depth)
 
 
 def _compare_stages(ref: TraceSource, cand: TraceSource, names: Sequence[str], tols: dict[str, Tol],
                     fail_fast: bool, qk: QkSensitivity, zero_is_unwritten: bool,
-                    routing: "_Routing") -> tuple[dict[str, StageRows], int]:
+                    routing: "_Routing", drafts: "DraftTies") -> tuple[dict[str, StageRows], int]:
     total = ref.num_tokens
     if not names:
         return {}, total
@@ -145,7 +168,11 @@ def _compare_stages(ref: TraceSource, cand: TraceSource, names: Sequence[str], t
     checksums = _ReferenceChecksums(ref, names)
     for (name, start, end), actual, expected, sums in blocks_read:
         checksums.add(name, expected)
-        if sums is None:  # an index-set stage (topk_ids): compared as sets
+        if sums is None and name == DRAFT_STAGE:  # a flip within the draft margin Δout explains is a near-tie
+            block = compare_index_sets(name, start, actual, expected, tols[name], drafts.near_tie(start, end),
+                                       None, zero_is_unwritten)
+            routing.excuse(name, block)  # a routing flip upstream changes the draft too
+        elif sums is None:  # an index-set stage (topk_ids): compared as sets
             block = compare_index_sets(name, start, actual, expected, tols[name], routing.near_tie(start, end),
                                        routing.flippable(start, end), zero_is_unwritten)
             routing.saw_flips(block)
@@ -153,6 +180,7 @@ def _compare_stages(ref: TraceSource, cand: TraceSource, names: Sequence[str], t
             block = _block_rows(ref.path, name, start, expected.shape[1], sums, tols[name],
                                 qk.blind(name, start, end), zero_is_unwritten)
             routing.excuse(name, block)
+            drafts.saw(name, start, sums, block)
         chunk_ok &= stages[name].add(block, actual, expected)
         if name == names[-1]:  # every stage of this chunk compared
             if fail_fast and not chunk_ok:
@@ -439,6 +467,7 @@ class _Routing:
     @staticmethod
     def of(ref: TraceSource, cand: TraceSource, tols) -> "_Routing":
         dependent = tuple(_verified_rules(ref).get("routing_dependent", ("topk_weights", "routed", "mlp", "res2", "out")))
+        dependent += () if DRAFT_STAGE in dependent else (DRAFT_STAGE,)  # lm_head(out) follows out
         if "router_logits" not in ref.stages or not ref.has_evidence("topk_margin"):
             return _Routing(None, dependent, True)
         tol, total = tols["router_logits"], ref.num_tokens

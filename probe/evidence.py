@@ -182,6 +182,10 @@ def tie_reason(rows: Sequence[StageRows]) -> str | None:
     tokens = sorted({t for ts in excused.values() for t in ts})
     shown = ", ".join(map(str, tokens[:12])) + (f" and {len(tokens) - 12} more" if len(tokens) > 12 else "")
     count = sum(len(ts) for ts in excused.values())
+    if set(excused) == {"draft"}:  # a draft flip within the margin the out error explains (probe/drafts.py)
+        return (f"draft near-ties at row(s) {shown}: the candidate's draft token differs where the reference's own "
+                f"top-2 margin is within what its out error can move (draft_margin <= 2 * row_norm_max * "
+                f"||out error||), so those draft rows were not judged either way")
     return (f"routing near-ties at token(s) {shown}: the candidate chose other experts within rounding there, so "
             f"{count} (stage, token) rows after the router ({', '.join(excused)}) differ and were not compared; "
             f"the rest is within tolerance. Compare at inputs without near-ties (other tokens or hidden rows), or "

@@ -241,6 +241,9 @@ def explain_stages(report: DiffReport, ref_path: Path, cand: dict[str, np.ndarra
         if unchecked:
             explanation.notes.append("variants not checked on this trace: " + "; ".join(
                 f"{v['variant']} ({v['reason']})" for v in unchecked))
+    elif report.first_at is not None:  # a chain depth diverged: the variants here are depth 1's (the bridge step)
+        explanation.not_run = (f"depth {report.first_at[0]} of the draft loop diverges, and --explain diagnoses the "
+                               f"bridge step (depth 1) only: no loop variant is checked")
     else:
         explanation.not_run = "nothing to diagnose: no row diverges"
     explanation.coverage = _coverage(explainer, report, tokens, row_ok, ref, cand)

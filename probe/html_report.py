@@ -3,7 +3,8 @@
 Everything is inline — CSS, and the heatmap as a base64 PNG drawn by probe/plot.py (the `--plot` picture) — so the
 file opens with no network access and can be archived alone. It holds, top to bottom: a verdict banner (the
 summary line), the first divergence, a per-stage table, the heatmap, the self-checks and the evidence, and the
-whole text report. Every sentence comes from probe/report.py (summary_line, cell_detail, render_text, budget_text,
+whole text report; a reference with chains adds a per-depth table (and the heatmap a panel per depth). Every
+sentence comes from probe/report.py (summary_line, cell_detail, render_text, budget_text,
 coverage_text); this module only lays them out. Banner colours are the Okabe-Ito palette, which stays
 distinguishable under the common colour-vision deficiencies, and the verdict is always written out as well.
 """
@@ -61,6 +62,7 @@ def render_html(report: DiffReport, heatmap_png: bytes | None = None, explanatio
         ("First divergence", _pre(_first_divergence(report), wrap=True)),
         ("Why it diverges (--explain)", _explain(explanation)),
         ("Per stage", _stage_table(report)),
+        *([("Depths", _depth_table(report))] if report.chain is not None else []),
         ("Heatmap", _heatmap(heatmap_png)),
         ("Self-checks", _pre(_block(text, "self-checks"), wrap=True)),
         ("Evidence", _pre(_block(text, "evidence:"), wrap=True)),
@@ -105,10 +107,11 @@ def write_html(report: DiffReport, path: Path, explanation=None) -> None:
 
 
 def _first_divergence(report: DiffReport) -> str:
-    if report.first is None:
+    if report.first_at is None:
         return "no divergence: every compared row is within tolerance or failed a self-check (see Self-checks)"
-    first = report.first
-    return (f"first divergence: stage {first.stage} at token {first.token}\n\n"
+    depth, first = report.first_at
+    place = f"token {first.token}" if depth == 1 else f"depth {depth} bridge position {first.token}"
+    return (f"first divergence: stage {first.stage} at {place}\n\n"
             + cell_detail(first, verbose=True, names=report.stage_names or STAGE_NAMES))
 
 
@@ -131,6 +134,34 @@ def _explain(explanation) -> str:
                          f'<td class="{kind}">{_e(row["kind"])}</td></tr>')
         parts.append("</table>")
     return "\n".join(parts)
+def _depth_table(report: DiffReport) -> str:
+    """One row per depth of the draft loop: rows (bridge positions), verdict, first divergence, recycle evidence."""
+    chain = report.chain
+    lines = ["<table>", "<tr><th>depth</th><th>rows</th><th>verdict</th><th>first divergence</th>"
+                        "<th>out of tolerance</th><th>recycle evidence</th></tr>"]
+    parts = {1: (report, chain.bridge_verdict, None)} | {d.depth: (d.report, d.report.verdict, d) for d in chain.depths}
+    for depth in (1, *chain.info.chain_depths):
+        if depth not in parts:
+            why = "not captured (never counted as passed)" if depth in chain.not_captured else chain.not_compared
+            lines.append(f'<tr class="missing"><td>{depth}</td><td colspan="5">{_e(why)}</td></tr>')
+            continue
+        part, verdict, diff = parts[depth]
+        first = f"{part.first.stage} at {'token' if depth == 1 else 'bridge'} {part.first.token}" if part.first else "-"
+        bad = sum(int(r.has_status(DIVERGENT_STATUSES).sum()) for r in part.rows.values())
+        recycle = "bridge step (consumes H_i)" if diff is None else "; ".join(
+            f"vs {e.alt}: {int(e.evidencing.sum())}/{len(e.sensitive)} rows" for e in diff.recycle) or "none recorded"
+        if diff is not None and diff.recycle_note:
+            recycle += f" ({diff.recycle_note})"
+        colour = ' class="bad"' if verdict.name == "diverged" else (' class="invalid"' if verdict.name == "invalid"
+                                                                     else "")
+        lines.append(f'<tr><td>{depth}</td><td class="num">{part.num_tokens}</td><td{colour}>'
+                     f'{_e(VERDICT_WORDS[verdict.name])}</td><td>{_e(first)}</td><td class="num">{bad}</td>'
+                     f'<td>{_e(recycle)}</td></tr>')
+    lines.append("</table>")
+    info = chain.info
+    lines.append(f"<p>chain: tokens {_e(info.tokens)}, recycle {_e(info.recycle)}, layers "
+                 f"{_e(', '.join(map(str, info.layers)))}, kv {_e(info.kv)}</p>")
+    return "\n".join(lines)
 
 
 def _stage_table(report: DiffReport) -> str:

@@ -6,6 +6,9 @@ report: Okabe-Ito blue (within tolerance) through light grey (budget 1, the limi
 tolerance); black X = a row never written or of the wrong layout (invalid), reddish purple = NaN/Inf the candidate
 computed, grey = not captured or not compared, `~` = compared but not evidence (explained in the legend).
 
+A reference with chains (issue 24) gets one panel per compared depth, stacked (small multiples, the same stage
+rows; a depth's columns are its bridge positions), each outlining its own first divergence.
+
 A trace longer than ZOOM_ABOVE tokens gets two panels: the whole trace with its columns max-pooled (so one bad
 token among thousands still shows) and a window of ZOOM_WIDTH tokens around the first divergence, at full
 resolution with every mark.
@@ -53,24 +56,45 @@ def heatmap_figure(report: DiffReport):
 
 
 def _heatmap_figure(report: DiffReport):
+    """One panel per depth (the bridge step, then each compared chain depth: small multiples, rows = the same
+    stages), plus, for a long trace, a zoom at full resolution around the first divergence of its depth."""
     names = row_names(report)
-    budget, marks = grids(report, names)
-    first = _first_cell(report, names)
+    parts = depth_reports(report)
     long = report.num_tokens > ZOOM_ABOVE
     width = 14 if long else min(5 + 0.4 * report.num_tokens, 24)
-    fig = agg_figure((width, (2 if long else 1) * (1.2 + 0.28 * len(names)) + 1.6))
+    panels = len(parts) + (1 if long else 0)
+    fig = agg_figure((width, panels * (1.2 + 0.28 * len(names)) + 1.6))
     fig.set_layout_engine("constrained")
-    axes = fig.subplots(2, 1) if long else [fig.subplots()]
+    axes = list(np.atleast_1d(fig.subplots(panels, 1)))
+    image = None
+    for ax, (depth, part) in zip(axes, parts):
+        budget, marks = grids(part, names)
+        first = _first_cell(part, names)
+        label = "token" if depth == 1 else f"bridge position (depth {depth})"
+        if long:
+            drawn = _panel(ax, *pooled(budget, marks, OVERVIEW_COLUMNS), names, first, detail="none", xlabel=label)
+            if len(parts) > 1:
+                ax.set_title(f"depth {depth}: all {part.num_tokens} rows (each column: the worst of its rows)",
+                             fontsize=8)
+        else:
+            drawn = _panel(ax, budget, marks, np.arange(part.num_tokens), names, first,
+                           detail="text" if part.num_tokens <= _TEXT_CELLS else "markers", xlabel=label)
+            if len(parts) > 1:
+                ax.set_title(f"depth {depth}" + ("" if depth == 1 else " (rows: bridge positions)"), fontsize=8)
+        image = image or drawn
     if long:
-        lo, hi = zoom_window(report.num_tokens, _focus_token(report, budget, marks))
-        image = _panel(axes[0], *pooled(budget, marks, OVERVIEW_COLUMNS), names, first, detail="none")
-        axes[0].add_patch(_outline(lo - 0.5, -0.5, hi - lo, len(names), "0.3", 1.2, "--"))
-        axes[0].set_title(f"all {report.num_tokens} tokens (each column: the worst of its tokens); dashed: "
-                          f"tokens {lo}-{hi - 1}, below", fontsize=8)
-        _panel(axes[1], budget[:, lo:hi], marks[:, lo:hi], np.arange(lo, hi), names, first, detail="text")
-    else:
-        image = _panel(axes[0], budget, marks, np.arange(report.num_tokens), names, first,
-                       detail="text" if report.num_tokens <= _TEXT_CELLS else "markers")
+        depth, part = _focus_part(report, parts)
+        budget, marks = grids(part, names)
+        lo, hi = zoom_window(part.num_tokens, _focus_token(part, budget, marks))
+        axes[[d for d, _ in parts].index(depth)].add_patch(_outline(lo - 0.5, -0.5, hi - lo, len(names), "0.3",
+                                                                    1.2, "--"))
+        _panel(axes[-1], budget[:, lo:hi], marks[:, lo:hi], np.arange(lo, hi), names, _first_cell(part, names),
+               detail="text", xlabel="token" if depth == 1 else f"bridge position (depth {depth})")
+        if len(parts) > 1:
+            axes[-1].set_title(f"depth {depth}, rows {lo}-{hi - 1} (dashed above)", fontsize=8)
+        else:
+            axes[0].set_title(f"all {report.num_tokens} tokens (each column: the worst of its tokens); dashed: "
+                              f"tokens {lo}-{hi - 1}, below", fontsize=8)
     fig.suptitle(title(report, width=int(width * TITLE_CHARS_PER_INCH)), fontsize=10)
     bar = fig.colorbar(image, ax=axes, label="tolerance budget used (1 = limit, log)", shrink=0.9)
     _plain_ticks(bar.ax.yaxis)
@@ -88,15 +112,33 @@ def _plain_ticks(axis) -> None:
     axis.set_minor_formatter(NullFormatter())
 
 
+def depth_reports(report: DiffReport) -> list[tuple[int, DiffReport]]:
+    """(depth, report) for depth 1 and each compared chain depth, in order."""
+    return [(1, report)] + [(d.depth, d.report) for d in (report.chain.depths if report.chain is not None else ())]
+
+
+def _focus_part(report: DiffReport, parts: list[tuple[int, DiffReport]]) -> tuple[int, DiffReport]:
+    """The depth to zoom into: the first divergence's; else the first depth that is not a pass; else depth 1."""
+    at = report.first_at
+    if at is not None:
+        return next(p for p in parts if p[0] == at[0])
+    return next((p for p in parts if p[1].verdict.name != "pass"), parts[0])
+
+
 def title(report: DiffReport, width: int = 120) -> str:
     """The verdict (with its whole reason unless pass/diverged, wrapped at `width` characters, never cut), the
-    first divergent (stage, token) or that there is none, and what was compared."""
-    verdict, first = {"pass": "PASSED"}.get(report.verdict.name, report.verdict.name.upper()), report.first
+    first divergent (stage, token; depth and bridge position at a chain depth) or that there is none, and what was
+    compared."""
+    verdict = {"pass": "PASSED"}.get(report.verdict.name, report.verdict.name.upper())
     reason = report.verdict.reasons[0] if report.verdict.reasons else ""
     if report.verdict.name not in ("pass", "diverged") and reason:
         verdict = textwrap.fill(f"{verdict}: {reason}", width=max(width, 40), break_long_words=True)
-    where = (f"first divergence: {first.stage} at token {first.token} (budget {budget_text(first.diff.budget_used)},"
-             f" outlined)" if first is not None else "no divergent row")
+    depth, first = report.first_at or (1, None)
+    place = "" if first is None else f"token {first.token}" if depth == 1 else f"depth {depth} bridge {first.token}"
+    where = (f"first divergence: {first.stage} at {place} (budget {budget_text(first.diff.budget_used)}, outlined)"
+             if first is not None else "no divergent row")
+    if report.chain is not None:
+        where += f"; depths {', '.join(map(str, report.chain.compared_depths))} of 1-{report.chain.info.depths}"
     names = report.stage_names or tuple(report.rows)
     return f"{verdict}\n{where}\n{Path(report.candidate).name} vs oracle, {coverage_text(report.captured, names)}, " \
            f"T={report.num_tokens}"
@@ -158,7 +200,8 @@ def _first_cell(report: DiffReport, names: list[str]) -> tuple[int, int] | None:
     return None if first is None or first.stage not in names else (names.index(first.stage), first.token)
 
 
-def _panel(ax, budget, marks, tokens: np.ndarray, names: list[str], first: tuple[int, int] | None, detail: str):
+def _panel(ax, budget, marks, tokens: np.ndarray, names: list[str], first: tuple[int, int] | None, detail: str,
+           xlabel: str = "token"):
     """Draw one heatmap panel; column j covers tokens[j] .. tokens[j+1]-1 (x in token units). `detail`: "text"
     (X, NaN and ~ written in their cells), "markers" (~ as small marks; cells too narrow for text), "none"."""
     from matplotlib.colors import LinearSegmentedColormap, ListedColormap, LogNorm
@@ -183,7 +226,7 @@ def _panel(ax, budget, marks, tokens: np.ndarray, names: list[str], first: tuple
     ax.set_xlim(edges[0], edges[-1])
     ax.set_ylim(rows[-1], rows[0])  # first stage on top
     ax.set_yticks(range(len(names)), names, fontsize=8)
-    ax.set_xlabel("token")
+    ax.set_xlabel(xlabel)
     if first is not None and edges[0] <= first[1] < edges[-1]:
         col = int(np.searchsorted(tokens, first[1], side="right")) - 1
         x, w = edges[col], edges[col + 1] - edges[col]

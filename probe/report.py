@@ -49,28 +49,42 @@ def summary_line(report: DiffReport) -> str:
     coverage, where = coverage_text(report.captured, _names(report)), f"ref={report.reference} candidate={report.candidate}"
     name = report.verdict.name
     if name == "pass":
-        parts = ["PASSED", f"{len(report.captured)} stages x {report.num_tokens} tokens within tolerance"]
+        parts = ["PASSED", f"{len(report.captured)} stages x {report.num_tokens} tokens within tolerance"
+                 + (f" at depths {_depth_span(report)}" if report.chain is not None else "")]
         parts += [coverage] if report.not_captured else []
     elif name == "diverged":
-        first = report.first
-        parts = ["DIVERGED", f"first divergent stage: {first.stage} at token {first.token}",
+        depth, first = report.first_at
+        place = f"at token {first.token}" if depth == 1 else f"at depth {depth} bridge {first.token}"
+        parts = ["DIVERGED", f"first divergent stage: {first.stage} {place}",
                  f"budget {budget_text(first.diff.budget_used)}", coverage]
     elif name == "invalid":
-        parts = ["INVALID", _issues_short(report.issues), coverage]
+        parts = ["INVALID", _all_issues_short(report), coverage]
     else:
         parts = ["INCONCLUSIVE", "all compared rows within tolerance, but " + "; ".join(report.verdict.reasons),
                  coverage]
     if report.verdict.name == "diverged" and report.first is not None:
         parts[1:2] = [parts[1]] + [f for f in report.findings if f.startswith("rows shifted")][:1]
+    if report.chain is not None and name != "pass":
+        parts.append(f"depths compared: {_depth_span(report)} of 1-{report.chain.info.depths}")
     parts += [f"note: {f}" for f in report.findings if not f.startswith("rows shifted")]
     return printable(" | ".join(parts + [where]))  # one line, whatever a path or name in it holds
 
 
+def _depth_span(report: DiffReport) -> str:
+    """`1-4`, or `1, 2, 4`: the depths compared (1 = the bridge step)."""
+    depths = report.chain.compared_depths if report.chain is not None else (1,)
+    contiguous = list(depths) == list(range(1, len(depths) + 1))
+    return f"1-{depths[-1]}" if contiguous and len(depths) > 1 else ", ".join(map(str, depths))
+
+
 def render_text(report: DiffReport, verbose: bool = False) -> str:
     """The human report (everything but the summary line); `verbose` adds the worst elements side by side."""
+    from probe.chain_report import chain_text  # (it renders with this module's pieces)
+
+    depths = f", depths compared: {_depth_span(report)}" if report.chain is not None else ""
     blocks = [_header(report), _table(report), LEGEND, _issues(report), _divergence(report, verbose),
-              _worst_per_stage(report) if verbose else "", _evidence(report),
-              f"verdict: {report.verdict.name} (exit {report.verdict.exit_code})"]
+              _worst_per_stage(report) if verbose else "", _evidence(report), chain_text(report, verbose),
+              f"verdict: {report.verdict.name} (exit {report.verdict.exit_code}){depths}"]
     return printable("\n\n".join(b for b in blocks if b), keep_lines=True)  # no terminal escapes from a file
 
 
@@ -136,15 +150,17 @@ def _inputs_text(report: DiffReport) -> str:
 def _table(report: DiffReport) -> str:
     names = _names(report)
     col = {n: max(_COL, len(n) + 1) for n in names}
-    lines = ["budget used per (token, stage)", "token " + "".join(f"{n:>{col[n]}}" for n in names)]
+    row = "token" if report.depth == 1 else "bridge"  # a depth-j report's rows are bridge positions
+    lines = [f"budget used per ({row}, stage)" + ("" if report.depth == 1 else f" at depth {report.depth}"),
+             f"{row:<6}" + "".join(f"{n:>{col[n]}}" for n in names)]
     previous = -1
     for token in _tokens_shown(report):
         if token > previous + 1:
-            lines.append(f"  ... tokens {previous + 1}-{token - 1} not shown (see the max row)")
-        lines.append(f"t{token:<5}" + "".join(f"{_grid_text(report, n, token):>{col[n]}}" for n in names))
+            lines.append(f"  ... {row}s {previous + 1}-{token - 1} not shown (see the max row)")
+        lines.append(f"{row[0]}{token:<5}" + "".join(f"{_grid_text(report, n, token):>{col[n]}}" for n in names))
         previous = token
     if previous < report.num_tokens - 1:
-        lines.append(f"  ... tokens {previous + 1}-{report.num_tokens - 1} not shown (see the max row)")
+        lines.append(f"  ... {row}s {previous + 1}-{report.num_tokens - 1} not shown (see the max row)")
     worst = [_worst_cell(report.rows[n]) if n in report.rows else None for n in names]
     lines.append("max   " + "".join(f"{_cell_text(c) if c else '-':>{col[n]}}" for n, c in zip(names, worst)))
     return "\n".join(lines)
@@ -212,6 +228,14 @@ def _written_text(report: DiffReport) -> str:
 
 def _rows_zero_on_both_sides(report: DiffReport) -> int:
     return sum(int(r.both_zero.sum()) for r in report.rows.values())
+
+
+def _all_issues_short(report: DiffReport) -> str:
+    """_issues_short of depth 1, then of each chain depth that failed a self-check (`depth j: ...`)."""
+    texts = [_issues_short(report.issues)] if report.issues else []
+    texts += [f"depth {d.depth}: {_issues_short(d.report.issues)}" for d in
+              (report.chain.depths if report.chain is not None else ()) if d.report.issues]
+    return "; ".join(texts)
 
 
 def _issues_short(issues: tuple[Issue, ...]) -> str:
@@ -422,8 +446,19 @@ def write_json(report: DiffReport, path: Path, extra: dict | None = None) -> Non
         f.write("\n ]\n}\n")
 
 
+def _first_json(report: DiffReport) -> dict | None:
+    """{depth, stage, token, budget_used}: depth 1's first divergence, else the first depth 2.. that diverged (token:
+    the bridge position there)."""
+    at = report.first_at
+    if at is None:
+        return None
+    depth, first = at
+    return {"depth": depth, "stage": first.stage, "token": first.token, "budget_used": _num(first.diff.budget_used)}
+
+
 def _report_head(report: DiffReport) -> dict:
-    first = report.first
+    from probe.chain_report import chain_json
+
     return {
         "schema": "mtp-probe-diff/1", "verdict": report.verdict.name, "exit_code": report.verdict.exit_code,
         "summary": summary_line(report), "reasons": list(report.verdict.reasons),
@@ -444,17 +479,18 @@ def _report_head(report: DiffReport) -> dict:
                                   for part, variants in part_evidence(report.rows.values(), report.qk).items()}},
         "findings": list(report.findings),
         "written_check": _written_text(report),
-        "first_divergence": {"stage": first.stage, "token": first.token,
-                             "budget_used": _num(first.diff.budget_used)} if first else None,
+        "first_divergence": _first_json(report),
         "first_divergence_per_token": [{"token": t, "stage": s} for t, s in report.first_per_token.items()],
         "issues": [{"kind": i.kind, "where": i.where, "tokens": list(i.tokens), "message": i.message}
                    for i in report.issues],
-    }
+    } | chain_json(report)
 
 
 def _all_rows_json(report: DiffReport):
-    for rows in report.rows.values():
-        yield from _rows_json(rows)
+    """Depth 1's rows, then each compared chain depth's (token = the bridge position there), all with their depth."""
+    for part in (report, *(d.report for d in (report.chain.depths if report.chain is not None else ()))):
+        for rows in part.rows.values():
+            yield from ({"depth": part.depth} | row for row in _rows_json(rows))
 
 
 def _rows_json(rows: StageRows):

@@ -292,15 +292,37 @@ def run_and_diff(ref_path: Path, adapter: Adapter, tols: dict[str, Tol], out: Pa
         check_run_memory(ref.num_tokens, row_floats, batched=getattr(adapter, "batched_config", None))
         with read_trace(ref_path) as reader:
             inputs, ref_digest = reader.inputs(), reader.attrs.get("checkpoint_digest")
-        result = adapter.run(inputs)
+        chain = chain_inputs(ref) if getattr(adapter, "supports_chains", False) else None
+        result = adapter.run(inputs) if chain is None else adapter.run(inputs, chain)
         _check_weights(adapter, ref_digest, ref_path)
+        depths = _depth_results(result, adapter.name, ref.stages)
         stages = _checked_result(result, adapter.name, ref.stages)
         written = _write_candidate(out, inputs, stages, adapter, command, ref) if out else None
-        source = ArraySource(adapter.name, inputs, stages)
+        source = ArraySource(adapter.name, inputs, stages, depths)
         if getattr(adapter, "weights_unverified", None):  # e.g. llama.cpp on its GGUF: said, never claimed
             source.kind = "adapter, own weights"
         report = diff_sources(ref, source, tols, fail_fast)
     return RunResult(adapter.name, adapter.deterministic, report, written, stages)
+
+
+def chain_inputs(ref) -> dict[int, dict[str, np.ndarray]] | None:
+    """What a driven draft loop is handed per depth j (the reference's /chain/d{j}/inputs): token_ids, positions and
+    the embedding rows of the tokens, row i = bridge i; None for a reference without chains."""
+    if getattr(ref, "chain", None) is None:
+        return None
+    from probe.chain import check_chain_reference
+
+    check_chain_reference(ref, ref.chain)
+    return {j: {name: ref.depth(j).chain_input_rows(name) for name in ("token_ids", "positions", "embed")}
+            for j in ref.chain.chain_depths}
+
+
+def _depth_results(result, name: str, valid: tuple[str, ...]) -> dict[int, dict[str, np.ndarray]]:
+    """The "d{j}" entries of an adapter's result (taken out of it), each checked like depth 1's."""
+    if not isinstance(result, dict):
+        return {}
+    keys = [k for k in result if isinstance(k, str) and k[:1] == "d" and k[1:].isdigit() and int(k[1:]) >= 2]
+    return {int(k[1:]): _checked_result(result.pop(k), f"{name} depth {k[1:]}", valid) for k in sorted(keys)}
 
 
 def check_config(config: dict | None, ref_config: dict | None, ref_path: Path) -> None:
@@ -374,11 +396,21 @@ class ArraySource:
     poisoned = True  # adapters hand the candidate poison-filled buffers: an all-zero row is a computed value
     attrs: dict = {}
 
-    def __init__(self, name: str, inputs: TraceInputs, stages: dict[str, np.ndarray]):
+    def __init__(self, name: str, inputs: TraceInputs, stages: dict[str, np.ndarray],
+                 depths: dict[int, dict[str, np.ndarray]] | None = None):
         self.path, self.kind = Path(name), "adapter"
         self.num_tokens, self.hidden_size = inputs.num_tokens, inputs.hidden_size
         self.stages = tuple(stages)
         self._stages = stages
+        self._depths = depths or {}
+        self.depths = tuple(sorted(self._depths))  # chain depths the adapter ran (issue 24)
+
+    def depth(self, depth: int) -> "ArraySource":
+        """Depth `depth`'s rows (row i = bridge i) as a source of their own."""
+        rows = len(next(iter(self._depths[depth].values()))) if self._depths[depth] else 0
+        empty = np.empty((0, self.hidden_size), np.float32)
+        shape_only = TraceInputs(np.empty(rows, np.int64), np.empty(rows, np.int64), empty, empty)
+        return ArraySource(f"{self.path}", shape_only, self._depths[depth])
 
     def stage_shape(self, name: str) -> tuple[int, ...]:
         return self._stages[name].shape

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from oracle.stages import KNOWN_STAGE_NAMES
-from oracle.trace import TraceInputs, TraceReader, read_trace
+from oracle.trace import TraceInputs, TraceReader, chain_rows, read_trace
 from probe.adapters.trace_file import TraceSource, open_candidate, open_reference
 from probe.diff import DiffReport, diff_sources
 from probe.errors import AdapterError, ToleranceError
@@ -54,7 +54,8 @@ def assert_trace_close(reference, candidate, *, rtol: float | None = None, atol:
     """Diff `candidate` against the oracle trace at `reference`; return the report if it passes, else raise.
 
     candidate: a path (an mtp-trace/1 file or a raw directory of <stage>.bin), a dict {stage: float32 [T, width]}
-    (numpy arrays or anything np.asarray takes; captured stages only), or an open trace (a TraceSource from
+    (numpy arrays or anything np.asarray takes; captured stages only; chain depths as {"d2": {stage: [n_2, width]},
+    ...}, rows = bridge positions, n_j = T - j + 1), or an open trace (a TraceSource from
     probe.adapters.trace_file, or oracle.trace.read_trace's reader). Tolerances as on the CLI: `profile`
     ("float32" | "bfloat16"), or `rtol` and `atol` together, and per-stage `stage_tol={"fc": (rtol, atol)}`.
     Raises AssertionError (with `.report`) on any verdict but pass; bad files or arguments raise MtpError.
@@ -74,11 +75,13 @@ def assert_trace_close(reference, candidate, *, rtol: float | None = None, atol:
 
 
 def failure_message(report: DiffReport) -> str:
-    """The summary line, then the first divergent row's detail, then for `invalid` each failed self-check with its
-    hint (an inconclusive verdict's reasons are already in the summary line)."""
+    """The summary line, then the first divergent row's detail (at its depth), then for `invalid` each failed
+    self-check with its hint (an inconclusive verdict's reasons are already in the summary line)."""
     lines = [summary_line(report)]
-    if report.first is not None:
-        lines.append(cell_detail(report.first, names=report.stage_names))
+    if report.first_at is not None:
+        depth, first = report.first_at
+        lines.append(("" if depth == 1 else f"at depth {depth} (token = bridge position):\n")
+                     + cell_detail(first, names=report.stage_names))
     if report.verdict.name == "invalid":
         lines += [f"  - {reason}" for reason in report.verdict.reasons]
     return "\n".join(lines)
@@ -128,23 +131,40 @@ def _candidate_source(candidate, ref: TraceSource, stack: ExitStack) -> TraceSou
 class _ArrayCandidate(ArraySource):
     """In-memory arrays from a test: nothing recorded about the inputs they were computed from."""
 
-    def __init__(self, stages: dict[str, np.ndarray], ref: TraceSource):
+    def __init__(self, stages: dict[str, np.ndarray], ref: TraceSource, num_tokens: int | None = None,
+                 depths: dict[int, dict[str, np.ndarray]] | None = None):
         # ArraySource reads only T and D from its inputs: hand it the reference's, without their rows.
+        rows = ref.num_tokens if num_tokens is None else num_tokens
         empty = np.empty((0, ref.hidden_size), np.float32)
-        shape_only = TraceInputs(np.empty(ref.num_tokens, np.int64), np.empty(ref.num_tokens, np.int64), empty, empty)
+        shape_only = TraceInputs(np.empty(rows, np.int64), np.empty(rows, np.int64), empty, empty)
         super().__init__("arrays", shape_only, stages)
         self.kind = "arrays (in memory)"
         self.poisoned = False  # nothing says the test filled its arrays with poison: a zero row may be unwritten
+        self._depths, self._ref = depths or {}, ref
+        self.depths = tuple(sorted(self._depths))
+
+    def depth(self, depth: int) -> "_ArrayCandidate":
+        """The arrays given for chain depth `depth` ({"d{depth}": {...}}), rows = bridge positions."""
+        return _ArrayCandidate(self._depths[depth], self._ref, chain_rows(self._ref.num_tokens, depth))
 
 
 def _arrays_source(candidate: Mapping, ref: TraceSource) -> _ArrayCandidate:
-    unknown = sorted(str(k) for k in candidate if k not in ref.stages)
+    depths = {int(k[1:]): v for k, v in candidate.items() if _depth_key(k) and isinstance(v, Mapping)}
+    unknown = sorted(str(k) for k in candidate if k not in ref.stages and not (_depth_key(k) and int(k[1:]) in depths))
+    unknown += sorted(f"d{j}/{k}" for j, part in depths.items() for k in part if k not in ref.stages)
     if unknown:
         raise AdapterError(f"assert_trace_close: unknown stage names {unknown}; the reference's stages are "
-                           f"{', '.join(ref.stages)}.")
+                           f"{', '.join(ref.stages)}, and chain depths are given as {{'d2': {{stage: rows}}, ...}}.")
     # np.asarray keeps the dtype: a float64 or bf16-widened array is reported as a wrong dtype, never cast silently.
     stages = {name: _array(name, candidate[name]) for name in ref.stages if name in candidate}
-    return _ArrayCandidate(stages, ref)
+    parts = {j: {name: _array(f"d{j}/{name}", part[name]) for name in ref.stages if name in part}
+             for j, part in depths.items()}
+    return _ArrayCandidate(stages, ref, depths=parts)
+
+
+def _depth_key(key) -> bool:
+    """"d2", "d3", ...: a chain depth's stages (depth 1 is the dict itself)."""
+    return isinstance(key, str) and key[:1] == "d" and key[1:].isdigit() and int(key[1:]) >= 2
 
 
 def _array(name: str, values) -> np.ndarray:

@@ -105,6 +105,7 @@ class CAbiAdapter:
     run() waits for it instead of starting one, and checks it ran on the very inputs and conventions given."""
 
     deterministic = True
+    supports_chains = True  # a v2 library exporting mtp2_draft_step is driven through the reference's chains
     weights_digest: str | None = None  # known once run() has loaded the weights
     capture_only: tuple[str, ...] | None = None  # set by --explain's observer check: capture at most these
     output: str = ""  # what the candidate printed in its last run (stdout, then stderr): cut, escaped (`_printed`)
@@ -128,10 +129,12 @@ class CAbiAdapter:
         self.name = f"c:{self.library.name}"
         self._early = early if early is not None and early.serves(self.library, self.checkpoint) else None
 
-    def run(self, inputs: TraceInputs) -> dict[str, np.ndarray]:
+    def run(self, inputs: TraceInputs, chain: dict[int, dict[str, np.ndarray]] | None = None) -> dict[str, np.ndarray]:
         """Stage -> [T, width] for the stages the library captures, plus `out`: float32 (int64 for index sets
         such as topk_ids); rows it never wrote keep the poison pattern (-1). Stages its mtp_capture_mask /
-        mtp2_capture excludes are absent, never filled in."""
+        mtp2_capture excludes are absent, never filled in. With `chain` (the reference's chain inputs) a v2
+        library exporting mtp2_draft_step also gives "d{j}": depth j's buffers (an early worker read them from
+        the reference itself)."""
         self._check_inputs(inputs)
         early, self._early = self._early, None  # the first run only: --explain's reruns capture other stages
         if early is not None and self.capture_only is None:
@@ -145,6 +148,9 @@ class CAbiAdapter:
             if self.capture_only is not None:
                 (work / worker.CAPTURE_ONLY_FILE).write_text(",".join(self.capture_only))
             (work / worker.CONVENTIONS_FILE).write_text(json.dumps(self.conventions))
+            if chain:
+                np.savez(work / worker.CHAIN_FILE, **{f"d{j}_{n}": v for j, part in chain.items()
+                                                      for n, v in part.items()})
             self._prepare(work)
             proc = start_worker(worker_command(self._worker_target(), self.checkpoint, work), work)
             return self._results(proc, work, inputs.num_tokens)
@@ -165,7 +171,9 @@ class CAbiAdapter:
         if from_reference is not None:
             _check_same_inputs(manifest, *from_reference)
         self.weights_digest = manifest["weights_digest"]  # of the weights the library was actually given
-        return {name: np.load(work / f"{name}.npy") for name in manifest["captured"]}
+        depths = {key: {name: np.load(work / f"{key}.{name}.npy") for name in names}
+                  for key, names in manifest.get("depths", {}).items()}
+        return {name: np.load(work / f"{name}.npy") for name in manifest["captured"]} | depths
 
     def _worker_target(self) -> str:
         """What the worker runs (its first argument): the library's path."""

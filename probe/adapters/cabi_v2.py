@@ -67,7 +67,9 @@ REQUIRED = {  # symbol -> (restype, argtypes)
     "mtp2_step": (c_int, [c_void_p, c_int64, c_void_p, c_void_p, c_void_p, POINTER(Mtp2Stage), c_int]),
     "mtp2_destroy": (None, [c_void_p]),
 }
-OPTIONAL = {"mtp2_capture": (c_char_p, []), "mtp2_last_error": (c_char_p, [c_void_p])}
+OPTIONAL = {"mtp2_capture": (c_char_p, []), "mtp2_last_error": (c_char_p, [c_void_p]),
+            "mtp2_draft_step": (c_int, [c_void_p, c_int32, c_int64, c_int64, c_void_p, c_void_p, POINTER(Mtp2Stage),
+                                        c_int])}
 
 
 def declare(lib: ctypes.CDLL, path: Path) -> None:
@@ -191,22 +193,45 @@ def run_v2(lib: ctypes.CDLL, path: Path, ckpt: Checkpoint, inputs, progress,
     if not ctx:
         said = library_text(err.value).strip() or "(it wrote no reason into err)"
         raise AdapterError(f"mtp2_create returned NULL for the {family.name} head of {ckpt.path}: {said}")
+    chain = inputs.chain if hasattr(lib, "mtp2_draft_step") else {}
+    depths = {j: {n: np.full((len(part["token_ids"]), stages[n].width(dims)), -1, dtype=np.int64)
+                  if stages[n].kind == INDEX_SET else poison((len(part["token_ids"]), stages[n].width(dims)))
+                  for n in [*captured, "out"]} for j, part in chain.items()}
     try:
-        bases = [(i, buffers[n].ctypes.data, buffers[n].strides[0]) for i, n in enumerate(captured)]
-        out, out_stride = buffers["out"].ctypes.data, buffers["out"].strides[0]
         for t, pos in enumerate(positions.tolist()):
             progress(f"step {t}")
-            for i, base, stride in bases:  # [T, w] row-major: row t's address
-                table[i].data = base + t * stride
-            code = lib.mtp2_step(ctx, pos, embed[t].ctypes.data, hidden[t].ctypes.data, out + t * out_stride,
+            _point(table, captured, buffers, t)  # [T, w] row-major: row t's address
+            code = lib.mtp2_step(ctx, pos, embed[t].ctypes.data, hidden[t].ctypes.data, _row(buffers["out"], t),
                                  table, len(captured))
-            if code != 0:
-                message = return_code_message("mtp2_step", code, f"at step {t} (token row {t}, position {pos})",
-                                              RETURN_CODES)
-                reason = lib.mtp2_last_error(ctx) if hasattr(lib, "mtp2_last_error") else None
-                raise AdapterError(message + (f" The library says: {library_text(reason)}" if reason else ""))
+            _check(lib, ctx, "mtp2_step", code, f"at step {t} (token row {t}, position {pos})")
+            for j in (j for j in sorted(depths) if t < len(chain[j]["token_ids"])):  # bridge t's chain
+                part = chain[j]
+                _point(table, captured, depths[j], t)
+                code = lib.mtp2_draft_step(ctx, j, int(part["token_ids"][t]), int(part["positions"][t]),
+                                           np.ascontiguousarray(part["embed"][t], dtype=np.float32).ctypes.data,
+                                           _row(depths[j]["out"], t), table, len(captured))
+                _check(lib, ctx, "mtp2_draft_step", code, f"at depth {j} of bridge {t}")
     finally:
         progress("destroy")
         lib.mtp2_destroy(ctx)
     del weights_alive, config_alive
-    return buffers
+    return buffers | {f"d{j}": part for j, part in depths.items()}
+
+
+def _row(buffer: np.ndarray, t: int) -> int:
+    return buffer.ctypes.data + t * buffer.strides[0]
+
+
+def _point(table, captured: list[str], buffers: dict[str, np.ndarray], t: int) -> None:
+    """Every stage entry at row t of its buffer."""
+    for i, n in enumerate(captured):
+        table[i].data = _row(buffers[n], t)
+
+
+def _check(lib, ctx, function: str, code: int, where: str) -> None:
+    if code != 0:
+        from probe.adapters.cabi_worker import return_code_message
+
+        message = return_code_message(function, code, where, RETURN_CODES)
+        reason = lib.mtp2_last_error(ctx) if hasattr(lib, "mtp2_last_error") else None
+        raise AdapterError(message + (f" The library says: {library_text(reason)}" if reason else ""))

@@ -12,8 +12,11 @@ segfault or abort in foreign code ends this process, never the probe. Everything
            With REFERENCE (a worker started before the probe's checks: probe/adapters/cabi_process.py), the
            inputs and conventions are read from that trace instead, and captured.json also records their
            inputs_digest and the conventions, for the probe to check against what it read
-    out    <stage>.npy ([T, width]: float32, int64 for index sets) for every captured stage and `out`;
-           captured.json lists them with the head's weights_digest; abi.txt holds the ABI version detected (1 or 2)
+           optional chain.npz (d{j}_token_ids, d{j}_positions, d{j}_embed per chain depth j): what a v2 library
+           exporting mtp2_draft_step is driven with after each bridge step (read from REFERENCE when given)
+    out    <stage>.npy ([T, width]: float32, int64 for index sets) for every captured stage and `out`, and
+           d{j}.<stage>.npy ([n_j, width]) per chain depth a draft step wrote; captured.json lists them (depths:
+           {j: stages}) with the head's weights_digest; abi.txt holds the ABI version detected (1 or 2)
     progress.txt  the phase about to start, one line each, written unbuffered before it starts ("step 3"):
                   after a crash its last line says where the library died
     error.txt     a failure this worker diagnosed itself (bad library, error code); exit status EXIT_DIAGNOSED;
@@ -54,7 +57,7 @@ EXIT_DIAGNOSED = 3
 PROGRESS_FILE, ERROR_FILE, MANIFEST_FILE = "progress.txt", "error.txt", "captured.json"
 ERROR_KIND_FILE = "error_kind.txt"  # the class name of the error in error.txt (e.g. CandidateError)
 CAPTURE_ONLY_FILE = "capture_only.txt"  # optional, comma-separated stages: capture at most these (--explain)
-CONVENTIONS_FILE, ABI_FILE = "conventions.json", "abi.txt"
+CONVENTIONS_FILE, ABI_FILE, CHAIN_FILE = "conventions.json", "abi.txt", "chain.npz"
 V1_FAMILY = "qwen3_5"  # the one head ABI v1's fixed structs can describe
 ABI_VERSION = 1  # MTP_PROBE_ABI_VERSION
 ALL_CAPTURED = 0x3FF  # ten trace stages; also what a library without mtp_capture_mask is assumed to capture
@@ -171,17 +174,26 @@ class StepInputs:
     """What the library is stepped over: float32 rows (embed [T, D], hidden [T, hidden_width]), int64 positions, and
     the reference's conventions; `digest` (oracle/trace.py inputs_digest) when read from the reference."""
 
-    def __init__(self, embed, hidden, positions, conventions: dict, digest: str | None = None):
+    def __init__(self, embed, hidden, positions, conventions: dict, digest: str | None = None,
+                 chain: dict[int, dict[str, np.ndarray]] | None = None):
         self.embed = np.ascontiguousarray(embed, dtype=np.float32)
         self.hidden = np.ascontiguousarray(hidden, dtype=np.float32)
         self.positions = np.asarray(positions, dtype=np.int64)
         self.conventions, self.digest = conventions, digest
+        self.chain = chain or {}  # {j: token_ids, positions, embed of depth j}, row i = bridge i (draft loop)
 
 
 def directory_inputs(work: Path) -> StepInputs:
     """The inputs the adapter wrote into DIR."""
     conventions = (json.loads((work / CONVENTIONS_FILE).read_text()) if (work / CONVENTIONS_FILE).is_file() else {})
-    return StepInputs(*(np.load(work / f"{n}.npy") for n in ("embed", "hidden", "positions")), conventions)
+    chain = {}
+    if (work / CHAIN_FILE).is_file():
+        with np.load(work / CHAIN_FILE) as arrays:
+            for key in arrays.files:
+                depth, _, name = key.partition("_")
+                chain.setdefault(int(depth[1:]), {})[name] = arrays[key]
+    return StepInputs(*(np.load(work / f"{n}.npy") for n in ("embed", "hidden", "positions")), conventions,
+                      chain=chain)
 
 
 def reference_inputs(reference: Path) -> StepInputs:
@@ -190,10 +202,15 @@ def reference_inputs(reference: Path) -> StepInputs:
     from oracle.families.spec import CONVENTIONS
     from oracle.trace import inputs_digest, read_trace  # h5py: only a worker started on the reference needs it
 
+    from oracle.trace import ChainDepthReader, chain_info
+
     with read_trace(reference) as ref:
         inputs, config = ref.inputs(), ref.attrs.get("config") or {}
+        info = chain_info(ref)
+        chain = {j: {n: ChainDepthReader(ref, j).input_rows(n) for n in ("token_ids", "positions", "embed")}
+                 for j in (info.chain_depths if info is not None else ())}
     conventions = {k: config[k] for k in CONVENTIONS if k in config}
-    return StepInputs(inputs.embed, inputs.hidden, inputs.positions, conventions, inputs_digest(inputs))
+    return StepInputs(inputs.embed, inputs.hidden, inputs.positions, conventions, inputs_digest(inputs), chain)
 
 
 def run_steps(lib: ctypes.CDLL, ctx: c_void_p, inputs: StepInputs, buffers: dict[str, np.ndarray],
@@ -257,12 +274,22 @@ def run_library(lib_path: Path, checkpoint: Path, work: Path, reference: Path | 
     else:
         buffers = run_v1(lib, lib_path, ckpt, inputs, progress, only)
     progress("save")
-    for name, buf in buffers.items():
-        np.save(work / f"{name}.npy", buf)
-    manifest = {"captured": list(buffers), "weights_digest": digest(), "abi": abi}
+    manifest = save_buffers(work, buffers) | {"weights_digest": digest(), "abi": abi}
     if reference is not None:
         manifest.update(inputs_digest=inputs.digest, conventions=inputs.conventions)
     (work / MANIFEST_FILE).write_text(json.dumps(manifest))
+
+
+def save_buffers(work: Path, buffers: dict) -> dict:
+    """<stage>.npy per depth-1 buffer and d{j}.<stage>.npy per chain depth ("d{j}": {stage: buffer}); the
+    manifest's `captured` and `depths` entries."""
+    depths = {k: buffers.pop(k) for k in [k for k in buffers if isinstance(buffers[k], dict)]}  # "d{j}": stages
+    for name, buf in buffers.items():
+        np.save(work / f"{name}.npy", buf)
+    for key, part in depths.items():
+        for name, buf in part.items():
+            np.save(work / f"{key}.{name}.npy", buf)
+    return {"captured": list(buffers), "depths": {key: list(part) for key, part in depths.items()}}
 
 
 def head_digest_soon(ckpt: Checkpoint) -> Callable[[], str]:
@@ -304,12 +331,10 @@ def run_python(spec: str, checkpoint: Path, work: Path) -> None:
     driver = StepDriver(spec, checkpoint, inputs.conventions)
     if (work / CAPTURE_ONLY_FILE).is_file():
         driver.capture_only = tuple(n for n in (work / CAPTURE_ONLY_FILE).read_text().split(",") if n)
-    buffers = driver.run(inputs.embed, inputs.hidden, inputs.positions, progress)
+    buffers = driver.run(inputs.embed, inputs.hidden, inputs.positions, progress, chain=inputs.chain)
     progress("save")
-    for name, buf in buffers.items():
-        np.save(work / f"{name}.npy", buf)
-    (work / MANIFEST_FILE).write_text(json.dumps({"captured": list(buffers), "weights_digest": driver.weights_digest,
-                                                  "abi": "python"}))
+    manifest = save_buffers(work, buffers) | {"weights_digest": driver.weights_digest, "abi": "python"}
+    (work / MANIFEST_FILE).write_text(json.dumps(manifest))
 
 
 def end_worker(status: int) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from oracle.stages import DRAFT, HC_STAGES, INDEX_SET, SPINE, with_moe
 from probe.adapters.llama_cpp import LLAMA_CPP_INTERMEDIATES, LLAMA_CPP_NAMES, base_name
 from probe.errors import CandidateError
 
@@ -140,7 +141,11 @@ def _assembled(stage: str, parts: dict, num_tokens: int) -> np.ndarray:
         raise CandidateError(f"stage {stage} ({files}) holds {values.shape[0]} rows over {len(steps)} step(s); the "
                              f"reference has {num_tokens} steps. Dump every step (one file per step with step=N in "
                              f"its name, or one file with all of them).")
-    return values.astype(np.int64) if stage == "topk_ids" else values.astype(np.float32)
+    return values.astype(np.int64) if stage in INDEX_SET_STAGES else values.astype(np.float32)
+
+
+# Stages compared as sets of ids (topk_ids, the draft token): int64, whatever dtype the engine dumped them in.
+INDEX_SET_STAGES = frozenset(s.name for s in (*with_moe(SPINE), *HC_STAGES, DRAFT) if s.kind == INDEX_SET)
 
 
 def _tensors(folder: Path):

@@ -17,6 +17,15 @@ does outside its steps (an atexit handler, a non-daemon thread or a __del__ that
 os._exit, a chdir, a hang) cannot forge the probe's verdict, end or stall the probe, or move its outputs. What it
 prints is captured and shown, cut and escaped, before the verdict (`CAbiAdapter.output`). `PythonAdapter` is the
 probe's side; `StepDriver`, the worker's, calls the candidate.
+The draft loop (optional, issue 24): against a reference with chains, an impl that has
+
+    impl.draft_step(depth: int, token: int, pos: int, embed_row: ndarray[D], out: ndarray[D], trace: dict)
+
+is driven in the engine's own order: step() for bridge i, then draft_step(j, token, pos, ...) for its chain j = 2,
+3, ... (while bridge i has depth j), then step() for bridge i+1. No hidden is handed in: the engine recycles its
+own (and chooses which layer runs); `out` and `trace` are rows of depth j's buffers (row i = bridge i). Dropping
+the chain's KV rows before the next bridge step is the engine's job too, so a chain row left in its cache shows as
+a divergence at the next bridge step. An impl without draft_step captures no chain (the verdict says so).
 """
 
 import dataclasses
@@ -136,9 +145,12 @@ class StepDriver:
         self._dims = ckpt.family.dims(ckpt.config)
 
     def run(self, embed: np.ndarray, hidden: np.ndarray, positions: np.ndarray,
-            progress: Callable[[str], None]) -> dict[str, np.ndarray]:
+            progress: Callable[[str], None],
+            chain: dict[int, dict[str, np.ndarray]] | None = None) -> dict[str, np.ndarray]:
         """Stage -> [T, width] rows the candidate wrote (poison where it did not), plus `out`; `progress(phase)` is
-        told each step before it starts (cabi_worker.Progress: a crash is located by it)."""
+        told each step before it starts (cabi_worker.Progress: a crash is located by it). With `chain` ({j:
+        token_ids, positions, embed of depth j}, the worker's chain.npz) and an impl with draft_step, also "d{j}":
+        depth j's buffers."""
         progress("create")
         impl = self._candidate(self._make, f"in {self._factory_name}()")  # fresh per run: an empty KV cache
         step = self._candidate(lambda: getattr(impl, "step", None), "reading its step attribute")
@@ -148,16 +160,33 @@ class StepDriver:
         capture = self._candidate(lambda: _captured_stages(impl, self.name, traceable), "reading its capture list")
         if self.capture_only is not None:
             capture = tuple(n for n in capture if n in self.capture_only)
-        t, d = len(positions), embed.shape[1]
-        buffers = {n: _unwritten(self._stages[n], (t, self._stages[n].width(self._dims))) for n in capture}
-        buffers["out"] = poison((t, d))
+        t = len(positions)
+        buffers = self._buffers(capture, t)
+        draft = self._candidate(lambda: getattr(impl, "draft_step", None), "reading its draft_step attribute") \
+            if chain else None
+        depths = {j: self._buffers(capture, len(part["token_ids"])) for j, part in chain.items()} \
+            if callable(draft) else {}
         for i in range(t):
             progress(f"step {i}")
             rows = {n: buffers[n][i] for n in capture}  # views: the impl writes into the buffers
             self._candidate(lambda: step(int(positions[i]), embed[i].copy(), hidden[i].copy(), buffers["out"][i],
                                          rows), f"at step {i}")
+            for j in (j for j in sorted(depths) if i < len(chain[j]["token_ids"])):  # bridge i's chain
+                progress(f"draft {j} of step {i}")
+                self._draft(draft, j, i, chain[j], depths[j], capture)
         progress("destroy")
-        return buffers
+        return buffers | {f"d{j}": part for j, part in depths.items()}
+
+    def _buffers(self, capture: tuple[str, ...], rows: int) -> dict[str, np.ndarray]:
+        out = {n: _unwritten(self._stages[n], (rows, self._stages[n].width(self._dims))) for n in capture}
+        return out | {"out": poison((rows, self._dims.hidden_size))}
+
+    def _draft(self, draft, depth: int, i: int, part: dict, buffers: dict, capture: tuple[str, ...]) -> None:
+        """Depth `depth` of bridge i's chain: the reference's token, position and embedding row, no hidden."""
+        rows = {n: buffers[n][i] for n in capture}
+        self._candidate(lambda: draft(depth, int(part["token_ids"][i]), int(part["positions"][i]),
+                                      part["embed"][i].copy(), buffers["out"][i], rows),
+                        f"at depth {depth} of bridge {i}")
 
     def _candidate(self, call, where: str):
         """call() runs the candidate's own code: what it raises is reported (INVALID, exit 2), never a probe crash

@@ -16,6 +16,10 @@ Raw directory layout (for engines that do not write HDF5):
     hidden.bin     optional: the hidden H [T, D] float32 the engine consumed (must be the reference's, bit for bit;
                    DeepSeek-V4: [T, hc·D], the main model's hc residual streams)
 
+    d{j}/          optional, j >= 2: depth j of the draft loop (issue 24), the same `<stage>.bin` files with n_j =
+                   T - j + 1 rows, row r = bridge position r (the draft stage as int64, like topk_ids), and an optional
+                   inputs.json of the depth's token_ids and positions; a depth the reference lacks is an error
+
 Any other `*.bin` name is an error (a misspelt stage would otherwise be silently "not captured"), and so is one of
 these names that is not a readable regular file (dangling symlink, directory, FIFO, device; a symlink to a regular
 file is followed).
@@ -30,7 +34,8 @@ import numpy as np
 
 from oracle.errors import TraceFormatError
 from oracle.stages import INDEX_SET, STAGES, Dims, StageList
-from oracle.trace import INPUT_NAMES, read_trace
+from oracle.trace import (INPUT_NAMES, ChainDepthReader, ChainInfo, chain_groups, chain_info, chain_rows,
+                          evidence_attr, evidence_covers_chain, read_trace, recorded_chain_digest)
 from probe.poison import poison
 
 CHECKED_INPUTS = ("token_ids", "positions", "hidden")  # the inputs a candidate is given; embed comes from weights
@@ -152,8 +157,44 @@ class Hdf5Trace(_Closing):
     @property
     def evidence_verified(self) -> bool | None:
         if not hasattr(self, "_evidence_verified"):
-            self._evidence_verified = self._reader.evidence_verified()
+            verified = self._reader.evidence_verified()
+            if verified is False and self.depths:  # a digest over depth 1's and the chain's evidence
+                verified = self.chain_evidence_verified
+            self._evidence_verified = verified
         return self._evidence_verified
+
+    @property
+    def chain_evidence_verified(self) -> bool:
+        """Whether the root evidence_digest covers the chain's evidence too (hashed once per file)."""
+        if not hasattr(self, "_chain_evidence_verified"):
+            self._chain_evidence_verified = bool(self.depths) and evidence_covers_chain(self._reader)
+        return self._chain_evidence_verified
+
+    def evidence_attr(self, name: str, key: str):
+        """An attribute of /evidence/<name> (draft_margin's row_norm_max), None when absent."""
+        return evidence_attr(self._reader, name, key)
+
+    @property
+    def chain(self) -> ChainInfo | None:
+        """The root `chain` record (oracle/trace.py, Chains); None for a trace of the bridge step only."""
+        if not hasattr(self, "_chain"):
+            self._chain = chain_info(self._reader)
+        return self._chain
+
+    @property
+    def depths(self) -> tuple[int, ...]:
+        """The chain depths j >= 2 this file holds a /chain/d{j} group for."""
+        if not hasattr(self, "_depths"):
+            self._depths = chain_groups(self._reader)
+        return self._depths
+
+    def depth(self, depth: int) -> "Hdf5DepthTrace":
+        """Depth `depth` (>= 2) of the draft loop as a source of its own: rows = bridge positions."""
+        return Hdf5DepthTrace(self, depth)
+
+    def recorded_chain_digest(self) -> str:
+        """chain_digest of the file's /chain/d{j}/inputs as stored (oracle/trace.py)."""
+        return recorded_chain_digest(self._reader)
 
     def evidence_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         return _native_float32(self._reader.evidence_rows(name, start, stop))
@@ -171,6 +212,68 @@ class Hdf5Trace(_Closing):
         return f"{self.path}:/stages/{name}"
 
 
+class Hdf5DepthTrace(Hdf5Trace):
+    """/chain/d{j} of an open `mtp-trace/1` file, read as a trace of n_j = T - j + 1 rows (row r = bridge position r).
+    Its checksums are the root's "d{j}/<name>" ones; its evidence is trusted only where the root evidence_digest
+    covers the chain's (oracle/trace.py evidence_covers_chain). Closed with the file."""
+
+    def __init__(self, parent: Hdf5Trace, depth: int):
+        self.path, self.depth_index, self.parent = parent.path, depth, parent
+        self._reader = ChainDepthReader(parent._reader, depth)
+        self.num_tokens = chain_rows(parent.num_tokens, depth)
+        self.hidden_size, self.hidden_width, self.dims = parent.hidden_size, parent.hidden_width, parent.dims
+        self.stages = self._reader.stages
+        self.stage_list = self._reader.stage_list
+        present = self._reader.input_names()
+        # the recycled hidden is the engine's own computation, never an input to check bit for bit
+        self.recorded_inputs = tuple(n for n in ("token_ids", "positions") if n in present)
+        self.poisoned = parent.poisoned
+        prefix = f"d{depth}/"
+        checksums = parent.attrs.get("stage_checksums")
+        self.attrs = {k: v for k, v in parent.attrs.items() if k not in ("inputs_digest", "stage_checksums")}
+        if isinstance(checksums, dict):
+            self.attrs["stage_checksums"] = {k[len(prefix):]: v for k, v in checksums.items() if k.startswith(prefix)}
+        self._unwritten_by_stage = {}
+
+    def close(self) -> None:
+        pass  # the file is the parent's
+
+    @property
+    def evidence_verified(self) -> bool | None:
+        return self.parent.chain_evidence_verified or None
+
+    def evidence_attr(self, name: str, key: str):
+        return self._reader.evidence_attr(name, key)
+
+    @property
+    def chain(self) -> None:
+        return None
+
+    @property
+    def depths(self) -> tuple[int, ...]:
+        return ()
+
+    def all_inputs(self):
+        return None
+
+    def recorded_inputs_digest(self) -> None:
+        return None  # a depth's inputs are covered by the root chain_digest (checked once per file)
+
+    def chain_input_names(self) -> tuple[str, ...]:
+        """The /chain/d{j}/inputs datasets present (CHAIN_INPUT_NAMES order)."""
+        return self._reader.input_names()
+
+    def chain_input_rows(self, name: str) -> np.ndarray:
+        """All rows of /chain/d{j}/inputs/<name> (bridge, token_ids, positions, layer, recycled, embed)."""
+        return _native_float32(self._reader.input_rows(name, 0, None))
+
+    def evidence_names(self) -> tuple[str, ...]:
+        return self._reader.evidence_names()
+
+    def describe(self, name: str) -> str:
+        return f"{self.path}:/chain/d{self.depth_index}/stages/{name}"
+
+
 class RawDirTrace(_Closing):
     """A directory of `<stage>.bin` files (module docstring), read by row ranges without loading whole files."""
 
@@ -178,9 +281,12 @@ class RawDirTrace(_Closing):
     poisoned = False  # nothing says the engine pre-filled its files: an all-zero row may be an unwritten one
     attrs: dict = {}
 
+    chain = None  # a dump records no loop conventions: the reference's are the truth
+
     def __init__(self, path: Path, num_tokens: int, hidden_size: int, stage_list: StageList = STAGES,
-                 widths: dict[str, int] | None = None, hidden_width: int | None = None):
-        self.path = Path(path)
+                 widths: dict[str, int] | None = None, hidden_width: int | None = None, depth: int = 1):
+        self.path, self.depth_index = Path(path), depth
+        self._args = (hidden_size, stage_list, widths, hidden_width)
         self.num_tokens, self.hidden_size = num_tokens, hidden_size
         self.hidden_width = hidden_width or hidden_size  # hidden.bin rows: hc·D (DeepSeek-V4), else D
         self._widths = widths or {s.name: s.width(Dims(hidden_size)) for s in stage_list}
@@ -189,8 +295,9 @@ class RawDirTrace(_Closing):
             entries = {p.name for p in self.path.iterdir()}
         except OSError as err:
             raise TraceFormatError(f"raw trace directory {self.path} is not readable: {err}.") from None
-        known = {f"{n}.bin" for n in stage_list.names} | {"hidden.bin"}
+        known = {f"{n}.bin" for n in stage_list.names} | ({"hidden.bin"} if depth == 1 else set())
         files = {f for f in entries if f in known or f == "inputs.json"}
+        self.depths = _depth_folders(self.path, entries) if depth == 1 else ()
         for name in sorted(files):
             _check_regular_file(self.path / name)
         unknown = sorted(f for f in entries if f.lower().endswith(".bin") and f not in known)  # mlp.BIN too
@@ -206,6 +313,12 @@ class RawDirTrace(_Closing):
 
     def _file(self, name: str) -> Path:
         return self.path / f"{name}.bin"
+
+    def depth(self, depth: int) -> "RawDirTrace":
+        """The d{depth}/ folder, read with n_j = T - depth + 1 rows (row r = bridge position r)."""
+        hidden_size, stage_list, widths, hidden_width = self._args
+        return RawDirTrace(self.path / f"d{depth}", chain_rows(self.num_tokens, depth), hidden_size, stage_list,
+                           widths, hidden_width, depth=depth)
 
     def _width(self, name: str) -> int:
         return self.hidden_width if name == "hidden" else self._widths[name]
@@ -251,6 +364,21 @@ class RawDirTrace(_Closing):
 
     def describe(self, name: str) -> str:
         return f"{self._file(name)} ({self._file(name).stat().st_size} bytes)"
+
+
+def _depth_folders(path: Path, entries: set[str]) -> tuple[int, ...]:
+    """The depth folders d{j} (j >= 2) of a raw dump, in order; a `d1` (depth 1 is the folder itself) or a d{j} that
+    is not a directory is an error."""
+    depths = []
+    for name in entries:
+        if not (name[:1] == "d" and name[1:].isdigit()):
+            continue
+        j = int(name[1:])
+        if j < 2 or name != f"d{j}" or not (path / name).is_dir():
+            raise TraceFormatError(f"{path / name}: a depth folder is d2, d3, ... (a directory; depth 1's files are "
+                                   f"{path}'s own <stage>.bin); rename or remove it.")
+        depths.append(j)
+    return tuple(sorted(depths))
 
 
 def _check_regular_file(path: Path) -> None:

@@ -19,7 +19,8 @@ def test_json_report_fields(tmp_path, ref_data):
     diff_cli(TINY_REF, path, "--json", tmp_path / "r.json")
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["verdict"] == "diverged" and report["exit_code"] == 1
-    assert report["first_divergence"] == {"stage": "ah", "token": 0, "budget_used": report["first_divergence"]["budget_used"]}
+    assert report["first_divergence"] == {"depth": 1, "stage": "ah", "token": 0,
+                                          "budget_used": report["first_divergence"]["budget_used"]}
     assert len(report["rows"]) == 11 * 8 and report["summary"].startswith("DIVERGED |")
     row = next(r for r in report["rows"] if (r["stage"], r["token"]) == ("ah", 3))
     assert row["status"] == "values" and row["evidential"] is True

@@ -185,3 +185,112 @@ def test_twin_the_weights_script_refuses_a_family_the_example_cannot_run(tmp_pat
                            tmp_path / "w"], capture_output=True, text=True)
     assert proc.returncode == 2 and "dense Qwen3.5 head (C ABI v1) only" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "w" / "weights.bin").exists()
+# --- chains (issue 24): per-depth writes into d{j}/, rows = bridge positions ---------------------------------------
+
+CHAIN_DRIVER = r"""
+#include "mtp_trace_writer.h"
+/* Replays a chain reference's rows through the writer in an engine's order: bridge i, then its chain depths.
+ * argv: ROWS OUT T D K [SKIP_DEPTH SKIP_ROW]: ROWS/d{j}/<stage>.bin float32 (draft.bin int64), j = 1..K. */
+static int read_row(const char *rows, int depth, const char *stage, int64_t r, int64_t width, size_t item, void *out) {
+    char path[1200];
+    snprintf(path, sizeof path, "%s/d%d/%s.bin", rows, depth, stage);
+    FILE *f = fopen(path, "rb");
+    if (!f) return 1;
+    int bad = fseek(f, (long)(r * width * (int64_t)item), SEEK_SET) != 0 || fread(out, item, (size_t)width, f) != (size_t)width;
+    fclose(f);
+    return bad;
+}
+int main(int argc, char **argv) {
+    if (argc < 6) return 2;
+    int64_t T = atoll(argv[3]), D = atoll(argv[4]);
+    int K = atoi(argv[5]), skip_depth = argc > 7 ? atoi(argv[6]) : 0, skip_row = argc > 7 ? atoi(argv[7]) : -1;
+    mtp_trace_writer w[MTP_TW_MAX_DEPTH + 1];
+    if (mtp_tw_open(&w[1], argv[2], T, D) || mtp_tw_capture_all(&w[1]) || mtp_tw_capture(&w[1], "draft")) {
+        fprintf(stderr, "%s\n", mtp_tw_error(&w[1]));
+        return 1;
+    }
+    for (int j = 2; j <= K; j++)
+        if (mtp_tw_open_depth(&w[j], &w[1], j) || mtp_tw_capture_all(&w[j]) || mtp_tw_capture(&w[j], "draft")) {
+            fprintf(stderr, "%s\n", mtp_tw_error(&w[j]));
+            return 1;
+        }
+    float row[4096];
+    for (int64_t i = 0; i < T; i++)
+        for (int j = 1; j <= K && i <= T - j; j++) {
+            if (j == skip_depth && i == skip_row) continue;
+            for (int s = 0; s < MTP_TW_NUM_STAGES; s++) {
+                int64_t width = mtp_tw_stage_width(s, D);
+                if (read_row(argv[1], j, mtp_tw_stage_name(s), i, width, 4, row)) return 3;
+                mtp_tw_row(&w[j], mtp_tw_stage_name(s), i, row);
+            }
+            int64_t token;
+            if (read_row(argv[1], j, "draft", i, 1, 8, &token)) return 3;
+            mtp_tw_draft_row(&w[j], i, token);
+        }
+    SHOW_HIDDEN_MISUSE
+    int status = 0;
+    for (int j = 1; j <= K; j++)
+        if (mtp_tw_close(&w[j])) {
+            fprintf(stderr, "%s\n", mtp_tw_error(&w[j]));
+            status = 1;
+        }
+    return status;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def chain_rows(tmp_path_factory):
+    """A chain reference (tests/probe/test_chain_diff.py's construction) and its rows as d{j}/<stage>.bin files."""
+    import h5py
+
+    from tests.probe.chain_reference import chain_reference
+    from tests.probe.tracekit import load_trace
+
+    tmp = tmp_path_factory.mktemp("chain-writer")
+    ref = chain_reference(tmp / "ref.h5", 3)
+    inputs, _ = load_trace(ref)
+    rows = tmp / "rows"
+    with h5py.File(ref) as f:
+        for j, group in ((1, f["stages"]), *((j, f[f"chain/d{j}/stages"]) for j in (2, 3))):
+            (rows / f"d{j}").mkdir(parents=True)
+            for name in group:
+                data = group[name][()]
+                data.astype("<i8" if data.dtype.kind in "iu" else "<f4").tofile(rows / f"d{j}" / f"{name}.bin")
+    return ref, rows, inputs.num_tokens, inputs.hidden_size
+
+
+def _chain_driver(tmp_path, misuse: bool = False):
+    text = CHAIN_DRIVER.replace("SHOW_HIDDEN_MISUSE", 'if (mtp_tw_hidden_row(&w[2], 0, row)) '
+                                                      'fprintf(stderr, "%s\\n", mtp_tw_error(&w[2]));'
+                                if misuse else "")
+    (tmp_path / "chain_driver.c").write_text(text)
+    return _gcc([tmp_path / "chain_driver.c"], tmp_path / "chain_driver", tmp_path)
+
+
+def test_per_depth_writes_pass_the_probe_and_stale_depths_are_removed(chain_rows, tmp_path):
+    ref, rows, total, hidden = chain_rows
+    driver = _chain_driver(tmp_path)
+    dump = tmp_path / "dump"
+    (dump / "d5").mkdir(parents=True)
+    (dump / "d5" / "out.bin").write_bytes(b"stale")  # an earlier dump's depth: must not be read as this one
+    proc = subprocess.run([driver, rows, dump, str(total), str(hidden), "3"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in dump.iterdir() if p.is_dir()) == ["d2", "d3"]
+    result = run_cli(probe_cli, ["diff", ref, dump])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip().splitlines()[-1].startswith("PASSED | 12 stages x 10 tokens within tolerance at "
+                                                             "depths 1-3")
+
+
+def test_twin_a_depth_row_never_written_is_caught_by_writer_and_probe(chain_rows, tmp_path):
+    ref, rows, total, hidden = chain_rows
+    driver = _chain_driver(tmp_path, misuse=True)
+    dump = tmp_path / "dump"
+    proc = subprocess.run([driver, rows, dump, str(total), str(hidden), "3", "3", "4"], capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert "a chain depth records no hidden" in proc.stderr
+    assert "row never written: d3/e row 4 (left as poison 0x7FDEAD00)" in proc.stderr
+    result = run_cli(probe_cli, ["diff", ref, dump])
+    assert result.exit_code == 2, result.output
+    assert "INVALID | depth 3: unwritten rows: e at token(s) 4, h at token(s) 4" in result.output

@@ -1,0 +1,234 @@
+"""The draft loop (issue 24): comparing a candidate's chain depths 2..K with the reference's, and one verdict for all.
+
+Depth 1 is the bridge step (probe/diff.py). A reference exported with `--chain K` also holds depths 2..K
+(oracle/trace.py, Chains): depth j has n_j = T - j + 1 rows, row r = bridge position r. Each depth the candidate
+captures is compared as a trace of its own (`diff_depth`, streaming its rows as depth 1 does: memory stays flat),
+with that depth's evidence: attn_uniform (q/k), topk_margin (routing), draft_margin (draft near-ties) and the
+recycle alternatives h_if_<alt>. The first divergence is depth 1's first, else the first of depth 2, 3, ...
+
+Verdicts never claim depths not seen: a reference that records chains and a candidate that captures none (or only
+some depths) is at best inconclusive ("the loop was not checked"); a candidate that captures depths the reference
+lacks, or more rows at depth j than the reference has bridge positions, is bad input (ProbeError, exit 2).
+
+The recycle choice (which tensor depth j-1 hands to depth j) is evidenced at a depth-j row only where the `h` the
+alternative would have given (/chain/d{j}/evidence/h_if_<alt>) fails the h tolerance against the reference's h:
+elsewhere a candidate recycling the alternative gives the same row, and the row is reported as not evidential for
+the choice. A captured depth whose h rows evidence no row against some alternative cannot pass.
+"""
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from oracle.trace import ChainInfo
+
+from probe.compare import INVALID_STATUSES, rows_from_sums
+from probe.errors import ProbeError, ReferenceTraceError
+from probe.evidence import Verdict
+from probe.rule import RULE
+from probe.selfcheck import layout_problem
+
+RECYCLE_PREFIX = "h_if_"
+HIDDEN_STAGE = "h"  # the first stage that sees the recycled hidden: where the recycle choice shows
+
+
+@dataclass(frozen=True)
+class RecycleEvidence:
+    """Against one alternative <alt>: which depth-j rows could show the recycle choice, and which did."""
+
+    alt: str
+    sensitive: np.ndarray  # bool [n_j]: h_if_<alt> fails the h tolerance there (the choice shows)
+    evidencing: np.ndarray  # bool [n_j]: sensitive, and the candidate's h row is within tolerance
+
+    @property
+    def not_evidential(self) -> np.ndarray:
+        return np.flatnonzero(~self.sensitive)
+
+
+@dataclass(frozen=True)
+class DepthDiff:
+    depth: int
+    report: "DiffReport"  # the depth's comparison; its tokens are bridge positions
+    recycle: tuple[RecycleEvidence, ...]
+    recycle_note: str | None  # why the recycle choice is not evidenced at this depth (None: it is, or diverged)
+
+
+@dataclass(frozen=True)
+class ChainDiff:
+    info: ChainInfo | None  # the reference's chain record (None: it records the bridge step only)
+    depths: tuple[DepthDiff, ...]  # the depths compared, in order
+    not_captured: tuple[int, ...]  # reference depths the candidate does not capture
+    bridge_verdict: Verdict  # depth 1's own verdict
+    not_compared: str | None = None  # why captured depths were not compared (--fail-fast after a failing depth)
+
+    @property
+    def compared_depths(self) -> tuple[int, ...]:
+        return (1,) + tuple(d.depth for d in self.depths)
+
+
+def with_chain(bridge: "DiffReport", ref, cand, tols, fail_fast: bool) -> "DiffReport":
+    """`bridge` (depth 1's report) with the chain's depths compared and the verdict made over every depth."""
+    info = getattr(ref, "chain", None)
+    captured = tuple(getattr(cand, "depths", ()))
+    if info is None:
+        if captured:
+            raise ProbeError(f"candidate {cand.path} captures chain depths {_list(captured)}, but the reference "
+                             f"{ref.path} records the bridge step only: there is nothing to compare them with. "
+                             f"Export the reference with mtp-oracle export ... --chain {max(captured)}.")
+        note = ("the draft loop was not checked: the reference records the bridge step only (depth 1); export it "
+                "with mtp-oracle export ... --chain K to compare depths 2..K")
+        return replace(bridge, evidence_notes=bridge.evidence_notes + (note,))
+    check_chain_reference(ref, info)
+    extra = [j for j in captured if j > info.depths]
+    if extra:
+        raise ProbeError(f"candidate {cand.path} captures chain depth {extra[0]}, which the reference {ref.path} "
+                         f"lacks (it records depths 2..{info.depths}); drop depths past {info.depths}, or export the "
+                         f"reference with --chain {max(captured)}.")
+    stopped = 1 if fail_fast and bridge.verdict.name in ("diverged", "invalid") else None
+    depths = []
+    for j in (j for j in info.chain_depths if j in captured and stopped is None):
+        depths.append(_diff_one_depth(ref, cand, j, tols, fail_fast))
+        if fail_fast and depths[-1].report.verdict.name in ("diverged", "invalid"):
+            stopped = j  # --fail-fast: the first depth that failed ends the comparison
+    left = [j for j in captured if j not in {d.depth for d in depths}]
+    why = (f"--fail-fast: depth {stopped} {'diverged' if stopped == 1 and bridge.verdict.name == 'diverged' else 'failed'}"
+           f", so depth(s) {_list(left)} were not compared") if stopped is not None and left else None
+    chain = ChainDiff(info, tuple(depths), tuple(j for j in info.chain_depths if j not in captured), bridge.verdict,
+                      why)
+    return replace(bridge, chain=chain, verdict=combined_verdict(chain))
+
+
+def check_chain_reference(ref, info: ChainInfo) -> None:
+    """The reference's chain is complete and as recorded: groups d2..dK, bridge order, and its chain_digest."""
+    regenerate = "Regenerate it with mtp-oracle export ... --chain K."
+    if tuple(ref.depths) != info.chain_depths:
+        raise ReferenceTraceError(f"reference {ref.path}: its chain record says depths 2..{info.depths}, but it holds "
+                                  f"/chain groups {_list(ref.depths) or 'none'}. {regenerate}")
+    recorded = ref.attrs.get("chain_digest")
+    if not isinstance(recorded, str) or recorded != ref.recorded_chain_digest():
+        what = "records no chain_digest" if recorded is None else "has /chain inputs that do not match its chain_digest"
+        raise ReferenceTraceError(f"reference {ref.path} {what} (edited after export?), so its chain rows cannot be "
+                                  f"trusted. {regenerate}")
+    if not getattr(ref, "_chain_checked", False):
+        for j in info.chain_depths:
+            _check_reference_depth(ref, ref.depth(j), j)
+        ref._chain_checked = True
+
+
+def _check_reference_depth(ref, part, depth: int) -> None:
+    regenerate = "Regenerate it with mtp-oracle export ... --chain K."
+    if set(part.stages) != set(ref.stages):
+        raise ReferenceTraceError(f"reference {ref.path}: /chain/d{depth} holds stages {', '.join(part.stages)}; every "
+                                  f"depth holds depth 1's ({', '.join(ref.stages)}). {regenerate}")
+    for stage in part.stage_list:
+        problem = layout_problem(part, stage.name, (part.num_tokens, ref.stage_shape(stage.name)[1]), stage.kind)
+        if problem:
+            raise ReferenceTraceError(f"reference {problem[1]} {regenerate}")
+    bridge = part.chain_input_rows("bridge") if "bridge" in part.chain_input_names() else None
+    if bridge is None or not np.array_equal(bridge, np.arange(part.num_tokens)):
+        raise ReferenceTraceError(f"reference {ref.path}: /chain/d{depth}/inputs/bridge is not 0..{part.num_tokens - 1} "
+                                  f"(row r = bridge position r, n_j = T - j + 1). {regenerate}")
+
+
+def _diff_one_depth(ref, cand, depth: int, tols, fail_fast: bool) -> DepthDiff:
+    from probe.diff import diff_depth
+
+    ref_part, cand_part = ref.depth(depth), cand.depth(depth)
+    check_candidate_depth(ref_part, cand_part, depth)
+    report = diff_depth(ref_part, cand_part, tols, fail_fast, depth=depth)
+    recycle = recycle_evidence(ref_part, report, tols[HIDDEN_STAGE])
+    return DepthDiff(depth, report, recycle, _recycle_note(ref_part, report, recycle, depth))
+
+
+def check_candidate_depth(ref_part, cand_part, depth: int) -> None:
+    """ProbeError when the candidate's depth-j rows refer to bridge positions the reference lacks (more rows than
+    n_j, or a bridge input that is not 0, 1, ...); fewer rows are a truncated stage, which the diff reports
+    (invalid)."""
+    n = ref_part.num_tokens
+    for name in cand_part.stages:
+        shape = tuple(cand_part.stage_shape(name))
+        if len(shape) == 2 and shape[0] > n:
+            raise ProbeError(f"candidate {cand_part.describe(name)} holds {shape[0]} rows at depth {depth}, but the "
+                             f"reference has bridge positions 0..{n - 1} there (n_j = T - j + 1 = {n}): rows past "
+                             f"{n - 1} refer to bridge positions the reference lacks. Write row r for bridge r only.")
+    if "bridge" in getattr(cand_part, "chain_input_names", tuple)():  # an HDF5 candidate may record it
+        bridge = np.asarray(cand_part.chain_input_rows("bridge"))
+        if bridge.ndim != 1 or len(bridge) > n or not np.array_equal(bridge, np.arange(len(bridge))):
+            raise ProbeError(f"candidate {cand_part.path}: /chain/d{depth}/inputs/bridge is {bridge[:8].tolist()}...; "
+                             f"row r is bridge position r, for r = 0..{n - 1} (the reference's). Write the rows in "
+                             f"bridge order.")
+
+
+def recycle_evidence(ref_part, report, tol) -> tuple[RecycleEvidence, ...]:
+    """Per recorded alternative: rows where h_if_<alt> fails the h tolerance (read a block of rows at a time), and
+    those where the candidate's h row is also within tolerance (it evidences the recycle choice there)."""
+    if tol is None or HIDDEN_STAGE not in ref_part.stages:
+        return ()
+    names = [n for n in ref_part.evidence_names() if n.startswith(RECYCLE_PREFIX)]
+    names = [n for n in names if ref_part.has_evidence(n)]  # verified only
+    total, out = ref_part.num_tokens, []
+    h_rows = report.rows.get(HIDDEN_STAGE)
+    ok = h_rows.has_status({"ok"}) if h_rows is not None else np.zeros(total, dtype=bool)
+    width = ref_part.stage_shape(HIDDEN_STAGE)[1]
+    step = max(1, (4 << 20) // (4 * max(width, 1)))
+    for name in names:
+        sensitive = np.zeros(total, dtype=bool)
+        for start in range(0, total, step):
+            stop = min(start + step, total)
+            alt, h = ref_part.evidence_rows(name, start, stop), ref_part.stage_rows(HIDDEN_STAGE, start, stop)
+            if alt.shape != h.shape or alt.dtype != np.float32:
+                raise ReferenceTraceError(f"reference {ref_part.path}: /chain/d{report.depth}/evidence/{name} is "
+                                          f"{alt.dtype} {alt.shape}, expected float32 {h.shape} (stage h). "
+                                          f"Regenerate it with mtp-oracle export.")
+            rows = rows_from_sums(HIDDEN_STAGE, start, width, RULE.sums(alt, h, tol), tol, zero_is_unwritten=False)
+            sensitive[start:stop] = ~rows.has_status({"ok"})
+        out.append(RecycleEvidence(name[len(RECYCLE_PREFIX):], sensitive, sensitive & ok))
+    return tuple(out)
+
+
+def _recycle_note(ref_part, report, recycle: tuple[RecycleEvidence, ...], depth: int) -> str | None:
+    """Why this depth does not evidence the recycle choice; None when every alternative is evidenced somewhere."""
+    if report.verdict.name in ("diverged", "invalid"):
+        return None
+    if HIDDEN_STAGE not in report.captured:
+        return (f"depth {depth}: h not captured, so the recycle choice (which tensor depth {depth - 1} hands on) is "
+                f"not evidenced there; capture h at every depth")
+    if not recycle:
+        return (f"depth {depth}: the reference records no verified recycle evidence (/chain/d{depth}/evidence/"
+                f"h_if_*), so the recycle choice is not evidenced there; re-export it with this mtp-oracle")
+    blind = [r.alt for r in recycle if not r.evidencing.any()]
+    if not blind:
+        return None
+    return (f"depth {depth}: no h row evidences the recycle choice against {', '.join(blind)} (recycling it gives "
+            f"the same h within tolerance at every row), so a candidate recycling it would pass too; compare "
+            f"inputs where the alternatives differ")
+
+
+def combined_verdict(chain: ChainDiff) -> Verdict:
+    """invalid > diverged > inconclusive > pass over depth 1 and every compared depth; a reference depth the
+    candidate does not capture (or a loop not compared) keeps it from passing."""
+    parts = [(1, chain.bridge_verdict)] + [(d.depth, d.report.verdict) for d in chain.depths]
+    for name in ("invalid", "diverged"):
+        hit = [(j, v) for j, v in parts if v.name == name]
+        if hit:
+            return Verdict(name, tuple(_at(j, r) for j, v in hit for r in v.reasons))
+    reasons = [_at(j, r) for j, v in parts if v.name == "inconclusive" for r in v.reasons]
+    reasons += [d.recycle_note for d in chain.depths if d.recycle_note]
+    if chain.not_compared:
+        reasons.append(f"the draft loop was not checked: {chain.not_compared}")
+    elif chain.not_captured and not chain.depths:
+        reasons.append(f"the draft loop was not checked: the reference records depths 2..{chain.info.depths} and "
+                       f"the candidate captures none (write /chain/d{{j}}/stages/<name>, or d{{j}}/<stage>.bin in a "
+                       f"raw dump)")
+    elif chain.not_captured:
+        reasons.append(f"depth(s) {_list(chain.not_captured)} of the reference's 2..{chain.info.depths} not captured: "
+                       f"the draft loop was checked to depth {max(chain.compared_depths)} only")
+    return Verdict("inconclusive", tuple(reasons)) if reasons else Verdict("pass", ())
+
+
+def _at(depth: int, reason: str) -> str:
+    return reason if depth == 1 else f"depth {depth}: {reason}"
+
+
+def _list(depths) -> str:
+    return ", ".join(str(j) for j in depths)
