@@ -233,7 +233,18 @@ class Hdf5DepthTrace(Hdf5Trace):
         self.attrs = {k: v for k, v in parent.attrs.items() if k not in ("inputs_digest", "stage_checksums")}
         if isinstance(checksums, dict):
             self.attrs["stage_checksums"] = {k[len(prefix):]: v for k, v in checksums.items() if k.startswith(prefix)}
+        if "evidence_rules" in parent.attrs:
+            self.attrs["evidence_rules"] = self._depth_rules(parent.attrs["evidence_rules"])
         self._unwritten_by_stage = {}
+
+    def _depth_rules(self, rules):
+        """The root's evidence_rules as they hold at this depth: the q/k-path parts (qk_parts) are measured where a
+        /evidence/qk_<part> dataset is recorded, which the oracle writes for depth 1 only; a part this depth lacks
+        is "not measured" here (never claimed), not a contradiction of the rules."""
+        if not isinstance(rules, dict) or not isinstance(rules.get("qk_parts"), dict):
+            return rules
+        kept = {part: names for part, names in rules["qk_parts"].items() if self._reader.has_evidence(f"qk_{part}")}
+        return {k: v for k, v in rules.items() if k != "qk_parts"} | ({"qk_parts": kept} if kept else {})
 
     def close(self) -> None:
         pass  # the file is the parent's
