@@ -133,10 +133,11 @@ def test_new_traces_write_ascii_shape_symbols_and_old_ones_still_read(tmp_path):
     with h5py.File(out) as new, h5py.File(TINY_REF) as old:
         text = lambda v: v.decode("utf-8") if isinstance(v, bytes) else str(v)  # noqa: E731
         written = {n: text(new["stages"][n].attrs["shape"]) for n in new["stages"]}
-        assert all(v.isascii() for v in written.values()) and written["fc_in"] == "Tx2D"
+        assert all(v.isascii() for v in written.values()) and written["fc_in"] == "Tx2D" and written["draft"] == "Tx1"
         assert text(old["stages"]["fc_in"].attrs["shape"]) == "T×2D"  # the stored fixture predates the change
     with read_trace(TINY_REF) as old_trace, read_trace(out) as new_trace:
-        assert old_trace.stage_list == new_trace.stage_list  # old symbols read as the new ones
+        # old symbols read as the new ones; the stored fixture also predates the draft stage (issue 24)
+        assert old_trace.stage_list == tuple(s for s in new_trace.stage_list if s.name != "draft")
     diffed = run_cli(probe_cli, ["diff", TINY_REF, out, "-q"])
     assert diffed.exit_code == 0 and diffed.output.splitlines()[-1].startswith("PASSED"), diffed.output
 
