@@ -105,8 +105,8 @@ def test_export_reads_its_own_trace_before_it_is_put_in_place(tmp_path):
     from oracle.cli import cli
 
     out = tmp_path / "ref.h5"
-    result = run_cli(cli, ["export", TINY, "--tokens", "17,42,3", "--hidden-seed", "0", "--out", out, "-q"])
-    assert result.exit_code == 0 and f"wrote {out}: 3 steps x 11 stages" in result.output, result.output
+    result = run_cli(cli, ["export", TINY, "--tokens", "17,42,3", "--hidden-seed", "0", "--out", out, "-q"])  # 11 stages + the draft (issue 24)
+    assert result.exit_code == 0 and f"wrote {out}: 3 steps x 12 stages" in result.output, result.output
     assert [p.name for p in tmp_path.iterdir()] == ["ref.h5"]
 
 
