@@ -153,3 +153,14 @@ def test_two_names_for_one_stage_and_rows_that_do_not_fit_are_refused():
         stages_from_named({"mtp_enorm-4": np.ones((3, 8)), "mtp_enorm-5": np.ones((3, 8))}, 3)
     with pytest.raises(CandidateError, match="not 3 rows"):
         stages_from_named({"mtp_enorm-4": np.ones((2, 5))}, 3)
+
+
+@engine
+def test_explain_names_the_known_variant_of_a_defective_gguf(case):
+    """`--explain` on llama.cpp's run: norms written without their +1 are the catalogue's plain_norm."""
+    name, ref, tmp = case
+    path = _defective(name, tmp, norms_without_one)
+    done = cli("probe", "run", str(ref), "--impl", f"llama.cpp:{path}", "--explain", "--checkpoint",
+               str(FIXTURES / name), "-q")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "DIAGNOSIS | plain_norm" in done.stdout, done.stdout[-2000:]
