@@ -90,6 +90,7 @@ class Depth:
     drafts: np.ndarray | None = None  # (n,) argmax of the draft projection on `out`
     margins: np.ndarray | None = None  # (n,) its top-1 minus top-2 logit, where the projection gives it
     evidence: dict[str, np.ndarray] = field(default_factory=dict)  # attn_uniform, h_if_prenorm, h_if_main
+    layer_index: int = 0  # the physical MTP layer this depth ran (one-layer heads: 0)
 
     @property
     def rows(self) -> int:
@@ -101,7 +102,7 @@ class Depth:
 
     @property
     def layer(self) -> np.ndarray:
-        return np.zeros(self.rows, dtype=np.int64)  # one-layer heads: layer 0 at every depth
+        return np.full(self.rows, self.layer_index, dtype=np.int64)
 
 
 def chain_rows(num_steps: int, depth: int) -> int:
@@ -117,6 +118,8 @@ def bridge_pass(head: Head, rotary: Rotary, embed: np.ndarray, hidden: np.ndarra
     h = torch.from_numpy(np.ascontiguousarray(hidden, dtype=np.float32))[None]  # (n, w) -> (1, n, w)
     p = torch.from_numpy(np.asarray(positions, dtype=np.int64))
     n = len(p)
+    if hasattr(head, "window"):  # N-layer heads: the bridge runs layer 0, whose window its module reads
+        window = head.window(0)
     mask = within_window(chain_mask(0, n, ()), p, p, window)
     # The head's own cache, holding every key: a window is the mask's job, so the chains can see the bridge keys
     # their own windows reach (a sliding-window cache would keep only the last W-1).
@@ -170,6 +173,7 @@ class ChainSpec:
     record_main: bool = False  # h_if_main: the `h` of recycling H_i at every depth
     uniform: bool = False  # attn_uniform per depth
     chain_block: int = CHAIN_BLOCK
+    layers: Callable[[int], int] = lambda depth: 0  # depth j -> the physical layer it runs (N-layer heads: j-1)
 
 
 @torch.inference_mode()
@@ -182,6 +186,9 @@ def run_chains(head: Head, rotary: Rotary, bridge: Bridge, spec: ChainSpec,
     j-1 (`first_drafts`: the bridge's, depth 1's)."""
     if spec.tokens == ARGMAX and (draft is None or first_drafts is None):
         raise ValueError("argmax chain tokens need the draft projection and depth 1's drafts")  # a caller bug
+    if getattr(head, "num_layers", 1) > 1:
+        yield from _layer_chains(head, rotary, bridge, spec, embedding_rows, draft)
+        return
     blocks = [(a, min(a + spec.chain_block, bridge.rows)) for a in range(0, spec.rows(2), spec.chain_block)]
     # A block's cache starts as the bridge rows its chains may see; chain entries are appended, then dropped.
     caches = [DynamicCache([(bridge.keys[:, :, :b], bridge.values[:, :, :b])]) for _, b in blocks]
@@ -216,6 +223,44 @@ def run_chains(head: Head, rotary: Rotary, bridge: Bridge, spec: ChainSpec,
         if spec.keep is not None:  # the next depth reads its recycled (and pre-norm) rows from this one
             keep = {*spec.keep, spec.recycle, *([spec.prenorm] if spec.prenorm else [])}
             result.stages = {k: v for k, v in stages.items() if k in keep}
+        previous = result.stages
+        yield result
+
+
+def _layer_chains(head, rotary: Rotary, bridge: Bridge, spec: ChainSpec,
+                  embedding_rows: Callable[[np.ndarray], np.ndarray], draft: Draft | None) -> Iterator[Depth]:
+    """Depths 2..K of an N-layer head (transformers' MtpModel): depth j runs layer l = spec.layers(j), whose own
+    cache holds the teacher-forced depth-j entries of every bridge position, so depth j is one causal (windowed)
+    pass over its n_j rows through layer l, at positions p_i + j - 1. Teacher-forced tokens only."""
+    if spec.tokens != TEACHER:
+        raise InputError("--chain-tokens argmax is not supported yet for multi-layer heads (each layer's cache "
+                         "holds the teacher-forced entries; the argmax chain's own entry is not built): use the "
+                         "default teacher-forced tokens.")
+    previous = bridge.stages
+    for depth in range(2, spec.depths + 1):
+        n = spec.rows(depth)
+        if n == 0:
+            return
+        layer = spec.layers(depth)
+        tokens = spec.token_ids[depth - 1:depth - 1 + n].astype(np.int64)
+        embed = np.ascontiguousarray(embedding_rows(tokens), dtype=np.float32)
+        recycled = previous[spec.recycle][:n]
+        positions = bridge.positions[:n] + depth - 1
+        mask = within_window(chain_mask(0, n, ()), positions, positions, head.window(layer))
+        cache = DynamicCache()  # this depth's layer cache: its teacher-forced entries of every bridge position
+        e, p = torch.from_numpy(embed)[None], positions[None]
+        stages = {k: v[0] for k, v in head.steps(rotary, e, recycled[None], p, mask, cache, layer=layer).items()}
+        result = Depth(depth, tokens, positions.numpy(), recycled, embed, stages, layer_index=layer)
+        if spec.uniform:
+            cache.crop(-n)
+            result.evidence["attn_uniform"] = head.uniform_attention(rotary, stages["ah"][None], p, mask, cache,
+                                                                     layer=layer)[0].numpy()
+        if spec.prenorm is not None:
+            result.evidence["h_if_prenorm"] = head.hidden_norm(previous[spec.prenorm][:n][None], layer=layer)[0].numpy()
+        if spec.record_main:
+            result.evidence["h_if_main"] = head.hidden_norm(bridge.hidden[:n][None], layer=layer)[0].numpy()
+        if draft is not None:
+            result.drafts, result.margins = draft(stages["out"].numpy())
         previous = result.stages
         yield result
 
