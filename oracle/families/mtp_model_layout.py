@@ -111,9 +111,23 @@ def layout(cfg: HeadConfig, names: set[str]) -> TensorLayout:
             f"{' extra ' + str(sorted(set(present) - set(expected))) if set(present) - set(expected) else ''}. "
             f"Fix the MTP layer count in config.json, or the checkpoint.")
     head = {n for n in names if (m := LAYER.match(n)) and int(m.group(1)) in expected}
+    _check_layers_alike(cfg, head)
     copies = {n for n in head if n.split(".", 3)[3] in COPIES}
     return MtpLayerTensors({n: None for n in sorted(head - copies)}, None,
                            {n: (cfg.vocab_size, cfg.hidden_size) for n in sorted(copies)})
+
+
+def _check_layers_alike(cfg: HeadConfig, head: set[str]) -> None:
+    """Every MTP layer holds the same tensors (one stage list serves every depth): a tensor the other layers have
+    and one lacks is named by its checkpoint name (the official load would name only a parameter)."""
+    suffixes = {l: {n.removeprefix(cfg.layer_prefix(l)) for n in head if n.startswith(cfg.layer_prefix(l))} - set(COPIES)
+                for l in range(cfg.num_mtp_layers)}
+    union = set().union(*suffixes.values())
+    missing = sorted(cfg.layer_prefix(l) + s for l, have in suffixes.items() for s in union - have)
+    if missing:
+        raise CheckpointError(f"MTP layers hold different tensors: {', '.join(missing[:5])}"
+                              f"{' …' if len(missing) > 5 else ''} missing, which the other layers have. The "
+                              f"checkpoint is incomplete (or its layers are of different kinds, not supported).")
 
 
 def stages(cfg: HeadConfig) -> StageList:
