@@ -6,6 +6,7 @@ disagrees with the tensors exits 2 naming both; `--chain` deeper than the layers
 The shared family contract (stepwise = batched, strict loading, stage-first-seen at depth 1) runs these families
 through tests/families/test_family_contract.py; here the stage-first-seen check runs at every depth."""
 
+import copy
 import importlib
 import json
 
@@ -198,3 +199,42 @@ def test_chain_deeper_than_the_layers_exits_2_unless_modulo(family, tmp_path):
 
 def test_the_mtp_model_families_are_registered():
     assert set(FAMILY_NAMES) <= set(FAMILIES)
+
+
+def test_accept_drafts_equal_mtp_model_forward_on_every_prefix(chained):
+    """accept's argmax chains on an N-layer head (alpha_j per depth): chain c's drafts are what MtpModel.forward
+    drafts from the prefix 0..c through a fresh MtpCache (layer l: teacher-forced rows of the bridges before c, the
+    chain's own draft at c); twin: a chain drafted with layer 0 at every depth differs somewhere."""
+    from transformers.cache_utils import MtpCache
+
+    from oracle.accept import draft_chains
+
+    _, ckpt, _ = chained
+    checkpoint = Checkpoint(ckpt)
+    cfg = checkpoint.config
+    impl = head_module(checkpoint.family)
+    head, rotary = impl.build_head(cfg, impl.torch_weights(checkpoint.read_head(widen=False)))
+    k = cfg.num_mtp_layers
+    rng = np.random.default_rng(3)
+    sequence = rng.integers(0, cfg.vocab_size, 12 + k)
+    hidden = rng.standard_normal((len(sequence), cfg.hidden_size)).astype(np.float32)
+    drafts, _ = draft_chains(checkpoint, head, rotary, sequence, hidden, k)
+    main, mtp = official_mtp_model(ckpt)
+    with torch.no_grad():
+        for c in range(len(drafts)):
+            ids = torch.from_numpy(sequence[1:c + 2])[None]
+            official, _, _ = mtp(input_ids=ids, last_hidden_states=torch.from_numpy(hidden[:c + 1])[None],
+                                 attention_mask=None, position_ids=torch.arange(c + 1)[None],
+                                 mtp_cache=MtpCache(config=main.config.get_mtp_config()))
+            np.testing.assert_array_equal(drafts[c], official[0].numpy(), err_msg=f"chain {c}")
+    layers = head.mtp.layers
+    reused = torch.nn.ModuleList([layers[0]] + [copy.deepcopy(layers[0]) for _ in range(1, len(layers))])
+    for index, layer in enumerate(reused):  # layer 0's weights at every depth, each copy in its own cache slot
+        layer.mtp_block.self_attn.layer_idx = index
+    head.mtp.layers = reused
+    try:
+        wrong, _ = draft_chains(checkpoint, head, rotary, sequence, hidden, k)
+    finally:
+        head.mtp.layers = layers
+    np.testing.assert_array_equal(wrong[:, 0], drafts[:, 0])  # depth 1 runs layer 0 either way
+    assert (wrong[:, 1:] != drafts[:, 1:]).any()
