@@ -413,7 +413,7 @@ def mtp_model_release_shapes(family: str, config: dict, copies: bool = True) -> 
             shapes[prefix + rest] = tuple(t.shape)
     v, d = cfg.vocab_size, cfg.hidden_size
     if copies:
-        shapes |= {cfg.layer_prefix(l) + "shared_head.head.weight": (v, d) for l in range(cfg.num_mtp_layers)}
+        shapes |= {cfg.layer_prefix(layer) + "shared_head.head.weight": (v, d) for layer in range(cfg.num_mtp_layers)}
     return shapes | {"model.embed_tokens.weight": (v, d), "lm_head.weight": (v, d)}
 
 

@@ -16,11 +16,12 @@ windows, per-layer rope and layer types are read as transformers reads them. Onl
 """
 
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from oracle.errors import CheckpointError
 from oracle.families.mtp_layer_layout import MtpLayerTensors, is_int, positive_int
-from oracle.families.spec import FamilySpec, TensorLayout, Variant  # noqa: F401
+from oracle.families.spec import FamilySpec, TensorLayout, Variant
 from oracle.stages import SPINE, Dims, StageList, with_draft, with_moe
 
 HEAD_PREFIX = "model.layers.{num_hidden_layers}."  # layer 0; layer l is at num_hidden_layers + l
@@ -69,7 +70,7 @@ class MtpModelFamily:
     architectures: tuple[str, ...]
     layers_key: str  # the text config key holding the MTP layer count
     experts_key: str  # the text config key holding the routed expert count
-    tiny_config: callable
+    tiny_config: Callable[..., dict]
     variants: tuple[Variant, ...] = ()
 
 
@@ -120,10 +121,11 @@ def layout(cfg: HeadConfig, names: set[str]) -> TensorLayout:
 def _check_layers_alike(cfg: HeadConfig, head: set[str]) -> None:
     """Every MTP layer holds the same tensors (one stage list serves every depth): a tensor the other layers have
     and one lacks is named by its checkpoint name (the official load would name only a parameter)."""
-    suffixes = {l: {n.removeprefix(cfg.layer_prefix(l)) for n in head if n.startswith(cfg.layer_prefix(l))} - set(COPIES)
-                for l in range(cfg.num_mtp_layers)}
+    prefixes = [cfg.layer_prefix(layer) for layer in range(cfg.num_mtp_layers)]
+    suffixes = {layer: {n.removeprefix(p) for n in head if n.startswith(p)} - set(COPIES)
+                for layer, p in enumerate(prefixes)}
     union = set().union(*suffixes.values())
-    missing = sorted(cfg.layer_prefix(l) + s for l, have in suffixes.items() for s in union - have)
+    missing = sorted(prefixes[layer] + s for layer, have in suffixes.items() for s in union - have)
     if missing:
         raise CheckpointError(f"MTP layers hold different tensors: {', '.join(missing[:5])}"
                               f"{' …' if len(missing) > 5 else ''} missing, which the other layers have. The "

@@ -14,7 +14,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from oracle.checkpoint import Checkpoint
 from oracle.cli import cli as oracle_cli
@@ -174,7 +174,8 @@ def test_a_layer_count_disagreeing_with_the_tensors_exits_2_naming_both(family, 
         assert result.exit_code == 2, result.output
         assert f"declares {count} MTP layer" in result.output and named in result.output, result.output
     absent = _with_config(ckpt, tmp_path / "absent", **{key: None})  # the silent-drop case: no count at all
-    result = run_cli(oracle_cli, ["export", absent, "--out", tmp_path / "a.h5", "--tokens", "5,6", "--hidden-seed", "0"])
+    result = run_cli(oracle_cli, ["export", absent, "--out", tmp_path / "a.h5", "--tokens", "5,6",
+                                  "--hidden-seed", "0"])
     assert result.exit_code == 2 and key in result.output, result.output
     good = run_cli(oracle_cli, ["export", ckpt, "--out", tmp_path / "ok.h5", "--tokens", "5,6", "--hidden-seed", "0"])
     assert good.exit_code == 0, good.output  # twin: the count the tensors hold is accepted
