@@ -44,7 +44,6 @@ class HeadConfig:
     num_experts_per_tok: int
     moe_intermediate_size: int
     text: dict = field(default_factory=dict)  # the raw text config, handed to the official config class
-    mask_pos0_embedding: bool = False  # not a convention of these heads; present for the shared CLI options
 
     @property
     def head_prefix(self) -> str:
