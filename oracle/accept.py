@@ -118,8 +118,9 @@ def draft_chains(ckpt: Checkpoint, head: Head, rotary: Rotary, sequence: np.ndar
     on_depth(chains)
     drafts = np.empty((chains, k), dtype=np.int64)
     drafts[:, 0] = scored[:chains]
-    spec = ChainSpec(depths=k, rows=lambda depth: chains, tokens=ARGMAX, recycle=ckpt.family.recycled,
-                     window=window, keep=("out",), chain_block=chain_block)
+    # token_ids: the teacher-forced tokens an N-layer head's layer caches hold (one-layer heads never read them)
+    spec = ChainSpec(depths=k, rows=lambda depth: chains, tokens=ARGMAX, token_ids=np.asarray(sequence[1:]),
+                     recycle=ckpt.family.recycled, window=window, keep=("out",), chain_block=chain_block)
     for depth in run_chains(head, rotary, bridge, spec, lambda ids: _embedding_rows(ckpt, ids),
                             draft=lambda rows: (lm_head.argmax(rows), None), first_drafts=drafts[:, 0]):
         drafts[:, depth.depth - 1] = depth.drafts

@@ -90,6 +90,8 @@ class Depth:
     drafts: np.ndarray | None = None  # (n,) argmax of the draft projection on `out`
     margins: np.ndarray | None = None  # (n,) its top-1 minus top-2 logit, where the projection gives it
     evidence: dict[str, np.ndarray] = field(default_factory=dict)  # attn_uniform, h_if_prenorm, h_if_main
+    layer_index: int = 0  # the physical MTP layer this depth ran (one-layer heads: 0)
+    cache_rows: tuple | None = None  # N-layer heads: the (keys, values) this depth's pass left in its layer's cache
 
     @property
     def rows(self) -> int:
@@ -101,7 +103,7 @@ class Depth:
 
     @property
     def layer(self) -> np.ndarray:
-        return np.zeros(self.rows, dtype=np.int64)  # one-layer heads: layer 0 at every depth
+        return np.full(self.rows, self.layer_index, dtype=np.int64)
 
 
 def chain_rows(num_steps: int, depth: int) -> int:
@@ -117,6 +119,8 @@ def bridge_pass(head: Head, rotary: Rotary, embed: np.ndarray, hidden: np.ndarra
     h = torch.from_numpy(np.ascontiguousarray(hidden, dtype=np.float32))[None]  # (n, w) -> (1, n, w)
     p = torch.from_numpy(np.asarray(positions, dtype=np.int64))
     n = len(p)
+    if hasattr(head, "window"):  # N-layer heads: the bridge runs layer 0, whose window its module reads
+        window = head.window(0)
     mask = within_window(chain_mask(0, n, ()), p, p, window)
     # The head's own cache, holding every key: a window is the mask's job, so the chains can see the bridge keys
     # their own windows reach (a sliding-window cache would keep only the last W-1).
@@ -170,6 +174,7 @@ class ChainSpec:
     record_main: bool = False  # h_if_main: the `h` of recycling H_i at every depth
     uniform: bool = False  # attn_uniform per depth
     chain_block: int = CHAIN_BLOCK
+    layers: Callable[[int], int] | None = None  # depth j -> the physical layer (None: 0, N-layer heads j-1)
 
 
 @torch.inference_mode()
@@ -182,6 +187,9 @@ def run_chains(head: Head, rotary: Rotary, bridge: Bridge, spec: ChainSpec,
     j-1 (`first_drafts`: the bridge's, depth 1's)."""
     if spec.tokens == ARGMAX and (draft is None or first_drafts is None):
         raise ValueError("argmax chain tokens need the draft projection and depth 1's drafts")  # a caller bug
+    if getattr(head, "num_layers", 1) > 1:
+        yield from _layer_chains(head, rotary, bridge, spec, embedding_rows, draft, first_drafts)
+        return
     blocks = [(a, min(a + spec.chain_block, bridge.rows)) for a in range(0, spec.rows(2), spec.chain_block)]
     # A block's cache starts as the bridge rows its chains may see; chain entries are appended, then dropped.
     caches = [DynamicCache([(bridge.keys[:, :, :b], bridge.values[:, :, :b])]) for _, b in blocks]
@@ -218,6 +226,117 @@ def run_chains(head: Head, rotary: Rotary, bridge: Bridge, spec: ChainSpec,
             result.stages = {k: v for k, v in stages.items() if k in keep}
         previous = result.stages
         yield result
+
+
+def _layer_chains(head, rotary: Rotary, bridge: Bridge, spec: ChainSpec,
+                  embedding_rows: Callable[[np.ndarray], np.ndarray], draft: Draft | None,
+                  first_drafts: np.ndarray | None) -> Iterator[Depth]:
+    """Depths 2..K of an N-layer head (transformers' MtpModel): depth j runs layer spec.layers(j) (default j-1).
+
+    As MtpModel.forward drafts from bridge c, the layer at depth j = d+1 runs over rows s = 0..c: rows s <= c-d
+    are teacher-forced (token x_{s+j}, recycled the depth-d row of bridge s), and rows s = c-d+m, m = 1..d, read
+    the chain's own drafts d_m (the tokens x_{s+j} stands for are not known yet), recycling the previous depth's
+    row s of the same chain. Teacher-forced chains: every row is teacher-forced, so depth j is one causal
+    (windowed) pass over its n_j rows. Argmax chains: the teacher-forced rows are that pass (the layer's cache),
+    then every chain's d rows in one batch, each chain seeing the cache rows <= c-d and its own rows; the depth's
+    row c is the chain's row m = d (position p_c + d)."""
+    layer_of = spec.layers or (lambda depth: depth - 1)
+    teacher, chain_rows_prev, drafts = bridge.stages, None, first_drafts
+    chain_drafts = None if drafts is None else drafts[:, None].astype(np.int64)  # (n, 1): d_1 of each chain
+    for depth in range(2, spec.depths + 1):
+        n = spec.rows(depth)
+        if n == 0:
+            return
+        layer, d = layer_of(depth), depth - 1
+        if not 0 <= layer < head.num_layers:
+            raise InputError(f"depth {depth} would run MTP layer {layer}, and the head has {head.num_layers} "
+                             f"(depth j runs layer j-1): use at most {head.num_layers} depths (accept --k, export "
+                             f"--chain), or export --chain-layers modulo (vLLM's spec_step_idx % N).")
+        n_tf = n if spec.tokens == TEACHER else max(n - d, 0)
+        positions = bridge.positions[:n_tf] + d
+        tokens = spec.token_ids[d:d + n_tf].astype(np.int64)
+        tf = _layer_pass(head, rotary, layer, positions, tokens, teacher[spec.recycle][:n_tf], embedding_rows, spec)
+        if spec.tokens == TEACHER:
+            result, previous = tf, teacher
+        else:
+            result, chain_rows_prev, previous = _own_rows(head, rotary, layer, d, n, bridge, tf, teacher,
+                                                          chain_rows_prev, chain_drafts, embedding_rows, spec)
+        result.depth = depth
+        if spec.prenorm is not None:
+            result.evidence["h_if_prenorm"] = head.hidden_norm(previous[spec.prenorm][:n][None],
+                                                               layer=layer)[0].numpy()
+        if spec.record_main:
+            result.evidence["h_if_main"] = head.hidden_norm(bridge.hidden[:n][None], layer=layer)[0].numpy()
+        if draft is not None:
+            result.drafts, result.margins = draft(result.stages["out"].numpy())
+            if chain_drafts is not None:
+                chain_drafts = np.concatenate([chain_drafts[:n], result.drafts[:, None].astype(np.int64)], axis=1)
+        teacher = tf.stages
+        yield result
+
+
+def _layer_pass(head, rotary: Rotary, layer: int, positions: torch.Tensor, tokens: np.ndarray,
+                recycled: torch.Tensor, embedding_rows: Callable[[np.ndarray], np.ndarray], spec: ChainSpec) -> Depth:
+    """Teacher-forced rows of one depth through `layer` as one causal (windowed) pass; the cache it fills is the
+    layer's cache the chains of that depth see (kept in `cache_rows`)."""
+    n = len(tokens)
+    embed = np.ascontiguousarray(embedding_rows(tokens), dtype=np.float32)
+    e, p = torch.from_numpy(embed)[None], positions[None]
+    mask = within_window(chain_mask(0, n, ()), positions, positions, head.window(layer))
+    cache = DynamicCache()
+    stages = {k: v[0] for k, v in head.steps(rotary, e, recycled[None], p, mask, cache, layer=layer).items()}
+    result = Depth(0, tokens, positions.numpy(), recycled, embed, stages, layer_index=layer)
+    if n:
+        result.cache_rows = (cache.layers[layer].keys, cache.layers[layer].values)
+    if spec.uniform and n:
+        cache.crop(-n)
+        result.evidence["attn_uniform"] = head.uniform_attention(rotary, stages["ah"][None], p, mask, cache,
+                                                                 layer=layer)[0].numpy()
+    return result
+
+
+def _own_rows(head, rotary: Rotary, layer: int, d: int, n: int, bridge: Bridge, tf: Depth, teacher: Stages,
+              previous_rows: dict | None, chain_drafts: np.ndarray, embedding_rows, spec: ChainSpec):
+    """Every chain's rows m = 1..d at this depth (see _layer_chains) in one batch over the layer's cache: the
+    depth's record (row c = the chain's row m = d), the rows the next depth recycles ({name: (n, d, w)}), and the
+    rows this depth recycled from (for h_if_prenorm)."""
+    q = [(c, m, c - d + m) for c in range(n) for m in range(1, d + 1) if c - d + m >= 0]
+    qc, qm, qs = (torch.tensor([x[i] for x in q]) for i in range(3))
+    keep = {spec.recycle, *([spec.prenorm] if spec.prenorm else [])}
+    # recycled: m = 1 reads the previous depth's teacher-forced row s; m >= 2 this chain's previous row m-1
+    recycled_from = {name: torch.stack([teacher[name][s] if m == 1 else previous_rows[name][c, m - 2]
+                                        for c, m, s in q]) for name in keep}
+    tokens = np.array([chain_drafts[c, m - 1] for c, m, _ in q], dtype=np.int64)
+    embed = np.ascontiguousarray(embedding_rows(tokens), dtype=np.float32)
+    positions = bridge.positions[qs] + d
+    n_tf = len(tf.token_ids)
+    sees_cache = torch.arange(n_tf)[None, :] <= (qc - d)[:, None]  # (Q, n_tf)
+    sees_own = (qc[:, None] == qc[None, :]) & (qm[None, :] <= qm[:, None])  # (Q, Q)
+    allowed = torch.cat([sees_cache, sees_own], dim=1)
+    mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
+    keys = torch.cat([bridge.positions[:n_tf] + d, positions])
+    mask = within_window(mask, positions, keys, head.window(layer))
+    cache = DynamicCache()
+    if tf.cache_rows is not None:
+        cache.update(*tf.cache_rows, layer)
+    e, p = torch.from_numpy(embed)[None], positions[None]
+    stages = {k: v[0] for k, v in head.steps(rotary, e, recycled_from[spec.recycle][None], p, mask, cache,
+                                             layer=layer).items()}
+    last = qm == d  # the chain's own row at this depth: row c (q is ordered by c, every c has m = d)
+    uniform = None
+    if spec.uniform:
+        cache.crop(-len(q))
+        uniform = head.uniform_attention(rotary, stages["ah"][None], p, mask, cache, layer=layer)[0][last].numpy()
+    rows = {}
+    for name in keep:
+        dense = torch.zeros(n, d, stages[name].shape[-1])
+        dense[qc, qm - 1] = stages[name]
+        rows[name] = dense
+    record = Depth(0, tokens[last.numpy()], positions[last].numpy(), recycled_from[spec.recycle][last],
+                   embed[last.numpy()], {k: v[last] for k, v in stages.items()}, layer_index=layer)
+    if uniform is not None:
+        record.evidence["attn_uniform"] = uniform
+    return record, rows, {name: t[last] for name, t in recycled_from.items()}
 
 
 def _chain_step(head, rotary: Rotary, cache: DynamicCache, bridge_positions: torch.Tensor, first: int,

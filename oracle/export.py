@@ -73,6 +73,7 @@ class ChainOptions:
     depths: int
     tokens: str = "teacher"
     recycle: str | None = None
+    layers: str = "per-depth"  # N-layer heads: depth j runs layer j-1 ("per-depth") or (j-1) % N ("modulo")
 
 
 def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden: HiddenSource,
@@ -194,7 +195,7 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
 
     attrs = {
         "family": family.name,
-        "evidence_rules": family.evidence_rules(cfg, inputs.positions) | {"qk_parts": qk_parts},
+        "evidence_rules": family.evidence_rules(cfg, inputs.positions) | ({"qk_parts": qk_parts} if qk_parts else {}),
         "producer": reads.producer.result(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "h5py": h5py.__version__, "numpy": np.__version__},
@@ -217,8 +218,12 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     ckpt.check_unchanged()  # a shard rewritten or cut meanwhile: the stages may mix old and new bytes
     chain_record = None
     if chain is not None:
+        num_layers = _layer_count(ckpt)
         chain_record = {"depths": chain.depths, "tokens": TOKEN_MODES[chain.tokens], "recycle": recycle,
-                        "layers": [0] * (chain.depths - 1), "num_layers": 1, "kv": KV_DROPPED}
+                        "layers": [_layer_of(chain, num_layers, j) for j in range(2, chain.depths + 1)],
+                        "num_layers": num_layers, "kv": KV_DROPPED if num_layers == 1 else KV_PER_LAYER}
+        if num_layers > 1:
+            chain_record["layer_convention"] = LAYER_CONVENTIONS[chain.layers]
         attrs["provenance"]["chain"] = {"depths": chain.depths, "tokens": chain.tokens, "recycle": recycle,
                                         "recycle_convention": family.recycled}
     log(f"writing {out}")
@@ -234,11 +239,28 @@ def qk_part_evidence(impl, head, rotary, inputs: TraceInputs, ah: np.ndarray,
     caller (a chain's depth too) gives its own inputs, `ah` and `attn`."""
     from oracle.qk_parts import measure
 
+    if not hasattr(impl, "qk_part_variants"):  # not measured: the report says so (probe/report.py NOT_MEASURED)
+        return {}, {}
     return measure(impl.qk_part_variants(head, rotary, inputs, ah), attn, impl.qk_output_projection(head))
 
 
 TOKEN_MODES = {"teacher": "teacher_forced", "argmax": "argmax"}  # --chain-tokens -> the trace's `chain.tokens`
 KV_DROPPED = "dropped_after_chain"  # one-layer heads: a chain's KV entries live only for their chain
+
+
+KV_PER_LAYER = "per_layer_teacher_forced"  # N-layer heads: layer l caches the teacher-forced depth-(l+1) entries
+LAYER_CONVENTIONS = {"per-depth": "depth j runs layer j-1 (transformers' MtpModel)",
+                     "modulo": "depth j runs layer (j-1) % N (vLLM's spec_step_idx % N)"}
+
+
+def _layer_count(ckpt: Checkpoint) -> int:
+    layer_count = getattr(ckpt.family, "layer_count", None)
+    return layer_count(ckpt.config) if layer_count else 1
+
+
+def _layer_of(chain: "ChainOptions", num_layers: int, depth: int) -> int:
+    """The physical layer depth j runs: 0 on a one-layer head, else j-1 or (j-1) % N (--chain-layers)."""
+    return 0 if num_layers == 1 else (depth - 1) % num_layers if chain.layers == "modulo" else depth - 1
 
 
 def _checked_chain(ckpt: Checkpoint, chain: "ChainOptions | None", num_tokens: int, mode: str) -> str | None:
@@ -257,6 +279,13 @@ def _checked_chain(ckpt: Checkpoint, chain: "ChainOptions | None", num_tokens: i
                          "from it; --mode stepwise is not supported with it. Drop --mode stepwise.")
     if chain.tokens not in TOKEN_MODES:
         raise InputError(f"--chain-tokens {chain.tokens!r}: use one of {', '.join(TOKEN_MODES)}.")
+    if chain.layers not in LAYER_CONVENTIONS:
+        raise InputError(f"--chain-layers {chain.layers!r}: use one of {', '.join(LAYER_CONVENTIONS)}.")
+    num_layers = _layer_count(ckpt)
+    if num_layers > 1 and k > num_layers and chain.layers != "modulo":
+        raise InputError(f"--chain {k}: this {ckpt.family.name} head has {num_layers} MTP layers and depth j runs "
+                         f"layer j-1, so --chain is at most {num_layers}. Pass --chain {num_layers} or less, "
+                         f"or --chain-layers modulo for vLLM's spec_step_idx % {num_layers}.")
     family, cfg = ckpt.family, ckpt.config
     recycle = chain.recycle or family.recycled
     width = family.hidden_width(cfg)
@@ -321,7 +350,8 @@ def _chain_records(ckpt: Checkpoint, head, rotary, inputs: TraceInputs, bridge, 
     spec = ChainSpec(depths=chain.depths, rows=lambda j: chain_rows(num_steps, j),
                      tokens=ARGMAX if chain.tokens == "argmax" else TEACHER, token_ids=inputs.token_ids,
                      recycle=recycle, window=family.attention_window(ckpt.config), prenorm=family.recycle_prenorm,
-                     record_main=True, uniform=True)
+                     record_main=True, uniform=True,
+                     layers=lambda j: _layer_of(chain, _layer_count(ckpt), j))
     draft = None if projection is None else lambda rows: projection.argmax_margin(rows)
     first = None if projection is None else stages["draft"][:, 0]
     records = {}

@@ -398,6 +398,60 @@ def fp8_quantize(w: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, torch
     return (w / full).to(torch.float8_e4m3fn), scale
 
 
+# Step-3.5/3.7-Flash release names of an MtpModel layer's parameters (the inverse of transformers' step3p7
+# conversion mapping; the oracle loads them through the official conversions, never through this table)
+STEP3P7_RELEASE = (("mtp_block.", ""), ("post_norm.", "shared_head.norm."), ("mlp.gate.e_score_correction_bias",
+                   "moe.router_bias"), ("mlp.gate.weight", "moe.gate.weight"), ("mlp.shared_experts.", "share_expert."),
+                   ("mlp.experts.down_proj", "moe.down_proj.weight"))
+
+
+def mtp_model_release_shapes(family: str, config: dict, copies: bool = True) -> dict[str, tuple[int, ...]]:
+    """Released tensor names and shapes of a tiny MtpModel head (every MTP layer, their shared_head.head copies
+    when `copies`) plus the main embedding and lm_head, from the official MtpModel built on the meta device."""
+    from oracle.families.mtp_model import MtpModelHead
+    from oracle.families.registry import family as family_spec
+
+    cfg = family_spec(family).parse_config(config, "tiny config")
+    head = MtpModelHead(cfg)
+    shapes = {}
+    for name, t in head.mtp.state_dict().items():
+        if not name.startswith("layers."):
+            continue
+        _, index, rest = name.split(".", 2)
+        for a, b in STEP3P7_RELEASE:
+            rest = rest.replace(a, b)
+        prefix = f"model.layers.{cfg.num_hidden_layers + int(index)}."
+        if rest.endswith("mlp.experts.gate_up_proj"):  # stored as two stacks, gate then up
+            e, i2, d = t.shape
+            for part in ("gate", "up"):
+                shapes[prefix + rest.replace("mlp.experts.gate_up_proj", f"moe.{part}_proj.weight")] = (e, i2 // 2, d)
+        else:
+            shapes[prefix + rest] = tuple(t.shape)
+    v, d = cfg.vocab_size, cfg.hidden_size
+    if copies:
+        shapes |= {cfg.layer_prefix(layer) + "shared_head.head.weight": (v, d) for layer in range(cfg.num_mtp_layers)}
+    return shapes | {"model.embed_tokens.weight": (v, d), "lm_head.weight": (v, d)}
+
+
+def write_mtp_model_checkpoint(out_dir: Path, family: str = "step3p7", overrides: dict | None = None,
+                               seed: int = 0) -> Path:
+    """A tiny multi-layer MtpModel head (issue 25) as released, bf16 (router bias f32): every MTP layer,
+    their shared_head.head copies, the main embedding and lm_head."""
+    from oracle.families.registry import family as family_spec
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = family_spec(family).tiny_config(**(overrides or {}))
+    tensors = {}
+    for name, shape in sorted(mtp_model_release_shapes(family, config).items()):
+        flat = shape if len(shape) < 3 else (shape[0] * shape[1], shape[2])  # stacked experts: rows of [out, in]
+        value = torch.from_numpy(mtp_layer_values(name, flat, seed)).reshape(shape)
+        tensors[name] = value if name.endswith("router_bias") else value.to(torch.bfloat16)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    return out_dir
+
+
 def write_mtp_layer_checkpoint(out_dir: Path, family: str = "deepseek_v3", dims: dict | None = None, seed: int = 0,
                                fp8_block: list[int] | None = None, sharded: bool = False, copies: bool = True,
                                copies_differ: bool = False) -> Path:

@@ -42,6 +42,7 @@ WRITERS = {
     "deepseek_v3": lambda path: FIXTURES.write_mtp_layer_checkpoint(path, "deepseek_v3"),
     "glm4_moe": lambda path: FIXTURES.write_mtp_layer_checkpoint(path, "glm4_moe"),
     "deepseek_v4": lambda path: FIXTURES.write_deepseek_v4_checkpoint(path),
+    "step3p7": lambda path: FIXTURES.write_mtp_model_checkpoint(path, "step3p7"),
 }
 FAMILY_NAMES = sorted(FAMILIES)
 
@@ -86,6 +87,7 @@ QK_PARTS = {  # the q/k-path parts each family's head has (oracle/families/*.py 
     "qwen3_next": {"rope", "q_norm", "k_norm", "kv_append"}, "deepseek_v3": {"rope", "kv_append"},
     "glm4_moe": {"rope", "q_norm", "k_norm", "kv_append"},
     "deepseek_v4": {"rope", "q_norm", "k_norm", "kv_append", "window", "sink"},
+    "step3p7": {"rope", "q_norm", "k_norm", "kv_append"},  # its fixture's layer 0 is full attention
 }
 
 

@@ -29,6 +29,7 @@ WRITERS = {
     "deepseek_v3": lambda path: FIXTURES.write_mtp_layer_checkpoint(path, "deepseek_v3"),
     "glm4_moe": lambda path: FIXTURES.write_mtp_layer_checkpoint(path, "glm4_moe"),
     "deepseek_v4": lambda path: FIXTURES.write_deepseek_v4_checkpoint(path),
+    "step3p7": lambda path: FIXTURES.write_mtp_model_checkpoint(path, "step3p7"),
 }
 TOKENS = np.array([5, 17, 3, 99, 200, 7, 42, 5])
 

@@ -1,0 +1,322 @@
+"""Multi-layer MTP heads on transformers' own `transformers.modeling_layers.MtpModel` (issue 25); the torch-free
+half (declarations, layout, stages) is oracle/families/mtp_model_layout.py.
+
+What it is: the official main model class of the declared model type built on the meta device from config.json
+(its config class reads sliding windows, per-layer rope and layer types), and `MtpModel(main_model, N)` over it:
+N official `MtpLayer`s of the main model's decoder layer and norm classes. The checkpoint's MTP tensors are
+loaded with `MtpModel.get_weight_conversions(main_model)` through transformers' own
+`convert_and_load_state_dict_in_model`, strictly: anything missing but the embedding/lm_head MtpModel ties from the
+main model, anything unexpected, mismatched or failing a conversion is refused. Stages are recorded by forward
+hooks on the official modules of the layer that runs; nothing is transcribed. Rope comes from the main model's
+official rotary class built for real on the MTP config, asked for the layer's type where the rope is per layer
+(as `MtpModel.forward_layer` does).
+What it is not: MtpModel.forward (which embeds, masks through an MtpCache and drafts): the draft loop
+(oracle/draft_loop.py) runs the layers itself, depth j on layer j-1, and the contract test holds the two equal.
+
+Weights are widened to float32 before the load (the official converters concatenate and stack them): a real-scale
+head needs its float32 size in memory (a known limit, docs/DESIGN.md).
+"""
+
+import importlib
+import re
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from oracle.attention_evidence import uniform_weights
+from oracle.checkpoint import HeadWeights
+from oracle.errors import CheckpointError
+from oracle.families.mtp_layer import torch_weights as _stored_torch_weights
+from oracle.families.qwen3_5 import _step_tensors, _to_numpy, causal_mask
+from oracle.qk_parts import PartVariant, swapped
+from oracle.trace import TraceInputs
+
+Stages = dict[str, torch.Tensor]
+TIED = {"embed_tokens.weight", "shared_head.weight"}  # MtpModel takes these from the main model
+# model type -> (modeling module, main model class, config class)
+MODELS = {"step3p7": ("transformers.models.step3p7.modeling_step3p7", "Step3p7ForConditionalGeneration",
+                      "transformers.models.step3p7.configuration_step3p7", "Step3p7Config")}
+
+
+def official_config(cfg):
+    """The official config of the declared model type from the raw config.json (read as transformers reads it)."""
+    _, _, config_module, config_class = MODELS[cfg.family]
+    raw = {k: v for k, v in cfg.text.items() if k not in ("model_type", "architectures", "transformers_version")}
+    return getattr(importlib.import_module(config_module), config_class)(**raw)
+
+
+class MtpModelHead(nn.Module):
+    """An official MtpModel plus the hooks that record the stages of the layer that runs."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        from transformers.modeling_layers import MtpModel
+
+        module, main_class, _, _ = MODELS[cfg.family]
+        config = official_config(cfg)
+        with torch.device("meta"):
+            self.main = getattr(importlib.import_module(module), main_class)(config)
+            self.mtp = MtpModel(self.main, cfg.num_mtp_layers)
+        self.text_config = self.mtp.config
+        self.text_config._attn_implementation = "eager"  # eager is not causal without our mask
+        self.num_layers = cfg.num_mtp_layers
+        self._seen: Stages | None = None
+
+    def load(self, weights: dict[str, torch.Tensor]) -> None:
+        """The checkpoint's MTP tensors through MtpModel's own weight conversions, strictly."""
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_utils import LoadStateDictConfig
+
+        state = {name: t.float() for name, t in weights.items()}  # the converters stack and concatenate
+        from transformers.utils import logging as hf_logging
+
+        conversions = self.mtp.get_weight_conversions(self.main)
+        hf_logging.disable_progress_bar()  # its loading bar on stderr; the oracle reports progress itself
+        try:
+            info, _ = convert_and_load_state_dict_in_model(
+                self.mtp, state, LoadStateDictConfig(weight_mapping=conversions, dtype=torch.float32))
+        finally:
+            hf_logging.enable_progress_bar()
+        missing = set(info.missing_keys) - TIED
+        # the per-layer vocabulary copies (shared_head.head, embed_tokens): MtpModel ignores them on load, as here
+        ignored = [re.compile(p) for p in self.mtp._keys_to_ignore_on_load_unexpected]
+        unexpected = {k for k in info.unexpected_keys if not any(p.search(k) for p in ignored)}
+        problems = {"missing": sorted(missing), "unexpected": sorted(unexpected),
+                    "mismatched": sorted(map(str, info.mismatched_keys)), "conversion errors": info.conversion_errors,
+                    "errors": info.error_msgs}
+        if any(problems.values()):
+            raise CheckpointError("the head's tensors do not load into transformers' MtpModel through its own weight "
+                                  "conversions: " + "; ".join(f"{k} {v}" for k, v in problems.items() if v))
+        left = [n for n, t in self.mtp.named_parameters() if t.is_meta and n not in TIED]
+        if left:
+            raise RuntimeError(f"parameters never loaded: {left}")  # a bug: the check above should prevent it
+
+    def install_hooks(self) -> None:
+        for layer in self.mtp.layers:
+            self._hook_layer(layer)
+        if self.mtp.use_shared_post_norm:  # Inkling-style: one norm after every layer
+            self.mtp.shared_post_norm.register_forward_hook(self._out("out"))
+
+    def _out(self, name, pick=lambda o: o):
+        return lambda module, args, output: self._keep(name, pick(output))
+
+    def _inp(self, name):
+        return lambda module, args: self._keep(name, args[0])
+
+    def _hook_layer(self, layer) -> None:
+        block, mlp = layer.mtp_block, layer.mtp_block.mlp
+        layer.enorm.register_forward_hook(self._out("e"))
+        layer.hnorm.register_forward_hook(self._out("h"))
+        layer.eh_proj.register_forward_pre_hook(self._inp("fc_in"))
+        layer.eh_proj.register_forward_hook(self._out("fc"))
+        block.input_layernorm.register_forward_hook(self._out("ah"))
+        block.self_attn.register_forward_hook(self._out("attn", lambda o: o[0]))
+        block.post_attention_layernorm.register_forward_pre_hook(self._inp("res1"))
+        block.post_attention_layernorm.register_forward_hook(self._out("mh"))
+        if hasattr(mlp, "gate") and hasattr(mlp, "experts"):
+            mlp.gate.register_forward_hook(self._out("router"))  # (logits (N, E), weights (N, k), ids (N, k))
+            mlp.experts.register_forward_hook(self._out("routed"))
+            mlp.shared_experts.register_forward_hook(self._out("shared"))
+        mlp.register_forward_hook(self._out("mlp"))
+        block.register_forward_hook(self._out("res2"))
+        if layer.post_norm is not None:
+            layer.post_norm.register_forward_hook(self._out("out"))
+
+    def _keep(self, name: str, value) -> None:
+        if self._seen is not None:
+            self._seen[name] = value
+
+    def rope(self, rotary, x: torch.Tensor, positions: torch.Tensor, layer: int):
+        """cos/sin as MtpModel.forward_layer asks the rotary: with the layer's type where rope is per layer."""
+        if self.mtp.has_per_layer_rope:
+            return rotary(x, positions, layer_type=self.text_config.layer_types[layer])
+        return rotary(x, positions)
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of `layer`'s attention as the official module reads it (None: full attention)."""
+        return getattr(self.mtp.layers[layer].mtp_block.self_attn, "sliding_window", None)
+
+    def steps(self, rotary, embed, hidden, positions, mask, cache, layer: int = 0) -> Stages:
+        """Steps (1, n, ·) of MTP layer `layer` (depth layer+1) at `positions` under `mask` through `cache`."""
+        self._seen = {}
+        try:
+            self.mtp.layers[layer](embed, hidden, position_embeddings=self.rope(rotary, embed, positions, layer),
+                                   attention_mask=mask, position_ids=positions, cache=cache)
+            if self.mtp.use_shared_post_norm:
+                self.mtp.shared_post_norm(self._seen["res2"])
+            seen = self._seen
+        finally:
+            self._seen = None
+        if "router" in seen:
+            logits, weights, ids = seen.pop("router")
+            rows = lambda t: t.reshape(1, -1, t.shape[-1])  # noqa: E731  (N, w) -> (1, N, w)
+            seen |= {"router_logits": rows(logits.float()), "topk_weights": rows(weights), "topk_ids": rows(ids),
+                     "routed": rows(seen["routed"]), "shared": rows(seen["shared"])}
+        return seen
+
+    def hidden_norm(self, hidden: torch.Tensor, layer: int = 0) -> torch.Tensor:
+        return self.mtp.layers[layer].hnorm(hidden)
+
+    def uniform_attention(self, rotary, ah, positions, mask, cache, layer: int = 0) -> torch.Tensor:
+        with uniform_weights(self.text_config):
+            return self.mtp.layers[layer].mtp_block.self_attn(
+                hidden_states=ah, position_embeddings=self.rope(rotary, ah, positions, layer), attention_mask=mask,
+                position_ids=positions, cache=cache)[0]
+
+
+def build_head(cfg, weights: dict[str, torch.Tensor]):
+    head = MtpModelHead(cfg)
+    head.load(weights)
+    head.install_hooks()
+    rotary_class = type(head.main.get_decoder().rotary_emb)
+    return head.eval(), rotary_class(config=head.text_config)  # built for real: inv_freq computed, not loaded
+
+
+def torch_weights(weights: HeadWeights) -> dict[str, torch.Tensor]:
+    return _stored_torch_weights(weights)
+
+
+def layer_mask(positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Additive causal mask (1, 1, n, n), keys within `window` positions (itself included) where it is set."""
+    n = len(positions)
+    mask = causal_mask(n)
+    if window is None:
+        return mask
+    outside = positions[None, :] <= positions[:, None] - window
+    return mask.masked_fill(outside[None, None], torch.finfo(torch.float32).min)
+
+
+@torch.inference_mode()
+def run_batched(head: MtpModelHead, rotary, inputs: TraceInputs) -> dict[str, np.ndarray]:
+    """Depth 1 (layer 0) over all T steps as one causal pass."""
+    embed, hidden, positions = _step_tensors(inputs)
+    return _to_numpy(head.steps(rotary, embed, hidden, positions, layer_mask(positions[0], head.window(0)), None))
+
+
+@torch.inference_mode()
+def run_stepwise(head: MtpModelHead, rotary, inputs: TraceInputs,
+                 on_step: Callable[[int], None] | None = None) -> dict[str, np.ndarray]:
+    """Depth 1 one step at a time through layer 0's own cache (a sliding window: the official window cache)."""
+    embed, hidden, positions = _step_tensors(inputs)
+    cache = DynamicCache(config=head.text_config)
+    steps = []
+    for t in range(inputs.num_tokens):
+        sl = slice(t, t + 1)
+        mask = _stepwise_mask(cache, positions[0, : t + 1], head.window(0))
+        steps.append(head.steps(rotary, embed[:, sl], hidden[:, sl], positions[:, sl], mask, cache))
+        if on_step:
+            on_step(t)
+    return _to_numpy({name: torch.cat([s[name] for s in steps], dim=1) for name in steps[0]})
+
+
+def _stepwise_mask(cache: DynamicCache, seen: torch.Tensor, window: int | None) -> torch.Tensor | None:
+    """The last query's row over the keys the cache will hold after this step (None without a window)."""
+    if window is None:
+        return None
+    kept = cache.get_seq_length(0) + 1
+    keys = seen[-kept:]
+    blocked = keys <= seen[-1] - window
+    return torch.zeros(1, kept).masked_fill(blocked[None], torch.finfo(torch.float32).min)[None, None]
+
+
+@torch.inference_mode()
+def attention_with_uniform_weights(head: MtpModelHead, rotary, inputs: TraceInputs, ah: np.ndarray) -> np.ndarray:
+    embed, _, positions = _step_tensors(inputs)
+    attn = head.uniform_attention(rotary, torch.from_numpy(ah)[None], positions,
+                                  layer_mask(positions[0], head.window(0)), None)
+    return attn[0].numpy()
+
+
+@torch.inference_mode()
+def official_layer_stepwise(head: MtpModelHead, rotary, inputs: TraceInputs, fc: np.ndarray) -> np.ndarray:
+    """res2 [T, D] as layer 0's official decoder layer computes it from the `fc` rows, one step at a time."""
+    embed, _, positions = _step_tensors(inputs)
+    x = torch.from_numpy(np.ascontiguousarray(fc))[None]
+    cache = DynamicCache(config=head.text_config)
+    rows = []
+    for t in range(inputs.num_tokens):
+        sl = slice(t, t + 1)
+        mask = _stepwise_mask(cache, positions[0, : t + 1], head.window(0))
+        rows.append(head.mtp.layers[0].mtp_block(x[:, sl], position_embeddings=head.rope(rotary, x[:, sl],
+                                                 positions[:, sl], 0), attention_mask=mask,
+                                                 position_ids=positions[:, sl], cache=cache)[0])
+    return torch.cat(rows).numpy()
+
+
+def load_main_model(checkpoint):
+    raise CheckpointError(f"--main-model is not supported for {checkpoint.family.name} yet: dump H from an engine "
+                          f"and pass --hidden.")
+
+
+def main_model_hidden(model, sequence: np.ndarray) -> np.ndarray:
+    raise CheckpointError("--main-model is not supported for this family yet.")
+
+
+def qk_output_projection(head: MtpModelHead) -> nn.Module:
+    """Layer 0's attention's last linear, whose output it returns as is (oracle/qk_parts.py `measure`)."""
+    return head.mtp.layers[0].mtp_block.self_attn.o_proj
+
+
+@torch.inference_mode()
+def qk_part_variants(head: MtpModelHead, rotary, inputs: TraceInputs, ah: np.ndarray) -> list[PartVariant]:
+    """The wrong variants of each q/k-path part of layer 0's official attention (depth 1; oracle/qk_parts.py), one
+    pass each on the trace's own `ah` rows: RoPE (cos = 1 and sin = 0; NeoX over all head dims where the rotary
+    slice is partial; interleaved pairs), q_norm and k_norm where the module has them (skipped, or the other of
+    w / 1 + w), the KV append, and the sliding window where layer 0 has one (W - 1, W + 1, none)."""
+    from oracle.qk_parts import (interleaved_pairs, kv_append_variants, neox_cos_sin, other_norm_form, rotary_off,
+                                 skipped)
+
+    attention = head.mtp.layers[0].mtp_block.self_attn
+    embed, _, positions = _step_tensors(inputs)
+    x, window = torch.from_numpy(np.ascontiguousarray(ah))[None], head.window(0)
+    rope, mask = head.rope(rotary, x, positions, 0), layer_mask(positions[0], window)
+
+    def run(position_embeddings=rope, attention_mask=mask):
+        return lambda: attention(hidden_states=x, position_embeddings=position_embeddings,
+                                 attention_mask=attention_mask, position_ids=positions)[0][0]
+
+    def under(context, *args):
+        def go():
+            with context(*args):
+                return run()()
+        return go
+
+    cos, _ = rope
+    variants = [PartVariant("rope", "absent", run(rotary_off(*rope)))]
+    if cos.shape[-1] < attention.head_dim:
+        full = neox_cos_sin(positions, _rope_theta(head), attention.head_dim)
+        variants.append(PartVariant("rope", "all_dims", run(full)))
+    module = importlib.import_module(type(attention).__module__)
+    variants.append(PartVariant("rope", "interleaved", under(swapped, module, "apply_rotary_pos_emb",
+                                                             interleaved_pairs(module.apply_rotary_pos_emb))))
+    for part in ("q_norm", "k_norm"):
+        norm = getattr(attention, part, None)
+        if norm is not None:
+            one_plus = _one_plus(norm)
+            variants += [PartVariant(part, "absent", under(skipped, norm)),
+                         PartVariant(part, "w_not_1_plus_w" if one_plus else "1_plus_w_not_w",
+                                     under(swapped, norm, "weight", other_norm_form(norm, one_plus)))]
+    variants += kv_append_variants(lambda attention_mask: run(attention_mask=attention_mask), mask)
+    if window is not None:
+        n = inputs.num_tokens
+        windows = {"one_less": window - 1, "one_more": window + 1, "none": None}
+        variants += [PartVariant("window", name, run(attention_mask=layer_mask(positions[0], w)))
+                     for name, w in windows.items() if w is None or (1 <= w < n + window)]
+    return variants
+
+
+def _rope_theta(head: MtpModelHead) -> float:
+    params = head.text_config.rope_parameters
+    if head.mtp.has_per_layer_rope:
+        params = params[head.text_config.layer_types[0]]
+    return params["rope_theta"]
+
+
+def _one_plus(norm: nn.Module) -> bool:
+    """Whether the norm scales by 1 + w (Gemma-style; its weight starts at 0): probed on a unit input."""
+    x = torch.ones(1, norm.weight.shape[-1])
+    with swapped(norm, "weight", nn.Parameter(torch.zeros_like(norm.weight), requires_grad=False)):
+        return bool(norm(x).abs().sum() > 0)
