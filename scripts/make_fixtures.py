@@ -154,11 +154,14 @@ def main() -> None:
 
 # The MTP-layer families as released (head-only: the MTP layer and the main tensors it shares), one tiny folder
 # each, so that every family runs from the README (export with --hidden-seed or --hidden). DeepSeek-V3 and V4 ship
-# FP8 like their releases (32x32 blocks at this size); GLM-4.5 bf16.
+# FP8 like their releases (32x32 blocks at this size); GLM-4.5 and the N-layer MtpModel heads bf16.
+STEP3P7_FIXTURE = {"vocab_size": 512, "hidden_size": 32, "head_dim": 8, "intermediate_size": 48, "n_routed_experts": 4,
+                   "moe_intermediate_size": 16, "share_expert_dim": 16}  # the README's token ids, a few hundred KB
 FAMILY_FIXTURES = {
     "deepseek_v3_tiny": lambda out: write_mtp_layer_checkpoint(out, "deepseek_v3", fp8_block=[32, 32]),
     "glm4_moe_tiny": lambda out: write_mtp_layer_checkpoint(out, "glm4_moe"),
     "deepseek_v4_tiny": lambda out: write_deepseek_v4_checkpoint(out, fp8_block=[32, 32]),
+    "step3p7_tiny": lambda out: write_mtp_model_checkpoint(out, "step3p7", STEP3P7_FIXTURE),  # 3 MTP layers
 }
 
 
