@@ -10,6 +10,11 @@ Verdicts never claim depths not seen: a reference that records chains and a cand
 some depths) is at best inconclusive ("the loop was not checked"); a candidate that captures depths the reference
 lacks, or more rows at depth j than the reference has bridge positions, is bad input (ProbeError, exit 2).
 
+A depth copied, not computed: a candidate whose every row of every float stage at depth j is bit-identical to the
+reference's while its depth-1 rows are not (an engine's own arithmetic leaves its last bits at every depth, or at
+none) wrote the reference's rows there; that depth is not counted as passed (inconclusive). A candidate identical at
+every depth cannot be told from the oracle itself, and is judged as before.
+
 The recycle choice (which tensor depth j-1 hands to depth j) is evidenced at a depth-j row only where the `h` the
 alternative would have given (/chain/d{j}/evidence/h_if_<alt>) fails the h tolerance against the reference's h:
 elsewhere a candidate recycling the alternative gives the same row, and the row is reported as not evidential for
@@ -20,6 +25,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from oracle.stages import INDEX_SET
 from oracle.trace import ChainInfo
 
 from probe.compare import INVALID_STATUSES, rows_from_sums
@@ -60,6 +66,7 @@ class ChainDiff:
     not_captured: tuple[int, ...]  # reference depths the candidate does not capture
     bridge_verdict: Verdict  # depth 1's own verdict
     not_compared: str | None = None  # why captured depths were not compared (--fail-fast after a failing depth)
+    copied: tuple[int, ...] = ()  # depths bit-identical to the reference while depth 1 is not: not computed
 
     @property
     def compared_depths(self) -> tuple[int, ...]:
@@ -94,8 +101,24 @@ def with_chain(bridge: "DiffReport", ref, cand, tols, fail_fast: bool) -> "DiffR
     why = (f"--fail-fast: depth {stopped} {'diverged' if stopped == 1 and bridge.verdict.name == 'diverged' else 'failed'}"
            f", so depth(s) {_list(left)} were not compared") if stopped is not None and left else None
     chain = ChainDiff(info, tuple(depths), tuple(j for j in info.chain_depths if j not in captured), bridge.verdict,
-                      why)
+                      why, copied_depths(ref, bridge, depths))
     return replace(bridge, chain=chain, verdict=combined_verdict(chain))
+
+
+def copied_depths(ref, bridge: "DiffReport", depths: list[DepthDiff]) -> tuple[int, ...]:
+    """The compared depths whose every float row is bit-identical to the reference's, where depth 1's are not."""
+    float_stages = {s.name for s in ref.stage_list if s.kind != INDEX_SET}
+    if _bit_identical(bridge, float_stages) is not False:
+        return ()  # depth 1 identical too (or nothing to tell by): the oracle's own arithmetic, or a full copy
+    return tuple(d.depth for d in depths if _bit_identical(d.report, float_stages))
+
+
+def _bit_identical(report: "DiffReport", float_stages: set[str]) -> bool | None:
+    """True when every compared row of every float stage has max |a - e| == 0; None when no float row was compared."""
+    rows = [r for name, r in report.rows.items() if name in float_stages and len(r)]
+    if not rows:
+        return None
+    return all(bool((r.max_abs == 0).all()) and not r.has_status(INVALID_STATUSES).any() for r in rows)
 
 
 def check_chain_reference(ref, info: ChainInfo) -> None:
@@ -214,6 +237,11 @@ def combined_verdict(chain: ChainDiff) -> Verdict:
             return Verdict(name, tuple(_at(j, r) for j, v in hit for r in v.reasons))
     reasons = [_at(j, r) for j, v in parts if v.name == "inconclusive" for r in v.reasons]
     reasons += [d.recycle_note for d in chain.depths if d.recycle_note]
+    if chain.copied:
+        reasons.append(f"depth(s) {_list(chain.copied)} not counted as passed: every row of every stage there is "
+                       f"bit-identical to the reference's while depth 1's are not, so those rows were copied, not "
+                       f"computed (an engine's own arithmetic leaves its last bits at every depth or at none); write "
+                       f"the rows the engine computes at each depth")
     if chain.not_compared:
         reasons.append(f"the draft loop was not checked: {chain.not_compared}")
     elif chain.not_captured and not chain.depths:
