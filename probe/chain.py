@@ -158,9 +158,27 @@ def _diff_one_depth(ref, cand, depth: int, tols, fail_fast: bool) -> DepthDiff:
 
     ref_part, cand_part = ref.depth(depth), cand.depth(depth)
     check_candidate_depth(ref_part, cand_part, depth)
-    report = diff_depth(ref_part, cand_part, tols, fail_fast, depth=depth)
+    report = never_written_hint(diff_depth(ref_part, cand_part, tols, fail_fast, depth=depth), depth)
     recycle = recycle_evidence(ref_part, report, tols[HIDDEN_STAGE])
     return DepthDiff(depth, report, recycle, _recycle_note(ref_part, report, recycle, depth))
+
+
+def never_written_hint(report: "DiffReport", depth: int) -> "DiffReport":
+    """A depth captured and never written (every row of every captured stage unwritten: a draft step that says it
+    drafts and writes nothing) is invalid as any unwritten row is; its first issue then says what to do, instead of
+    the depth-1 advice about row offsets."""
+    rows = [r for r in report.rows.values() if len(r)]
+    if not rows or not all(r.has_status({"unwritten"}).all() for r in rows):
+        return report
+    first = next((i for i in report.issues if i.kind == "unwritten"), None)
+    if first is None:
+        return report
+    hint = replace(first, message=f"stage {first.where}: depth {depth} is captured but none of its rows was written "
+                                  f"(nor any other stage's): the draft step (mtp2_draft_step, draft_step, or a dump's "
+                                  f"d{depth}/) never wrote this depth. Write `out` and every captured stage at row r "
+                                  f"for bridge r, at every depth; an engine that runs no chain exports no draft step "
+                                  f"(the loop is then reported as not checked).")
+    return replace(report, issues=tuple(hint if i is first else i for i in report.issues))
 
 
 def check_candidate_depth(ref_part, cand_part, depth: int) -> None:

@@ -137,7 +137,30 @@ def test_driven_candidate_that_claims_the_loop_and_never_drafts_is_invalid(chain
     assert result.exit_code == 2, result.output
     assert last_line(result).startswith("INVALID | depth 2: unwritten rows")
     assert "depth 3: unwritten rows" in last_line(result) and "depth 4: unwritten rows" in last_line(result)
-    assert "never written" in result.output  # and the detail says what to check
+    assert "depth 2 is captured but none of its rows was written" in result.output  # and what to do
+    assert "exports no draft step" in result.output
+
+
+def test_c_library_that_drafts_and_never_writes_is_told_what_to_do(chained, tmp_path):
+    from probe.adapters.cabi import build_library
+
+    library = build_library(FIXTURES / "candidates" / "mtp_step_v2.c", tmp_path, ("MTP_MUTANT_DRAFT_NO_WRITE",))
+    result = _run(chained[0], f"c:{library}")
+    assert result.exit_code == 2 and last_line(result).startswith("INVALID | depth 2: unwritten rows"), result.output
+    assert "none of its rows was written" in result.output and "mtp2_draft_step" in result.output
+
+
+def test_twin_a_depth_written_in_part_keeps_the_row_offset_advice(chained, tmp_path):
+    """Only a depth with no row written at all gets the never-written message; a depth with one row left unwritten
+    keeps the advice to check where the engine writes its rows."""
+    from probe.poison import poison
+
+    ref, stages, depths, _ = chained
+    part = {j: {n: r.copy() for n, r in rows.items()} for j, rows in depths.items()}
+    part[2]["attn"][3] = poison(part[2]["attn"].shape[1])
+    result = diff_cli(ref, write_chain_raw(tmp_path / "c", stages, part))
+    assert result.exit_code == 2 and last_line(result).startswith("INVALID | depth 2: unwritten rows"), result.output
+    assert "Check the row offset" in result.output and "none of its rows was written" not in result.output
 
 
 @pytest.mark.parametrize("form", ["raw", "h5"])
