@@ -125,3 +125,12 @@ def test_the_loop_cases_leave_the_environment_as_they_found_it(loop_run):
     before_env, before_path = os.environ.get(selftest.DRAFT_TABLES_ENV), list(sys.path)
     loop_run(LOOP_BY_NAME["C without mtp2_draft_step"])
     assert os.environ.get(selftest.DRAFT_TABLES_ENV) == before_env and sys.path == before_path
+
+
+def test_a_bf16_engine_passes_at_every_depth_under_the_bf16_profile_only(loop_run):
+    """The numpy head storing every stage in bfloat16 passes depths 1-4 (draft included) under the bfloat16 profile;
+    its twin, the same run under float32's tolerance, diverges at the first stage it rounds."""
+    rows = loop_run(LOOP_BY_NAME["python bfloat16, bf16 profile"], LOOP_BY_NAME["python bfloat16"])
+    bf16, f32 = rows["python bfloat16, bf16 profile"], rows["python bfloat16"]
+    assert (bf16.verdict, bf16.depths, bf16.ok) == ("pass", "1-4", True), bf16
+    assert (f32.verdict, f32.first, f32.ok) == ("diverged", "e@d1:0", True), f32
