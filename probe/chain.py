@@ -11,9 +11,9 @@ some depths) is at best inconclusive ("the loop was not checked"); a candidate t
 lacks, or more rows at depth j than the reference has bridge positions, is bad input (ProbeError, exit 2).
 
 A depth copied, not computed: a candidate whose every row of every float stage at depth j is bit-identical to the
-reference's while its depth-1 rows are not (an engine's own arithmetic leaves its last bits at every depth, or at
-none) wrote the reference's rows there; that depth is not counted as passed (inconclusive). A candidate identical at
-every depth cannot be told from the oracle itself, and is judged as before.
+reference's while one of those stages is not at depth 1 (an engine's own arithmetic leaves its last bits at every
+depth, or at none) wrote the reference's rows there; that depth is not counted as passed (inconclusive). A candidate
+identical at every depth cannot be told from the oracle itself, and is judged as before.
 
 The recycle choice (which tensor depth j-1 hands to depth j) is evidenced at a depth-j row only where the `h` the
 alternative would have given (/chain/d{j}/evidence/h_if_<alt>) fails the h tolerance against the reference's h:
@@ -106,19 +106,23 @@ def with_chain(bridge: "DiffReport", ref, cand, tols, fail_fast: bool) -> "DiffR
 
 
 def copied_depths(ref, bridge: "DiffReport", depths: list[DepthDiff]) -> tuple[int, ...]:
-    """The compared depths whose every float row is bit-identical to the reference's, where depth 1's are not."""
+    """The compared depths whose every float row is bit-identical to the reference's although some stage of theirs is
+    not at depth 1 (the same arithmetic cannot be exact at depth j and inexact at depth 1). A stage exact at depth 1
+    too (e.g. a norm computed in the oracle's order) is no sign of copying, nor is a candidate exact everywhere."""
     float_stages = {s.name for s in ref.stage_list if s.kind != INDEX_SET}
-    if _bit_identical(bridge, float_stages) is not False:
-        return ()  # depth 1 identical too (or nothing to tell by): the oracle's own arithmetic, or a full copy
-    return tuple(d.depth for d in depths if _bit_identical(d.report, float_stages))
+    inexact_at_1 = {name for name, exact in _exact_stages(bridge, float_stages).items() if not exact}
+    copied = []
+    for part in depths:
+        exact = _exact_stages(part.report, float_stages)
+        if exact and all(exact.values()) and inexact_at_1 & set(exact):
+            copied.append(part.depth)
+    return tuple(copied)
 
 
-def _bit_identical(report: "DiffReport", float_stages: set[str]) -> bool | None:
-    """True when every compared row of every float stage has max |a - e| == 0; None when no float row was compared."""
-    rows = [r for name, r in report.rows.items() if name in float_stages and len(r)]
-    if not rows:
-        return None
-    return all(bool((r.max_abs == 0).all()) and not r.has_status(INVALID_STATUSES).any() for r in rows)
+def _exact_stages(report: "DiffReport", float_stages: set[str]) -> dict[str, bool]:
+    """Per compared float stage: every row valid and max |a - e| == 0."""
+    return {name: bool((r.max_abs == 0).all()) and not r.has_status(INVALID_STATUSES).any()
+            for name, r in report.rows.items() if name in float_stages and len(r)}
 
 
 def check_chain_reference(ref, info: ChainInfo) -> None:

@@ -199,3 +199,16 @@ def test_h5_rows_for_bridges_the_reference_lacks_are_bad_input(chained, tmp_path
     result = diff_cli(ref, write_chain_h5(tmp_path / "c.h5", inputs, stages, long))
     assert result.exit_code == 2, result.output
     assert "refer to bridge positions the reference lacks" in result.output and "Write row r" in result.output
+
+
+def test_twin_a_stage_exact_at_every_depth_is_no_sign_of_copying(chained, tmp_path):
+    """An engine whose `e` is bit-exact everywhere (its norm in the oracle's order) and whose other stages are its
+    own: capturing only `e` and `out` at depth 2, with `e` exact there as at depth 1, is not flagged as copied."""
+    ref, stages, depths, _ = chained
+    own = _own_arithmetic(stages) | {"e": stages["e"]}  # e exact at depth 1, the rest off in the last bits
+    part = {j: {"e": rows["e"], "out": _own_arithmetic(rows)["out"]} for j, rows in depths.items()}
+    result = diff_cli(ref, write_chain_raw(tmp_path / "c", own, part))
+    assert "copied, not computed" not in result.output, result.output
+    only_e = {j: {"e": rows["e"]} for j, rows in depths.items()}  # e alone, exact at every depth: not a copy either
+    result = diff_cli(ref, write_chain_raw(tmp_path / "d", own, only_e))
+    assert "copied, not computed" not in result.output, result.output
