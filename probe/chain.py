@@ -10,6 +10,11 @@ Verdicts never claim depths not seen: a reference that records chains and a cand
 some depths) is at best inconclusive ("the loop was not checked"); a candidate that captures depths the reference
 lacks, or more rows at depth j than the reference has bridge positions, is bad input (ProbeError, exit 2).
 
+A depth copied, not computed: a candidate whose every row of every float stage at depth j is bit-identical to the
+reference's while one of those stages is not at depth 1 (an engine's own arithmetic leaves its last bits at every
+depth, or at none) wrote the reference's rows there; that depth is not counted as passed (inconclusive). A candidate
+identical at every depth cannot be told from the oracle itself, and is judged as before.
+
 The recycle choice (which tensor depth j-1 hands to depth j) is evidenced at a depth-j row only where the `h` the
 alternative would have given (/chain/d{j}/evidence/h_if_<alt>) fails the h tolerance against the reference's h:
 elsewhere a candidate recycling the alternative gives the same row, and the row is reported as not evidential for
@@ -20,6 +25,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from oracle.stages import INDEX_SET
 from oracle.trace import ChainInfo
 
 from probe.compare import INVALID_STATUSES, rows_from_sums
@@ -60,6 +66,7 @@ class ChainDiff:
     not_captured: tuple[int, ...]  # reference depths the candidate does not capture
     bridge_verdict: Verdict  # depth 1's own verdict
     not_compared: str | None = None  # why captured depths were not compared (--fail-fast after a failing depth)
+    copied: tuple[int, ...] = ()  # depths bit-identical to the reference while depth 1 is not: not computed
 
     @property
     def compared_depths(self) -> tuple[int, ...]:
@@ -94,8 +101,28 @@ def with_chain(bridge: "DiffReport", ref, cand, tols, fail_fast: bool) -> "DiffR
     why = (f"--fail-fast: depth {stopped} {'diverged' if stopped == 1 and bridge.verdict.name == 'diverged' else 'failed'}"
            f", so depth(s) {_list(left)} were not compared") if stopped is not None and left else None
     chain = ChainDiff(info, tuple(depths), tuple(j for j in info.chain_depths if j not in captured), bridge.verdict,
-                      why)
+                      why, copied_depths(ref, bridge, depths))
     return replace(bridge, chain=chain, verdict=combined_verdict(chain))
+
+
+def copied_depths(ref, bridge: "DiffReport", depths: list[DepthDiff]) -> tuple[int, ...]:
+    """The compared depths whose every float row is bit-identical to the reference's although some stage of theirs is
+    not at depth 1 (the same arithmetic cannot be exact at depth j and inexact at depth 1). A stage exact at depth 1
+    too (e.g. a norm computed in the oracle's order) is no sign of copying, nor is a candidate exact everywhere."""
+    float_stages = {s.name for s in ref.stage_list if s.kind != INDEX_SET}
+    inexact_at_1 = {name for name, exact in _exact_stages(bridge, float_stages).items() if not exact}
+    copied = []
+    for part in depths:
+        exact = _exact_stages(part.report, float_stages)
+        if exact and all(exact.values()) and inexact_at_1 & set(exact):
+            copied.append(part.depth)
+    return tuple(copied)
+
+
+def _exact_stages(report: "DiffReport", float_stages: set[str]) -> dict[str, bool]:
+    """Per compared float stage: every row valid and max |a - e| == 0."""
+    return {name: bool((r.max_abs == 0).all()) and not r.has_status(INVALID_STATUSES).any()
+            for name, r in report.rows.items() if name in float_stages and len(r)}
 
 
 def check_chain_reference(ref, info: ChainInfo) -> None:
@@ -135,9 +162,27 @@ def _diff_one_depth(ref, cand, depth: int, tols, fail_fast: bool) -> DepthDiff:
 
     ref_part, cand_part = ref.depth(depth), cand.depth(depth)
     check_candidate_depth(ref_part, cand_part, depth)
-    report = diff_depth(ref_part, cand_part, tols, fail_fast, depth=depth)
+    report = never_written_hint(diff_depth(ref_part, cand_part, tols, fail_fast, depth=depth), depth)
     recycle = recycle_evidence(ref_part, report, tols[HIDDEN_STAGE])
     return DepthDiff(depth, report, recycle, _recycle_note(ref_part, report, recycle, depth))
+
+
+def never_written_hint(report: "DiffReport", depth: int) -> "DiffReport":
+    """A depth captured and never written (every row of every captured stage unwritten: a draft step that says it
+    drafts and writes nothing) is invalid as any unwritten row is; its first issue then says what to do, instead of
+    the depth-1 advice about row offsets."""
+    rows = [r for r in report.rows.values() if len(r)]
+    if not rows or not all(r.has_status({"unwritten"}).all() for r in rows):
+        return report
+    first = next((i for i in report.issues if i.kind == "unwritten"), None)
+    if first is None:
+        return report
+    hint = replace(first, message=f"stage {first.where}: depth {depth} is captured but none of its rows was written "
+                                  f"(nor any other stage's): the draft step (mtp2_draft_step, draft_step, or a dump's "
+                                  f"d{depth}/) never wrote this depth. Write `out` and every captured stage at row r "
+                                  f"for bridge r, at every depth; an engine that runs no chain exports no draft step "
+                                  f"(the loop is then reported as not checked).")
+    return replace(report, issues=tuple(hint if i is first else i for i in report.issues))
 
 
 def check_candidate_depth(ref_part, cand_part, depth: int) -> None:
@@ -214,6 +259,11 @@ def combined_verdict(chain: ChainDiff) -> Verdict:
             return Verdict(name, tuple(_at(j, r) for j, v in hit for r in v.reasons))
     reasons = [_at(j, r) for j, v in parts if v.name == "inconclusive" for r in v.reasons]
     reasons += [d.recycle_note for d in chain.depths if d.recycle_note]
+    if chain.copied:
+        reasons.append(f"depth(s) {_list(chain.copied)} not counted as passed: every row of every stage there is "
+                       f"bit-identical to the reference's while depth 1's are not, so those rows were copied, not "
+                       f"computed (an engine's own arithmetic leaves its last bits at every depth or at none); write "
+                       f"the rows the engine computes at each depth")
     if chain.not_compared:
         reasons.append(f"the draft loop was not checked: {chain.not_compared}")
     elif chain.not_captured and not chain.depths:

@@ -4,19 +4,35 @@ Builds the plain-C candidate and every compile-time mutant (fixtures/candidates/
 torch candidates — against the bundled reference (T=8) and against its first step alone (T=1), and checks each
 verdict and first divergence against what it must be. Five mutants match perfectly at t=0 (one key: softmax ≡ 1),
 so with T=1 they must come out inconclusive, never pass. One mutant must pass: every step at position p+1.
+
+The draft loop (issue 24, LOOP_CASES): from the reference's inputs it exports a chained reference (`mtp-oracle export
+--chain 4`, in a child process: the probe never imports transformers) and drives the C ABI v2 candidate
+(mtp_step_v2.c, mtp2_draft_step) and the Python one (numpy_step.py, draft_step) through their own loops: each loop
+variant (numpy_loop_mutants.py, -DMTP_MUTANT_<VARIANT>) must be caught at the (stage, depth, bridge) where its
+mistake first shows, the correct candidates must pass at every depth with every stage captured (the draft too: they
+draft through their own lm_head, from the tables file MTP_DRAFT_TABLES names, written here from the checkpoint), and
+a bfloat16 engine must pass under the bfloat16 profile at every depth and not under float32's.
 """
 
+import importlib.util
+import os
 import shutil
 import subprocess
+import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
+from oracle.checkpoint import Checkpoint
+from oracle.families.spec import MAIN_LM_HEAD
 from oracle.output import removed_on_interrupt
 from oracle.progress import tracked
 from oracle.stages import LEGACY_FAMILY
-from oracle.trace import TraceInputs, read_trace, write_trace
+from oracle.trace import ChainDepthReader, TraceInputs, chain_info, read_trace, write_trace
 from probe.adapters.cabi import CAbiAdapter, build_library
 from probe.diff import DiffReport
 from probe.errors import ProbeError
@@ -70,6 +86,59 @@ CASES = (
 )
 
 
+# --- the draft loop (issue 24) ----------------------------------------------------------------------------------
+
+CHAIN_DEPTHS = 4  # K of the chained reference the loop cases run on (K <= T)
+DRAFT_TABLES_ENV = "MTP_DRAFT_TABLES"  # the candidates' own lm_head and embed_tokens (fixtures/candidates/*)
+EMBED_DRAFT = "embed-draft"  # LoopCase.expect's `first` for draft_embed_tokens: worked out from the reference
+
+
+@dataclass(frozen=True)
+class LoopCase:
+    """One candidate driven through its own draft loop on the chained reference. `first` is "stage@d<depth>:<row>"
+    (row = token at depth 1, bridge position at depth j), "-" for none, or EMBED_DRAFT (the first row where
+    argmax(out . embed_tokens) differs from the reference's draft, computed from the reference: `embed_draft_first`).
+    `variant` is the loop variant's name, as --explain's DIAGNOSIS names it ("" for a correct candidate)."""
+
+    name: str
+    impl: str  # "c" (mtp_step_v2.c) or a python:MODULE:FACTORY spec
+    variant: str
+    expect: tuple[str, str]
+    mutant: str = ""  # -DMTP_MUTANT_<mutant> (C); MTP_NO_DRAFT_STEP as given
+    profile: str = "float32"
+    why: str = ""
+
+
+def _loop(variant: str, first: str, why: str) -> tuple[LoopCase, LoopCase]:
+    """The variant's C mutant and its Python twin, which must be caught at the same place."""
+    return (LoopCase(f"{variant} (C)", "c", variant, ("diverged", first), mutant=variant.upper(), why=why),
+            LoopCase(f"{variant} (python)", f"python:numpy_loop_mutants:{variant}", variant, ("diverged", first)))
+
+
+LOOP_CASES = (
+    LoopCase("C draft loop", "c", "", ("pass", "-"), why="mtp2_draft_step, every stage and the draft at every depth"),
+    LoopCase("python draft loop", "python:numpy_step:make_head", "", ("pass", "-"), why="draft_step, the same"),
+    LoopCase("python bfloat16, bf16 profile", "python:numpy_step:make_bf16_head", "", ("pass", "-"),
+             profile="bfloat16", why="every stage stored in bf16: within the bfloat16 profile at every depth"),
+    LoopCase("python bfloat16", "python:numpy_step:make_bf16_head", "", ("diverged", "e@d1:0"),
+             why="the same bf16 rounding exceeds the float32 tolerance"),
+    # depth 2 is the first to read a recycled hidden, and h its first stage that does
+    *_loop("recycle_prenorm", "h@d2:0", "res2 recycled instead of out = norm(res2): h at depth 2 sees it"),
+    *_loop("recycle_main_hidden", "h@d2:0", "H_i recycled at every depth instead of the previous depth's out"),
+    # depth 2 of bridge 0 attends to bridge 0 (position 0) and itself: its query at 0 instead of 1 moves its score
+    *_loop("position_frozen", "attn@d2:0", "every depth at the bridge's position: attn at depth 2 sees two keys"),
+    # bridge 0's chain runs before bridge 1, which then attends to its 3 stale entries: depth 1 (the bridge) at 1
+    *_loop("chain_kv_kept", "attn@d1:1", "the chain's K/V entries kept: the next bridge step attends to them"),
+    # every float stage right at every depth: only the draft stage can show it, at depth 1 already
+    *_loop("draft_embed_tokens", EMBED_DRAFT, "draft through embed_tokens: only the draft stage diverges"),
+    LoopCase("C without mtp2_draft_step", "c", "", ("inconclusive", "-"), mutant="MTP_NO_DRAFT_STEP",
+             why="a v2 library from before the loop: the loop was not checked, never a pass about it"),
+)
+# No layer0_reused case: both candidates implement a one-layer head (mtp_step_v2.c refuses any other), where layer 0
+# at every depth is right; a multi-layer head's candidate would need its own (issue 25).
+ONLY_DRAFT = "draft_embed_tokens"  # its every other stage must match at every depth
+
+
 @dataclass(frozen=True)
 class Row:
     case: Case
@@ -97,6 +166,7 @@ def run_selftest(reference: Path | None = None, checkpoint: Path | None = None, 
         for case in tracked(CASES, "selftest", len(CASES), unit="case"):
             log(f"selftest: {case.name}")
             rows += _run_case(case, reference, one_step, checkpoint, builds)
+        rows += run_loop_cases(reference, checkpoint, builds, Path(tmp), log)
     return rows
 
 
@@ -169,8 +239,183 @@ def _t0_matches(report: DiffReport) -> bool:
     return all(bool(rows.diff(0)) for rows in report.rows.values() if len(rows))
 
 
-def render_table(rows: list[Row]) -> str:
+@dataclass(frozen=True)
+class LoopRow:
+    case: LoopCase
+    verdict: str
+    first: str
+    expected: str  # the case's `first`, worked out (EMBED_DRAFT resolved against the reference)
+    depths: str  # the depths compared, e.g. "1-4"
+    ok: bool | None
+    note: str = ""
+
+
+def run_loop_cases(reference: Path, checkpoint: Path, builds: Path, tmp: Path,
+                   log: Callable[[str], None] = lambda msg: None) -> list[LoopRow]:
+    """Every LOOP_CASES candidate on a chained reference exported from `reference`'s inputs."""
+    skip = _loop_skip_reason(reference)
+    if skip:
+        return [LoopRow(c, "-", "-", c.expect[1], "-", None, skip) for c in LOOP_CASES]
+    log("selftest: exporting the chained reference (mtp-oracle export --chain)")
+    chained = chained_reference(reference, checkpoint, tmp / "chain.h5")
+    tables = write_draft_tables(checkpoint, tmp / "draft_tables.bin")
+    embed_first = embed_draft_first(chained, checkpoint)
+    rows = []
+    with _candidates_see(tables):
+        for case in tracked(LOOP_CASES, "selftest loop", len(LOOP_CASES), unit="case"):
+            log(f"selftest: {case.name}")
+            rows.append(_run_loop_case(case, chained, checkpoint, builds, embed_first))
+    return rows
+
+
+def _loop_skip_reason(reference: Path) -> str:
+    if importlib.util.find_spec("transformers") is None:
+        return "skipped: the oracle's transformers is not installed (mtp-oracle export --chain needs it)"
+    with read_trace(reference) as ref:
+        if ref.num_tokens < 2:
+            return f"skipped: the reference has {ref.num_tokens} step, so no bridge step has a chain"
+    return ""
+
+
+def chained_reference(reference: Path, checkpoint: Path, out: Path) -> Path:
+    """`mtp-oracle export --chain K` on `reference`'s own tokens, H and start position (K = min(4, T)), in a child
+    process; ProbeError with its message when the export fails."""
+    with read_trace(reference) as ref:
+        inputs = ref.inputs()
+    positions = np.asarray(inputs.positions)
+    if not np.array_equal(positions, positions[0] + np.arange(len(positions))):
+        raise ProbeError(f"selftest --reference {reference}: its positions are not p_0, p_0 + 1, ...; the loop "
+                         f"cases re-export its inputs with --start-pos, which needs consecutive positions. Use a "
+                         f"reference from mtp-oracle export.")
+    np.save(out.with_name("tokens.npy"), np.asarray(inputs.token_ids, dtype=np.int64))
+    np.save(out.with_name("hidden.npy"), np.ascontiguousarray(inputs.hidden, dtype=np.float32))
+    depths = min(CHAIN_DEPTHS, len(positions))
+    cmd = [sys.executable, "-m", "oracle", "export", str(checkpoint), "--out", str(out), "--tokens-file",
+           str(out.with_name("tokens.npy")), "--hidden", str(out.with_name("hidden.npy")), "--start-pos",
+           str(int(positions[0])), "--chain", str(depths), "-q"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        said = (proc.stderr.strip().splitlines() or ["(no message)"])[-1]
+        raise ProbeError(f"selftest: exporting the chained reference failed (exit {proc.returncode}): {said}. Run "
+                         f"mtp-oracle export {checkpoint} --chain {depths} ... by hand to see why.")
+    return out
+
+
+def draft_tables(checkpoint: Path) -> tuple[np.ndarray, np.ndarray]:
+    """(lm_head, embed_tokens) float32 [V, D] of the checkpoint: what an engine drafts through, and the matrix a
+    draft_embed_tokens engine uses instead."""
+    ckpt = Checkpoint(checkpoint)
+    own = ckpt.family.lm_head.format(num_hidden_layers=getattr(ckpt.config, "num_hidden_layers", None))
+    name = own if own in ckpt.names() else MAIN_LM_HEAD
+    return ckpt.read(name), ckpt.read(ckpt.main_model_prefix() + "embed_tokens.weight")
+
+
+def write_draft_tables(checkpoint: Path, out: Path) -> Path:
+    """The file MTP_DRAFT_TABLES names (fixtures/candidates/mtp_step_v2.c): int64 V, int64 D, float32 lm_head
+    [V, D], float32 embed_tokens [V, D]."""
+    lm_head, embed = draft_tables(checkpoint)
+    with open(out, "wb") as f:
+        f.write(np.array(lm_head.shape, dtype=np.int64).tobytes())
+        f.write(np.ascontiguousarray(lm_head, dtype=np.float32).tobytes())
+        f.write(np.ascontiguousarray(embed, dtype=np.float32).tobytes())
+    return out
+
+
+def embed_draft_first(chained: Path, checkpoint: Path) -> str:
+    """Where drafting through embed_tokens first shows: the first depth, then the first row in it, where
+    argmax(out . embed_tokens) of the reference's own `out` differs from its recorded draft ("-": nowhere)."""
+    _, embed = draft_tables(checkpoint)
+    embed = embed.astype(np.float64)
+    with read_trace(chained) as ref:
+        info = chain_info(ref)
+        parts = [(1, ref)] + [(j, ChainDepthReader(ref, j)) for j in (info.chain_depths if info else ())]
+        for depth, part in parts:
+            rows = part.num_tokens
+            out, draft = part.stage_rows("out", 0, rows), part.stage_rows("draft", 0, rows)
+            wrong = np.flatnonzero((np.asarray(out, np.float64) @ embed.T).argmax(axis=1) != draft[:, 0])
+            if len(wrong):
+                return f"draft@d{depth}:{int(wrong[0])}"
+    return "-"
+
+
+@contextmanager
+def _candidates_see(tables: Path) -> Iterator[None]:
+    """While the loop cases run: MTP_DRAFT_TABLES set (their workers inherit it) and fixtures/candidates importable
+    (Python candidates import from the probe's sys.path); both as they were afterwards."""
+    before, path = os.environ.get(DRAFT_TABLES_ENV), str(CANDIDATES)
+    os.environ[DRAFT_TABLES_ENV] = str(tables)
+    added = path not in sys.path
+    if added:
+        sys.path.insert(0, path)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(DRAFT_TABLES_ENV, None)
+        else:
+            os.environ[DRAFT_TABLES_ENV] = before
+        if added and path in sys.path:
+            sys.path.remove(path)
+
+
+def _run_loop_case(case: LoopCase, chained: Path, checkpoint: Path, builds: Path, embed_first: str) -> LoopRow:
+    if case.impl == "c":
+        defines = (case.mutant if case.mutant.startswith("MTP_NO_") else f"MTP_MUTANT_{case.mutant}",) \
+            if case.mutant else ()
+        adapter = CAbiAdapter(build_library(CANDIDATES / "mtp_step_v2.c", builds, defines), checkpoint)
+    else:
+        adapter = adapter_from_spec(case.impl, checkpoint)
+    report = run_and_diff(chained, adapter, tol_table(PROFILES[case.profile])).report
+    expected = embed_first if case.expect[1] == EMBED_DRAFT else case.expect[1]
+    verdict, first, depths = report.verdict.name, _loop_first(report), _depths(report)
+    ok, note = (verdict, first) == (case.expect[0], expected), ""
+    if ok and verdict == "pass":  # at every depth the reference records, with every stage (the draft too)
+        ok, note = _everything_compared(report)
+    if ok and case.variant == ONLY_DRAFT:
+        ok, note = _only_draft_diverged(report)
+    return LoopRow(case, verdict, first, expected, depths, ok, note)
+
+
+def _loop_first(report: DiffReport) -> str:
+    if report.verdict.name == "invalid":
+        return "-"
+    at = report.first_at
+    return f"{at[1].stage}@d{at[0]}:{at[1].token}" if at else "-"
+
+
+def _depth_reports(report: DiffReport) -> list[tuple[int, DiffReport]]:
+    return [(1, report)] + [(d.depth, d.report) for d in (report.chain.depths if report.chain else ())]
+
+
+def _depths(report: DiffReport) -> str:
+    compared = report.chain.compared_depths if report.chain is not None else (1,)
+    return f"1-{max(compared)}" if compared == tuple(range(1, max(compared) + 1)) else ",".join(map(str, compared))
+
+
+def _everything_compared(report: DiffReport) -> tuple[bool, str]:
+    chain = report.chain
+    if chain is None or chain.not_captured or chain.compared_depths != (1, *chain.info.chain_depths):
+        return False, "not every depth compared"
+    missing = {j: part.not_captured for j, part in _depth_reports(report) if part.not_captured}
+    if missing:
+        return False, "not captured: " + "; ".join(f"d{j} {', '.join(names)}" for j, names in missing.items())
+    return True, ""
+
+
+def _only_draft_diverged(report: DiffReport) -> tuple[bool, str]:
+    """Every stage but the draft within tolerance at every depth (the point of the variant: a stage diff that ends
+    at `out` cannot see it)."""
+    for depth, part in _depth_reports(report):
+        for name, rows in part.rows.items():
+            if name != "draft" and not rows.has_status({"ok"}).all():
+                return False, f"{name} at depth {depth} diverged too"
+    return True, ""
+
+
+def render_table(rows: list) -> str:
     """mutant · T · verdict · first divergence · expected · t=0 rows · ok, then a one-line summary."""
+    loop = [r for r in rows if isinstance(r, LoopRow)]
+    rows = [r for r in rows if not isinstance(r, LoopRow)]
     head = f"{'case':<30}{'T':>2}  {'verdict':<13}{'first':<9}{'expected':<23}{'t=0 rows':<10}ok"
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -179,12 +424,27 @@ def render_table(rows: list[Row]) -> str:
         ok = {True: "ok", False: "FAIL", None: r.note}[r.ok]
         lines.append(f"{r.case.name:<30}{r.num_tokens:>2}  {r.verdict:<13}{r.first:<9}"
                      f"{expect[0] + ' ' + expect[1]:<23}{t0:<10}{ok}")
-    failed = [r for r in rows if r.ok is False]
-    skipped = [r for r in rows if r.ok is None]
     lines.append("")
     lines += [f"  {r.case.name}: {r.case.why}" for r in rows if r.num_tokens == 8 and r.case.why]
+    lines += _loop_table(loop) if loop else []
+    rows = rows + loop
+    failed = [r for r in rows if r.ok is False]
+    skipped = [r for r in rows if r.ok is None]
     lines.append("")
     lines.append(("SELFTEST FAILED | " if failed else "SELFTEST PASSED | ")
                  + f"{len(rows) - len(failed) - len(skipped)}/{len(rows)} runs as expected"
                  + (f", {len(failed)} not" if failed else "") + (f", {len(skipped)} skipped" if skipped else ""))
     return "\n".join(lines)
+
+
+def _loop_table(rows: list[LoopRow]) -> list[str]:
+    """The draft loop's cases: first divergence as stage@d<depth>:<row> (row: token at depth 1, bridge after)."""
+    head = f"{'draft loop case':<32}{'verdict':<13}{'first':<13}{'expected':<26}{'depths':<8}ok"
+    lines = ["", head, "-" * len(head)]
+    for r in rows:
+        ok = {True: "ok", False: "FAIL" + (f" ({r.note})" if r.note else ""), None: r.note}[r.ok]
+        lines.append(f"{r.case.name:<32}{r.verdict:<13}{r.first:<13}{r.case.expect[0] + ' ' + r.expected:<26}"
+                     f"{r.depths:<8}{ok}")
+    lines.append("")
+    lines += [f"  {r.case.name}: {r.case.why}" for r in rows if r.case.why]
+    return lines

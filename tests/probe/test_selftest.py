@@ -3,9 +3,12 @@
 
 import dataclasses
 
+import numpy as np
+import pytest
+
 import probe.selftest as selftest
 from probe.cli import cli
-from tests.helpers import run_cli
+from tests.helpers import TINY, run_cli
 
 
 def test_selftest_passes_on_the_bundled_fixture():
@@ -16,12 +19,118 @@ def test_selftest_passes_on_the_bundled_fixture():
     rows = [line for line in result.output.splitlines() if line.startswith(("NO_QK_NORM", "POS_PLUS_ONE"))]
     assert any("diverged     attn@1" in r and "match" in r for r in rows)  # matches at t=0, caught at t=1
     assert any(r.startswith("POS_PLUS_ONE") and " 8  pass" in r for r in rows)
+    loop = {line.split("  ")[0]: line.split() for line in result.output.splitlines()
+            if line.startswith(tuple(c.name for c in selftest.LOOP_CASES))}
+    assert len(loop) == len(selftest.LOOP_CASES)
+    assert all(fields[-1] == "ok" for fields in loop.values()), loop
+    for impl in ("C", "python"):
+        assert loop[f"recycle_prenorm ({impl})"][2:4] == ["diverged", "h@d2:0"]
+        assert loop[f"chain_kv_kept ({impl})"][2:4] == ["diverged", "attn@d1:1"]
+    assert loop["C draft loop"][3:5] == ["pass", "-"] and loop["C draft loop"][-2] == "1-4"
 
 
 def test_selftest_fails_when_a_mutant_is_not_caught_as_expected(monkeypatch):
     by_name = {c.name: c for c in selftest.CASES}
     wrong = dataclasses.replace(by_name["ROPE_GPTJ"], expect=("diverged", "attn@0"))  # it really shows at t=1
     monkeypatch.setattr(selftest, "CASES", (by_name["C reference"], wrong))
+    monkeypatch.setattr(selftest, "LOOP_CASES", ())
     result = run_cli(cli, ["selftest"])
     assert result.exit_code == 1
     assert result.output.strip().splitlines()[-1].startswith("SELFTEST FAILED | 3/4 runs as expected, 1 not")
+
+
+# --- the draft loop's cases (issue 24) -------------------------------------------------------------------------
+
+LOOP_BY_NAME = {c.name: c for c in selftest.LOOP_CASES}
+VARIANTS = ("recycle_prenorm", "recycle_main_hidden", "position_frozen", "chain_kv_kept", "draft_embed_tokens")
+
+
+def test_every_loop_variant_has_a_c_and_a_python_mutant():
+    for variant in VARIANTS:
+        cases = [c for c in selftest.LOOP_CASES if c.variant == variant]
+        assert {c.impl.split(":")[0] for c in cases} == {"c", "python"}, variant
+        assert len({c.expect for c in cases}) == 1  # both caught at the same place
+    correct = [c for c in selftest.LOOP_CASES if not c.variant and c.expect[0] == "pass"]
+    assert {c.profile for c in correct} == {"float32", "bfloat16"}
+
+
+@pytest.fixture(scope="module")
+def chain_export(tmp_path_factory):
+    """The selftest's chained reference, exported once for this module's loop runs."""
+    out = tmp_path_factory.mktemp("selftest-chain") / "chain.h5"
+    return selftest.chained_reference(selftest.BUNDLED_REFERENCE, selftest.BUNDLED_CHECKPOINT, out)
+
+
+@pytest.fixture
+def loop_run(chain_export, tmp_path, monkeypatch):
+    """run_loop_cases over `cases` on the module's chained reference: {case name: LoopRow}."""
+    monkeypatch.setattr(selftest, "chained_reference", lambda reference, checkpoint, out: chain_export)
+
+    def run(*cases):
+        monkeypatch.setattr(selftest, "LOOP_CASES", cases)
+        rows = selftest.run_loop_cases(selftest.BUNDLED_REFERENCE, selftest.BUNDLED_CHECKPOINT, tmp_path, tmp_path)
+        return {r.case.name: r for r in rows}
+    return run
+
+
+def test_embed_draft_expectation_is_where_the_two_matrices_disagree(chain_export):
+    """Worked out independently: argmax over out . embed_tokens vs out . lm_head, from the checkpoint's own bytes."""
+    import h5py
+
+    from oracle.checkpoint import Checkpoint
+    from tests.probe.chain_reference import _tensor
+
+    ckpt = Checkpoint(TINY)
+    lm_head, embed = (_tensor(ckpt, n).astype(np.float64) for n in
+                      ("lm_head.weight", "model.language_model.embed_tokens.weight"))
+    with h5py.File(chain_export) as f:
+        out = f["stages/out"][()].astype(np.float64)
+    differ = np.flatnonzero((out @ embed.T).argmax(axis=1) != (out @ lm_head.T).argmax(axis=1))
+    assert len(differ)  # the variant is visible on this reference at depth 1
+    assert selftest.embed_draft_first(chain_export, TINY) == f"draft@d1:{differ[0]}"
+
+
+def test_a_loop_variant_caught_elsewhere_fails_the_selftest(loop_run):
+    wrong = dataclasses.replace(LOOP_BY_NAME["recycle_prenorm (C)"], expect=("diverged", "h@d3:0"))
+    rows = loop_run(LOOP_BY_NAME["C draft loop"], wrong)
+    assert rows["C draft loop"].ok is True
+    assert rows[wrong.name].ok is False and rows[wrong.name].first == "h@d2:0"  # where it really starts
+
+
+def test_a_pass_without_the_draft_captured_fails_and_the_embed_draft_goes_unseen(loop_run, monkeypatch):
+    """Twin of the correct candidates' pass: without their draft tables they capture no draft, so the pass does not
+    cover every stage (FAIL), and draft_embed_tokens cannot be caught (FAIL), never reported as expected."""
+    monkeypatch.setattr(selftest, "DRAFT_TABLES_ENV", "MTP_SELFTEST_NO_SUCH_TABLES")
+    rows = loop_run(LOOP_BY_NAME["python draft loop"], LOOP_BY_NAME["draft_embed_tokens (python)"])
+    assert rows["python draft loop"].verdict == "pass" and rows["python draft loop"].ok is False
+    assert "not captured: d1 draft" in rows["python draft loop"].note
+    assert rows["draft_embed_tokens (python)"].verdict == "pass" and rows["draft_embed_tokens (python)"].ok is False
+
+
+def test_draft_embed_tokens_must_diverge_at_the_draft_stage_only(loop_run):
+    """A candidate that diverges elsewhere too cannot stand for draft_embed_tokens, even where its first divergence
+    is the expected one."""
+    impostor = selftest.LoopCase("impostor", "python:numpy_loop_mutants:recycle_prenorm", "draft_embed_tokens",
+                                 ("diverged", "h@d2:0"))
+    row = loop_run(impostor)["impostor"]
+    assert row.first == "h@d2:0" and row.ok is False and "diverged too" in row.note
+    real = loop_run(LOOP_BY_NAME["draft_embed_tokens (python)"])["draft_embed_tokens (python)"]
+    assert real.ok is True and real.first.startswith("draft@d1:")
+
+
+def test_the_loop_cases_leave_the_environment_as_they_found_it(loop_run):
+    import os
+    import sys
+
+    before_env, before_path = os.environ.get(selftest.DRAFT_TABLES_ENV), list(sys.path)
+    loop_run(LOOP_BY_NAME["C without mtp2_draft_step"])
+    assert os.environ.get(selftest.DRAFT_TABLES_ENV) == before_env and sys.path == before_path
+
+
+def test_a_bf16_engine_passes_at_every_depth_under_the_bf16_profile_only(loop_run):
+    """The numpy head storing every stage in bfloat16 passes depths 1-4 (draft included) under the bfloat16 profile;
+    its twin, the same run under float32's tolerance, diverges at the first stage it rounds."""
+    rows = loop_run(LOOP_BY_NAME["python bfloat16, bf16 profile"], LOOP_BY_NAME["python bfloat16"])
+    bf16, f32 = rows["python bfloat16, bf16 profile"], rows["python bfloat16"]
+    assert (bf16.verdict, bf16.depths, bf16.ok) == ("pass", "1-4", True), bf16
+    assert (f32.verdict, f32.first, f32.ok) == ("diverged", "e@d1:0", True), f32
