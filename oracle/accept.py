@@ -158,6 +158,12 @@ class AcceptResult:
     settings: Settings | None = None  # p_min, temperature, position range (oracle/accept_conventions.py)
     stats: DraftStats | None = None  # the gate's confidence and sampled acceptance per draft, where asked
     positions: np.ndarray | None = None  # (C,): each chain's bridge step; None: 0..C-1
+    layers: tuple[int, ...] = ()  # the physical MTP layer each depth ran (empty: layer 0 at every depth)
+
+    @property
+    def depth_layers(self) -> tuple[int, ...]:
+        """The MTP layer of depths 1..k: j-1 on an N-layer head (transformers' MtpModel), else 0."""
+        return self.layers or (0,) * self.metrics.k
 
     @property
     def chain_positions(self) -> np.ndarray:
@@ -182,6 +188,7 @@ def measure_acceptance(checkpoint_dir: Path, sequence: np.ndarray, hidden: Hidde
     _check_k(k, len(sequence))
     settings = Settings(k=k) if settings is None else settings
     ckpt = Checkpoint(checkpoint_dir)
+    layers = _depth_layers(ckpt, k)
     check_token_ids(sequence, ckpt.config.vocab_size)
     check_accept_memory(ckpt.config, len(sequence), k)  # the bridge pass is quadratic in N (oracle/limits.py)
     lm_head = draft_projection(ckpt, chunk_rows)
@@ -215,7 +222,7 @@ def measure_acceptance(checkpoint_dir: Path, sequence: np.ndarray, hidden: Hidde
     measured = (q_head, q_drafts) if quantized else (head, drafts)
     stats = _draft_stats(ckpt, measured, rotary, sequence, h, lm_head, main_head, main_rows, settings, log)
     result = AcceptResult(acceptance_metrics(drafts, targets), target, sequence, drafts, targets, source,
-                          settings=settings, stats=stats)
+                          settings=settings, stats=stats, layers=layers)
     if quantized:
         comparison = QuantizeComparison(quantized[1], result.metrics, drafts)
         source = source | {"head": f"{source['head']}, quantized: {' '.join(map(str, quantize))}"}
@@ -354,6 +361,21 @@ def _float32_of(tensors: dict[str, torch.Tensor], name: str, block: tuple[int, i
         raise CheckpointError(f"{name} is F8_E4M3 without a block scale beside it ({_fp8_scale_name(tensors, name)}); "
                               f"the checkpoint is inconsistent.")
     return dequantize(t.numpy(), scale.float().numpy(), block, name)
+
+
+def _depth_layers(ckpt: Checkpoint, k: int) -> tuple[int, ...]:
+    """The MTP layer each depth 1..k runs: j-1 on an N-layer head (transformers' MtpModel), 0 on a one-layer head.
+    k > N is refused here, before the main model runs: accept drafts depth j with layer j-1 only."""
+    count = getattr(ckpt.family, "layer_count", None)
+    layers = int(count(ckpt.config)) if count else 1
+    if layers == 1:
+        return (0,) * k
+    if k > layers:
+        raise InputError(f"--k {k}: the {ckpt.family.name} head has {layers} MTP layers and depth j runs layer j-1 "
+                         f"(transformers' MtpModel), so accept measures at most {layers} depths: use --k {layers} or "
+                         f"less. (vLLM's layer (j-1) % N reuse is traced by export --chain-layers modulo; accept does "
+                         f"not measure it.)")
+    return tuple(range(k))
 
 
 def _check_k(k: int, num_tokens: int) -> None:

@@ -27,6 +27,7 @@ compute-bound), attention FLOPs beyond the roofline, the draft's sampling and th
 import math
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -102,30 +103,114 @@ def draft_terms(head_bytes: dict[str, int], expert_bytes: list[int], top_k: int,
     return Terms({k: v for k, v in terms.items() if v}, flops)
 
 
+def head_layers(ckpt) -> int:
+    """N, the head's MTP layers (transformers' MtpModel heads: depth j runs layer j-1); 1 for one-layer heads."""
+    count = getattr(ckpt.family, "layer_count", None)
+    return int(count(ckpt.config)) if count else 1
+
+
+def depth_layer(layers: int, depth: int) -> int:
+    """The physical layer depth j runs: j-1 on an N-layer head (MtpModel), 0 on a one-layer head (recycled)."""
+    return depth - 1 if layers > 1 else 0
+
+
+def ggml_bytes(qtype: str, count: int) -> float:
+    """Bytes of `count` values stored as a GGUF type: ggml packs them in blocks of `block` values taking `size`
+    bytes (gguf.GGML_QUANT_SIZES: F32 (1, 4), BF16 (1, 2), Q8_0 (32, 34), Q4_K (256, 144), ...)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    except KeyError:
+        raise CheckpointError(f"GGUF quant type {qtype!r} is not one the gguf package knows; its stored size is "
+                              f"unknown. Pass --main-step-ms and --draft-step-ms measured on the engine.") from None
+    return count / block * size
+
+
+def stored_nbytes(ckpt):
+    """name -> the bytes a tensor takes as the release stores it: the safetensors entry's; for a GGUF (whose cache
+    holds it dequantized to float32, oracle/gguf_source.py) the quant type the cache record names for it. A fused
+    gate_up_proj whose gate and up came in different types (`Q8_0+Q4_K`) is half of each."""
+    if ckpt.source.get("format") != "gguf":
+        return lambda name: float(ckpt.entry(name).nbytes)
+    types = ckpt.source.get("quant_types")
+    types = types if isinstance(types, dict) else {}
+
+    def size(name: str) -> float:
+        qtype = types.get(name)
+        if not isinstance(qtype, str):
+            raise CheckpointError(f"the GGUF cache record {ckpt.path}/gguf_source.json names no quant type for "
+                                  f"{name}; remove {ckpt.path} and it is rebuilt from the GGUF.")
+        parts = qtype.split("+")
+        count = math.prod(ckpt.entry(name).shape)
+        return sum(ggml_bytes(part, count // len(parts)) for part in parts)
+
+    return size
+
+
 def head_draft_terms(ckpt, draft_lm_head: str, context: int, kv_bytes: int = 2,
-                     stored: dict[str, float] | None = None) -> Terms:
-    """draft_terms from a checkpoint: its head tensors as stored (Checkpoint.layout), vocabulary tables apart;
-    `stored` overrides some tensors' bytes (a quantized head)."""
+                     stored: dict[str, float] | None = None, layer: int = 0) -> Terms:
+    """draft_terms from a checkpoint: MTP layer `layer`'s tensors as stored (Checkpoint.layout; a GGUF's quant
+    types), vocabulary tables apart; `stored` overrides some tensors' bytes (a quantized head). Routed experts:
+    the layout's, or stacked [E, ...] tensors among the dense ones (MtpModel heads): top_k of E."""
     layout, cfg = ckpt.layout(), ckpt.config
     vocab = cfg.vocab_size
     stored = stored or {}
-    size = lambda n: stored.get(n, ckpt.entry(n).nbytes)  # noqa: E731
-    dense = {n: ckpt.entry(n) for n in layout.dense if n in ckpt.names()}
+    nbytes = stored_nbytes(ckpt)
+    size = lambda n: stored.get(n, nbytes(n))  # noqa: E731
+    prefix = cfg.layer_prefix(layer) if head_layers(ckpt) > 1 else ""
+    dense = {n: ckpt.entry(n) for n in layout.dense if n in ckpt.names() and n.startswith(prefix)}
     tables = {n for n, e in dense.items() if len(e.shape) == 2 and e.shape[0] == vocab}  # embedding/head copies
-    head_bytes = {n: size(n) for n in dense if n not in tables}
-    head_params = sum(math.prod(e.shape) for n, e in dense.items() if n not in tables)
-    expert_bytes, expert_params, top_k = [], 0, 0
-    if layout.experts is not None:
-        names = [n for n in layout.experts.tensor_names() if n in ckpt.names()]
-        total = sum(size(n) for n in names)
-        count = layout.experts.num_experts
-        expert_bytes = [total / count] * count
+    routed = int(getattr(cfg, "num_experts", 0) or 0)
+    top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0) if routed else 0
+    stacks = {n for n, e in dense.items() if routed and len(e.shape) == 3 and e.shape[0] == routed}
+    head_bytes = {n: size(n) for n in dense if n not in tables | stacks}
+    head_params = sum(math.prod(dense[n].shape) for n in head_bytes)
+    names = (stacks if layout.experts is None else
+             [n for n in layout.experts.tensor_names() if n in ckpt.names()])
+    expert_bytes, expert_params = [], 0
+    if names:
+        count = routed if layout.experts is None else layout.experts.num_experts
+        expert_bytes = [sum(size(n) for n in names) / count] * count
         expert_params = sum(math.prod(ckpt.entry(n).shape) for n in names) // count
-        top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
     lm = ckpt.entry(draft_lm_head)
+    lm_bytes = nbytes(draft_lm_head)
     raw = text_config(ckpt.raw_config)
-    return draft_terms(head_bytes, expert_bytes, top_k, lm.nbytes, math.prod(lm.shape),
-                       lm.nbytes // vocab, kv_bytes * kv_values_per_token(raw), context, head_params, expert_params)
+    return draft_terms(head_bytes, expert_bytes, top_k, lm_bytes, math.prod(lm.shape), _embedding_row(ckpt, lm_bytes),
+                       kv_bytes * kv_values_per_token(raw), head_kv_tokens(ckpt, layer, context), head_params,
+                       expert_params)
+
+
+def _embedding_row(ckpt, lm_bytes: float) -> float:
+    """One row of the main embedding table as stored (the lm_head's row where the checkpoint has no table)."""
+    try:
+        name = ckpt.main_model_prefix() + "embed_tokens.weight"
+    except CheckpointError:
+        return lm_bytes / ckpt.config.vocab_size
+    return stored_nbytes(ckpt)(name) / ckpt.entry(name).shape[0]
+
+
+def head_kv_tokens(ckpt, layer: int, context: int) -> int:
+    """Tokens MTP layer `layer`'s own KV cache holds at `context`: all of them, or its sliding window."""
+    window = ckpt.family.attention_window(ckpt.config)
+    if head_layers(ckpt) > 1:
+        text = text_config(ckpt.raw_config)
+        types = text.get("mtp_layer_types") or (text.get("layer_types") or [])[int(text["num_hidden_layers"]):]
+        sliding = layer < len(types) and types[layer] == "sliding_attention"
+        window = int(text["sliding_window"]) if sliding and text.get("sliding_window") else None
+    return min(context, window) if window else context
+
+
+def draft_steps(ckpt, draft_lm_head: str, context: int, depth: int,
+                stored: dict[str, float] | None = None) -> tuple[Terms, ...]:
+    """The draft step of every depth 1..`depth`: its layer's terms (one-layer heads: the same at every depth)."""
+    layers = head_layers(ckpt)
+    per_layer = {}
+    for j in range(1, depth + 1):
+        layer = depth_layer(layers, j)
+        if layer not in per_layer:
+            per_layer[layer] = head_draft_terms(ckpt, draft_lm_head, context, stored=stored, layer=layer)
+    return tuple(per_layer[depth_layer(layers, j)] for j in range(1, depth + 1))
 
 
 # ---- the verify step, from the main model's config ---------------------------------------------------------------
@@ -144,7 +229,7 @@ def kv_values_per_token(c: dict) -> int:
     return 2 * int(c.get("num_key_value_heads") or heads) * head_dim
 
 
-def _attention_params(c: dict) -> int:
+def _attention_params(c: dict, sliding: bool = False) -> int:
     d, h = int(c["hidden_size"]), int(c["num_attention_heads"])
     if c.get("kv_lora_rank"):  # MLA (DeepSeek-V3)
         nope, rope, v = int(c["qk_nope_head_dim"]), int(c["qk_rope_head_dim"]), int(c["v_head_dim"])
@@ -153,9 +238,34 @@ def _attention_params(c: dict) -> int:
         return q + d * (kvl + rope) + kvl * h * (nope + v) + h * v * d
     hd = int(c.get("head_dim") or d // h)
     kv = int(c.get("num_key_value_heads") or h)
+    if _is_step(c):  # Step-3.5/3.7: q/k/v/o, q_norm/k_norm, and a g_proj gate per head (gating true) or value
+        if sliding:
+            h = int(c.get("num_sliding_attention_heads") or (c.get("attention_other_setting") or {}).get(
+                "num_attention_heads") or h)
+        gate = h if c.get("gating", True) in (True, "per-head") else h * hd
+        return d * h * hd + 2 * d * kv * hd + h * hd * d + 2 * hd + d * gate
     gate = 2 if _has_output_gate(c) else 1  # Qwen3.5/Qwen3-Next: q_proj emits query and gate
     qk_norm = 2 * hd if gate == 2 or c.get("use_qk_norm") else 0  # q_norm, k_norm
     return d * h * hd * gate + 2 * d * kv * hd + h * hd * d + qk_norm
+
+
+def _is_step(c: dict) -> bool:
+    return str(c.get("model_type", "")).startswith(("step3p5", "step3p7"))
+
+
+def _moe_layer_flags(c: dict, layers: int, experts: int) -> list[bool]:
+    """Which of the main layers 0..layers-1 are MoE: mlp_layer_types ("sparse"), Step's moe_layers_enum, or every
+    layer from first_k_dense_replace on (DeepSeek/GLM; Qwen: all)."""
+    if not experts:
+        return [False] * layers
+    if c.get("mlp_layer_types"):
+        return [kind == "sparse" for kind in list(c["mlp_layer_types"])[:layers]]
+    if c.get("moe_layers_enum") is not None:
+        enum = c["moe_layers_enum"]
+        chosen = {int(i) for i in (enum.split(",") if isinstance(enum, str) else enum) if str(i).strip()}
+        return [i in chosen for i in range(layers)]
+    first_dense = int(c.get("first_k_dense_replace") or 0)
+    return [i >= first_dense for i in range(layers)]
 
 
 def _has_output_gate(c: dict) -> bool:
@@ -185,6 +295,14 @@ class MainModel:
     full_attention_layers: int
     kv_values_per_token: int
     state_values: int  # linear-attention recurrent state, all layers
+    sliding_attention_layers: int = 0  # their KV cache holds the last sliding_window tokens
+    sliding_window: int = 0
+
+    def kv_values(self, context: int) -> int:
+        """Cached K/V values (or MLA latents) of every attention layer at `context` tokens."""
+        windowed = min(context, self.sliding_window) if self.sliding_window else context
+        return self.kv_values_per_token * (self.full_attention_layers * context
+                                           + self.sliding_attention_layers * windowed)
 
     def active_params(self, tokens: int) -> float:
         return self.dense_params + self.moe_layers * self.distinct_experts(tokens) * self.expert_params
@@ -204,30 +322,35 @@ def main_model(raw: dict) -> MainModel:
                          "attention); pass --main-step-ms and --draft-step-ms measured on the engine instead.")
     try:
         d, v, layers = int(c["hidden_size"]), int(c["vocab_size"]), int(c["num_hidden_layers"])
-        types = c.get("layer_types") or ["full_attention"] * layers
+        types = list(c.get("layer_types") or ["full_attention"] * layers)[:layers]  # Step pads it with the MTP layers
         experts = int(c.get("num_experts") or c.get("n_routed_experts") or 0)
         top_k = int(c.get("num_experts_per_tok") or 0)
         moe_i = int(c.get("moe_intermediate_size") or 0)
-        shared_i = int(c.get("shared_expert_intermediate_size") or int(c.get("n_shared_experts") or 0) * moe_i)
-        first_dense = int(c.get("first_k_dense_replace") or 0)
+        shared_i = int(c.get("shared_expert_intermediate_size") or c.get("share_expert_dim")
+                       or int(c.get("n_shared_experts") or 0) * moe_i)
         dense_i = int(c.get("intermediate_size") or 0)
-        attention, state, full = 0, 0, 0
+        attention, state, full, sliding = 0, 0, 0, 0
         for kind in types:
             if kind == "linear_attention":
                 params, values = _linear_attention(c)
                 attention, state = attention + params, state + values
             else:
-                attention, full = attention + _attention_params(c), full + 1
-        moe_layers = max(0, layers - first_dense) if experts else 0
+                attention += _attention_params(c, sliding=kind == "sliding_attention")
+                full, sliding = (full, sliding + 1) if kind == "sliding_attention" else (full + 1, sliding)
+        moe_layers = sum(_moe_layer_flags(c, layers, experts))
         shared_gate = d if c.get("shared_expert_intermediate_size") else 0  # Qwen's sigmoid gate on the shared expert
-        mlp = (layers - moe_layers) * 3 * d * dense_i + moe_layers * (d * experts + 3 * d * shared_i + shared_gate)
+        router_bias = experts if _is_step(c) or c.get("topk_method") == "noaux_tc" else 0  # e_score_correction
+        mlp = ((layers - moe_layers) * 3 * d * dense_i
+               + moe_layers * (d * experts + router_bias + 3 * d * shared_i + shared_gate))
         norms = layers * 2 * d + d  # two per layer and the final one (plus one embedding row below)
+        window = int(c["sliding_window"]) if sliding else 0
     except (KeyError, TypeError, ValueError) as err:
         raise InputError(f"config.json lacks what the speed model needs ({err}); pass --main-step-ms and "
                          f"--draft-step-ms measured on the engine instead.") from None
     return MainModel(dense_params=attention + mlp + norms + d, moe_layers=moe_layers, experts=experts,
                      top_k=top_k, expert_params=3 * d * moe_i, lm_head_params=v * d, full_attention_layers=full,
-                     kv_values_per_token=kv_values_per_token(c), state_values=state)
+                     kv_values_per_token=kv_values_per_token(c), state_values=state,
+                     sliding_attention_layers=sliding, sliding_window=window)
 
 
 def verify_terms(model: MainModel, tokens: int, context: int, weight_bytes: float, lm_head_bytes: float,
@@ -239,8 +362,7 @@ def verify_terms(model: MainModel, tokens: int, context: int, weight_bytes: floa
              f"main routed experts ({experts:.1f} distinct per MoE layer)":
                  model.moe_layers * experts * model.expert_params * weight_bytes,
              "main lm_head": model.lm_head_params * lm_head_bytes,
-             f"main KV cache at {context} tokens": model.full_attention_layers * model.kv_values_per_token
-                                                    * context * kv_bytes,
+             f"main KV cache at {context} tokens": model.kv_values(context) * kv_bytes,
              "linear-attention state (read + write)": 2 * model.state_values * STATE_BYTES}
     per_token = model.dense_params + model.moe_layers * model.top_k * model.expert_params + model.lm_head_params
     return Terms({k: v for k, v in terms.items() if v}, 2.0 * per_token * tokens)
@@ -298,7 +420,8 @@ class SpeedRow:
     k: int
     tokens: float  # E[len](k)
     verify_s: float
-    draft_s: float
+    draft_s: float  # the draft step at depth k
+    drafts_s: float  # the round's k draft steps, depths 1..k (k x draft_s for a one-layer head)
     speedup: float
     interval: tuple[float, float]
 
@@ -306,7 +429,7 @@ class SpeedRow:
 @dataclass(frozen=True)
 class Speed:
     clock: Clock
-    draft: Terms
+    drafts: tuple[Terms, ...]  # the draft step at depths 1..K (an N-layer head: depth j runs layer j-1)
     verify: dict[int, Terms]  # tokens -> terms (1 = plain decoding)
     rows: list[SpeedRow]
     best: SpeedRow
@@ -314,38 +437,57 @@ class Speed:
     reuse: "Speed | None" = None  # MoE: the same with the verify's routed experts those of one token
     left_out: str = LEFT_OUT
     notes: list[str] = field(default_factory=list)
+    layers: tuple[int, ...] = ()  # the physical MTP layer each depth ran (empty: layer 0 at every depth)
+
+    def layer(self, depth: int) -> int:
+        return self.layers[depth - 1] if self.layers else 0
+
+    @property
+    def multi_layer(self) -> bool:
+        return any(self.layers)
 
 
-def step_seconds(clock: Clock, draft: Terms, verify: dict[int, Terms], tokens: int) -> tuple[float, float]:
-    """(verify of `tokens` tokens, one draft step): from the model, or scaled from the engine's measured steps
-    (the verify step by the model's byte ratio to a plain step)."""
+def verify_seconds(clock: Clock, verify: dict[int, Terms], tokens: int) -> float:
+    """A verify step of `tokens` tokens: from the model, or the engine's measured plain step scaled by the
+    model's byte ratio to a plain step."""
     if clock.main_step_s is not None:
-        return clock.main_step_s * verify[tokens].total / verify[1].total, clock.draft_step_s
-    return clock.time(verify[tokens]), clock.time(draft)
+        return clock.main_step_s * verify[tokens].total / verify[1].total
+    return clock.time(verify[tokens])
 
 
-def speed_table(runs: np.ndarray, clock: Clock, draft: Terms, verify: dict[int, Terms],
-                reuse: dict[int, Terms] | None = None) -> Speed:
+def draft_seconds(clock: Clock, draft: Terms) -> float:
+    """One draft step: the engine's measured one where given (the same at every depth), else the model's."""
+    return clock.draft_step_s if clock.draft_step_s is not None else clock.time(draft)
+
+
+def speed_table(runs: np.ndarray, clock: Clock, drafts, verify: dict[int, Terms],
+                reuse: dict[int, Terms] | None = None, layers: tuple[int, ...] = ()) -> Speed:
     """Speedup per k from the per-chain accepted runs `runs` [C, K] (column k-1: the drafts accepted of the first
     k, exact 0/1-prefix counts for greedy verification or expected ones for sampled), with a block-bootstrap
-    interval over contiguous chains; `verify` holds the terms for 1..K+1 tokens."""
+    interval over contiguous chains; `drafts` the draft step of depths 1..K (one Terms: the same at every depth),
+    `verify` the terms for 1..K+1 tokens, `layers` the MTP layer of each depth (reported)."""
     chains, depth = runs.shape
-    plain = step_seconds(clock, draft, verify, 1)[0]
+    drafts = tuple(drafts) if not isinstance(drafts, Terms) else (drafts,) * depth
+    if len(drafts) != depth:
+        raise ValueError(f"{len(drafts)} draft steps for {depth} depths")  # a caller bug
+    plain = verify_seconds(clock, verify, 1)
+    draft_s = [draft_seconds(clock, d) for d in drafts]
     sums, rows = block_bootstrap_sums(runs, block_length(chains, depth))
     resampled = 1 + sums / rows  # (B, K): E[len](k) per resample
     table, boot = [], []
     for k in range(1, depth + 1):
-        verify_s, draft_s = step_seconds(clock, draft, verify, k + 1)
-        cost = verify_s + k * draft_s
+        verify_s, drafting = verify_seconds(clock, verify, k + 1), float(sum(draft_s[:k]))
+        cost = verify_s + drafting
         tokens = 1 + runs[:, k - 1].mean()
         boot.append(resampled[:, k - 1] * plain / cost)
-        table.append(SpeedRow(k, float(tokens), verify_s, draft_s, float(tokens * plain / cost),
+        table.append(SpeedRow(k, float(tokens), verify_s, draft_s[k - 1], drafting, float(tokens * plain / cost),
                               percentile_interval(boot[-1])))
     best = max(table, key=lambda r: r.speedup)
     winners = np.argmax(np.stack(boot, axis=1), axis=1) + 1
-    return Speed(clock, draft, verify, table, best,
+    return Speed(clock, drafts, verify, table, best,
                  (int(np.quantile(winners, 0.025)), int(np.quantile(winners, 0.975))),
-                 None if reuse is None else speed_table(runs, clock, draft, reuse))
+                 None if reuse is None else speed_table(runs, clock, drafts, reuse, layers=layers),
+                 layers=tuple(layers))
 
 
 def runs_by_k(right: np.ndarray | None = None, reach: np.ndarray | None = None) -> np.ndarray:
@@ -362,12 +504,16 @@ def speed_lines(speed: Speed) -> list[str]:
         lines.append(f"  measured: plain step {speed.clock.main_step_s * 1e3:.3f} ms, draft step "
                      f"{speed.clock.draft_step_s * 1e3:.3f} ms (they win over the model; verify of k+1 tokens = "
                      f"the plain step x the model's byte ratio)")
-    lines.append(f"  draft step: {_terms_text(speed.draft)}")
+    if speed.multi_layer:
+        for depth, terms in enumerate(speed.drafts, start=1):
+            lines.append(f"  draft step at depth {depth} (MTP layer {speed.layer(depth)}): {_terms_text(terms)}")
+    else:
+        lines.append(f"  draft step (every depth, MTP layer 0): {_terms_text(speed.drafts[0])}")
     for tokens in sorted(speed.verify):
         lines.append(f"  verify step of {tokens} token{'s' if tokens > 1 else ''}: {_terms_text(speed.verify[tokens])}")
-    lines.append(f"  {'k':>3}  {'E[len](k)':>9}  {'verify ms':>9}  {'k x draft ms':>12}  {'speedup':>8}  95% interval")
+    lines.append(f"  {'k':>3}  {'E[len](k)':>9}  {'verify ms':>9}  {'k drafts ms':>12}  {'speedup':>8}  95% interval")
     for r in speed.rows:
-        lines.append(f"  {r.k:>3}  {r.tokens:>9.3f}  {r.verify_s * 1e3:>9.4g}  {r.k * r.draft_s * 1e3:>12.4g}  "
+        lines.append(f"  {r.k:>3}  {r.tokens:>9.3f}  {r.verify_s * 1e3:>9.4g}  {r.drafts_s * 1e3:>12.4g}  "
                      f"{r.speedup:>7.3f}x  ({r.interval[0]:.2f}-{r.interval[1]:.2f})")
     if speed.reuse is not None:
         r = speed.reuse.best
@@ -393,15 +539,21 @@ def speed_summary(speed: Speed) -> str:
     return f"best k={r.k}: {r.speedup:.2f}x ({r.interval[0]:.2f}-{r.interval[1]:.2f}) at {where}"
 
 
+def _terms_json(terms: Terms) -> dict:
+    return {"bytes": terms.bytes, "total_bytes": terms.total, "flops": terms.flops}
+
+
 def speed_json(speed: Speed) -> dict:
     return {"clock": {"bandwidth_bytes_per_s": speed.clock.bandwidth, "peak_flops": speed.clock.peak_flops,
                       "label": speed.clock.label, "main_step_s": speed.clock.main_step_s,
                       "draft_step_s": speed.clock.draft_step_s},
-            "draft_step": {"bytes": speed.draft.bytes, "total_bytes": speed.draft.total, "flops": speed.draft.flops},
-            "verify_step": {str(n): {"bytes": t.bytes, "total_bytes": t.total, "flops": t.flops}
-                            for n, t in speed.verify.items()},
+            "draft_step": _terms_json(speed.drafts[0]),  # depth 1's (every depth's on a one-layer head)
+            "draft_steps": [{"depth": j, "layer": speed.layer(j), **_terms_json(t)}
+                            for j, t in enumerate(speed.drafts, start=1)],
+            "verify_step": {str(n): _terms_json(t) for n, t in speed.verify.items()},
             "rows": [{"k": r.k, "e_len": r.tokens, "verify_s": r.verify_s, "draft_s": r.draft_s,
-                      "round_s": r.verify_s + r.k * r.draft_s, "speedup": r.speedup, "interval95": list(r.interval)}
+                      "drafts_s": r.drafts_s, "round_s": r.verify_s + r.drafts_s, "speedup": r.speedup,
+                      "interval95": list(r.interval), "layer": speed.layer(r.k)}
                      for r in speed.rows],
             "best": {"k": speed.best.k, "speedup": speed.best.speedup, "interval95": list(speed.best.interval),
                      "k_range95": list(speed.best_k_range)},
@@ -428,18 +580,43 @@ def quantized_bytes(tensors) -> dict[str, float]:
     return out
 
 
-def main_weight_bytes(ckpt) -> tuple[float, float]:
-    """(bytes per main-model weight, bytes per lm_head weight): FP8 releases store their linears in 1 byte (plus
-    a float32 scale per 128x128 block); otherwise the lm_head's own dtype."""
+def main_weight_bytes(ckpt) -> tuple[float, float, str | None]:
+    """(bytes per main-model weight, bytes per lm_head weight, a note on where the first came from): FP8 releases
+    store their linears in 1 byte (plus a float32 scale per 128x128 block); a GGUF its main blocks' quant types
+    where the file holds them; otherwise the lm_head's own type."""
     from oracle.lm_head import lm_head_of
 
     try:
-        lm = ckpt.entry(lm_head_of(ckpt).name)
-        lm_bytes = lm.nbytes / math.prod(lm.shape)
+        name = lm_head_of(ckpt).name
+        lm_bytes = stored_nbytes(ckpt)(name) / math.prod(ckpt.entry(name).shape)
     except CheckpointError:  # a head-only checkpoint without the main lm_head: assume bf16
         lm_bytes = 2.0
     quant = ckpt.raw_config.get("quantization_config") or {}
-    return (1 + 4 / (128 * 128) if quant.get("quant_method") == "fp8" else lm_bytes), lm_bytes
+    if quant.get("quant_method") == "fp8":
+        return 1 + 4 / (128 * 128), lm_bytes, None
+    if ckpt.source.get("format") == "gguf":
+        blocks = gguf_main_block_bytes(Path(ckpt.source["file"]), int(text_config(ckpt.raw_config)
+                                                                         ["num_hidden_layers"]))
+        if blocks is not None:
+            return blocks, lm_bytes, (f"main weights at {blocks:.4g} bytes per weight: the GGUF's main blocks' "
+                                      f"matrices as stored")
+        return lm_bytes, lm_bytes, (f"the GGUF holds no main blocks: main weights taken at its output tensor's "
+                                    f"{lm_bytes:.4g} bytes per weight")
+    return lm_bytes, lm_bytes, None
+
+
+def gguf_main_block_bytes(file: Path, layers: int) -> float | None:
+    """Bytes per weight of the main blocks' matrices (blk.0..layers-1, 2-D and up) in a GGUF, as stored; None
+    when the file holds none (an MTP-only GGUF)."""
+    from oracle.gguf_source import _reader
+
+    nbytes, count = 0.0, 0
+    for t in _reader(file).tensors:
+        parts = t.name.split(".")
+        if len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) < layers \
+                and len(t.shape) >= 2:
+            nbytes, count = nbytes + ggml_bytes(t.tensor_type.name, int(t.n_elements)), count + int(t.n_elements)
+    return nbytes / count if count else None
 
 
 def speed_of(result, checkpoint_dir, clock: Clock, context: int | None = None) -> tuple[Speed, Speed | None]:
@@ -449,7 +626,7 @@ def speed_of(result, checkpoint_dir, clock: Clock, context: int | None = None) -
     ckpt = Checkpoint(checkpoint_dir)
     depth = result.metrics.k
     context = int(context if context is not None else len(result.sequence))
-    weight, lm_bytes = main_weight_bytes(ckpt)
+    weight, lm_bytes, weight_note = main_weight_bytes(ckpt)
     model = main_model(ckpt.raw_config)
     verify = {n: verify_terms(model, n, context, weight, lm_bytes) for n in range(1, depth + 2)}
     reuse = None if not model.experts else {n: verify_terms(model, n, context, weight, lm_bytes, reuse_experts=True)
@@ -458,24 +635,46 @@ def speed_of(result, checkpoint_dir, clock: Clock, context: int | None = None) -
     runs = (runs_by_k(reach=np.cumprod(result.stats.beta, axis=1)) if sampled
             else runs_by_k(right=result.drafts == result.targets))
     stored = quantized_bytes(result.quantize.head.tensors) if result.quantize is not None else None
-    draft = head_draft_terms(ckpt, result.source["lm_head"], context, stored=stored)
-    speed = speed_table(runs, clock, draft, verify, reuse)
+    layers = tuple(depth_layer(head_layers(ckpt), j) for j in range(1, depth + 1))
+    drafts = draft_steps(ckpt, result.source["lm_head"], context, depth, stored=stored)
+    speed = speed_table(runs, clock, drafts, verify, reuse, layers=layers)
     speed.notes.append(f"E[len](k) from the measured {'sampled' if sampled else 'greedy'} acceptance; context "
                        f"{context} tokens (--context)")
+    if ckpt.source.get("format") == "gguf":
+        speed.notes.append(f"bytes of the GGUF's tensors by their quant types ({gguf_types_text(ckpt)}), not the "
+                           f"float32 cache the oracle computes with")
+    if weight_note:
+        speed.notes.append(weight_note)
     if result.quantize is None:
         return speed, None
     if sampled:
         speed.notes.append("the unquantized comparison uses greedy acceptance (its distributions were not formed)")
     base_runs = runs_by_k(right=result.quantize.baseline_drafts == result.targets)
-    base = speed_table(base_runs, clock, head_draft_terms(ckpt, result.source["lm_head"], context), verify)
+    base = speed_table(base_runs, clock, draft_steps(ckpt, result.source["lm_head"], context, depth), verify,
+                       layers=layers)
     return speed, base
+
+
+def gguf_types_text(ckpt) -> str:
+    """`Q8_0 x12, F32 x8`: how many head tensors the GGUF stores in each type."""
+    counts: dict[str, int] = {}
+    for qtype in (ckpt.source.get("quant_types") or {}).values():
+        counts[qtype] = counts.get(qtype, 0) + 1
+    return ", ".join(f"{t} x{n}" for t, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def _round_draft_mb(speed: Speed) -> str:
+    """The draft step's size: one figure for a one-layer head, per depth for an N-layer one."""
+    if not speed.multi_layer:
+        return f"{speed.drafts[0].total / 1e6:.3f} MB"
+    return "/".join(f"{t.total / 1e6:.3f}" for t in speed.drafts) + " MB at depths 1.." + str(len(speed.drafts))
 
 
 def quantized_worth_line(quantized: Speed, base: Speed) -> str:
     q, b = quantized.best, base.best
     better = "worth more" if q.speedup > b.speedup else "worth less" if q.speedup < b.speedup else "worth the same"
     overlap = q.interval[0] <= b.interval[1] and b.interval[0] <= q.interval[1]
-    return (f"quantized head: draft step {quantized.draft.total / 1e6:.3f} MB vs {base.draft.total / 1e6:.3f} MB "
+    return (f"quantized head: draft step {_round_draft_mb(quantized)} vs {_round_draft_mb(base)} "
             f"unquantized; best k={q.k} {q.speedup:.2f}x ({q.interval[0]:.2f}-{q.interval[1]:.2f}) vs k={b.k} "
             f"{b.speedup:.2f}x ({b.interval[0]:.2f}-{b.interval[1]:.2f}): the quantized head is {better}"
             f"{' (the intervals overlap: not decided)' if overlap and better != 'worth the same' else ''}")
