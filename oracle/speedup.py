@@ -42,9 +42,10 @@ DEVICES = {
     "MI300X": (5.3e12, 1307e12),
     "MI325X": (6.0e12, 1307e12),
 }
-LEFT_OUT = ("left out: kernel launch and scheduling overhead, tensor/expert parallelism and communication, batching "
-            "above 1, attention FLOPs beyond the roofline, sampling; routed experts of a verify step assume "
-            "independent uniform routing (an upper bound on its reads)")
+LEFT_OUT = ("left out: kernel launch overhead (and scheduling: a fixed cost per step, more to the many small draft "
+            "steps), tensor parallelism (and expert parallelism, their communication), batching above 1 (verify then "
+            "turns compute-bound), attention FLOPs beyond the roofline, sampling; routed experts of a verify step "
+            "assume independent uniform routing (an upper bound on its reads)")
 STATE_BYTES = 4  # linear-attention recurrent state is float32
 
 
@@ -164,10 +165,12 @@ def head_draft_terms(ckpt, draft_lm_head: str, context: int, kv_bytes: int = 2,
     routed = int(getattr(cfg, "num_experts", 0) or 0)
     top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0) if routed else 0
     stacks = {n for n, e in dense.items() if routed and len(e.shape) == 3 and e.shape[0] == routed}
-    head_bytes = {n: size(n) for n in dense if n not in tables | stacks}
-    head_params = sum(math.prod(dense[n].shape) for n in head_bytes)
-    names = (stacks if layout.experts is None else
+    names = (sorted(stacks) if layout.experts is None else
              [n for n in layout.experts.tensor_names() if n in ckpt.names()])
+    scales = _scales_of(set(names), dense)  # FP8 experts' block scales (in the dense layout): read with the expert
+    head_bytes = {n: size(n) for n in dense if n not in tables | stacks | scales}
+    head_params = sum(math.prod(dense[n].shape) for n in head_bytes)
+    names = [*names, *sorted(scales)]
     expert_bytes, expert_params = [], 0
     if names:
         count = routed if layout.experts is None else layout.experts.num_experts
@@ -179,6 +182,12 @@ def head_draft_terms(ckpt, draft_lm_head: str, context: int, kv_bytes: int = 2,
     return draft_terms(head_bytes, expert_bytes, top_k, lm_bytes, math.prod(lm.shape), _embedding_row(ckpt, lm_bytes),
                        kv_bytes * kv_values_per_token(raw), head_kv_tokens(ckpt, layer, context), head_params,
                        expert_params)
+
+
+def _scales_of(weights: set[str], dense) -> set[str]:
+    """The block scales beside `weights` (`X.weight_scale_inv`, or `X.scale` where a release names them so)."""
+    return {n for n in dense if n.removesuffix("_scale_inv") in weights
+            or (n.endswith(".scale") and n.removesuffix("scale") + "weight" in weights)}
 
 
 def _embedding_row(ckpt, lm_bytes: float) -> float:
@@ -234,8 +243,8 @@ def _attention_params(c: dict, sliding: bool = False) -> int:
     if c.get("kv_lora_rank"):  # MLA (DeepSeek-V3)
         nope, rope, v = int(c["qk_nope_head_dim"]), int(c["qk_rope_head_dim"]), int(c["v_head_dim"])
         kvl, ql = int(c["kv_lora_rank"]), c.get("q_lora_rank")
-        q = d * h * (nope + rope) if not ql else d * int(ql) + int(ql) * h * (nope + rope)
-        return q + d * (kvl + rope) + kvl * h * (nope + v) + h * v * d
+        q = d * h * (nope + rope) if not ql else d * int(ql) + int(ql) + int(ql) * h * (nope + rope)  # q_a_layernorm
+        return q + d * (kvl + rope) + kvl + kvl * h * (nope + v) + h * v * d  # kv_a_layernorm
     hd = int(c.get("head_dim") or d // h)
     kv = int(c.get("num_key_value_heads") or h)
     if _is_step(c):  # Step-3.5/3.7: q/k/v/o, q_norm/k_norm, and a g_proj gate per head (gating true) or value
