@@ -26,7 +26,7 @@ compute-bound), attention FLOPs beyond the roofline, the draft's sampling and th
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -646,7 +646,16 @@ def speed_of(result, checkpoint_dir, clock: Clock, context: int | None = None) -
     stored = quantized_bytes(result.quantize.head.tensors) if result.quantize is not None else None
     layers = tuple(depth_layer(head_layers(ckpt), j) for j in range(1, depth + 1))
     drafts = draft_steps(ckpt, result.source["lm_head"], context, depth, stored=stored)
-    speed = speed_table(runs, clock, drafts, verify, reuse, layers=layers)
+    unquantized = None if stored is None else draft_steps(ckpt, result.source["lm_head"], context, depth)
+    measured_clock = clock
+    if unquantized is not None and clock.draft_step_s is not None:
+        # the engine measured its (unquantized) head: the quantized one's step scaled by the bytes it reads
+        ratio = drafts[0].total / unquantized[0].total
+        measured_clock = replace(clock, draft_step_s=clock.draft_step_s * ratio)
+    speed = speed_table(runs, measured_clock, drafts, verify, reuse, layers=layers)
+    if measured_clock is not clock:
+        speed.notes.append(f"the quantized head's draft step: the measured --draft-step-ms x its byte ratio "
+                           f"{ratio:.3f} to the unquantized head (the engine measured the head it ran)")
     speed.notes.append(f"E[len](k) from the measured {'sampled' if sampled else 'greedy'} acceptance; context "
                        f"{context} tokens (--context)")
     if ckpt.source.get("format") == "gguf":
@@ -659,8 +668,7 @@ def speed_of(result, checkpoint_dir, clock: Clock, context: int | None = None) -
     if sampled:
         speed.notes.append("the unquantized comparison uses greedy acceptance (its distributions were not formed)")
     base_runs = runs_by_k(right=result.quantize.baseline_drafts == result.targets)
-    base = speed_table(base_runs, clock, draft_steps(ckpt, result.source["lm_head"], context, depth), verify,
-                       layers=layers)
+    base = speed_table(base_runs, clock, unquantized, verify, layers=layers)
     return speed, base
 
 
