@@ -92,14 +92,16 @@ class Terms:
 
 def draft_terms(head_bytes: dict[str, int], expert_bytes: list[int], top_k: int, lm_head_bytes: int,
                 lm_head_params: int, embed_row_bytes: int, head_kv_bytes_per_token: float, context: int,
-                head_params: int, expert_params: int) -> Terms:
+                head_params: int, expert_params: int, window: int | None = None) -> Terms:
     """A draft step: the head's dense tensors, top_k routed experts (their mean size), the lm_head, one embedding
-    row, the head's KV cache at `context` tokens."""
+    row, the head's KV cache at `context` tokens (the last `window` of them for a sliding-window layer)."""
+    held = min(context, window) if window else context
     experts = top_k * (sum(expert_bytes) / len(expert_bytes)) if expert_bytes else 0.0
     terms = {"head layer (dense tensors)": float(sum(head_bytes.values())),
              f"head routed experts (top_k={top_k})": experts,
              "draft lm_head (V x D)": float(lm_head_bytes), "embedding row": float(embed_row_bytes),
-             f"head KV cache at {context} tokens": head_kv_bytes_per_token * context}
+             f"head KV cache at {context} tokens" + (f" (sliding window: {held})" if held != context else ""):
+                 head_kv_bytes_per_token * held}
     flops = 2.0 * (head_params + top_k * expert_params + lm_head_params)
     return Terms({k: v for k, v in terms.items() if v}, flops)
 
@@ -180,13 +182,13 @@ def head_draft_terms(ckpt, draft_lm_head: str, context: int, kv_bytes: int = 2,
     lm_bytes = nbytes(draft_lm_head)
     raw = text_config(ckpt.raw_config)
     return draft_terms(head_bytes, expert_bytes, top_k, lm_bytes, math.prod(lm.shape), _embedding_row(ckpt, lm_bytes),
-                       kv_bytes * kv_values_per_token(raw), head_kv_tokens(ckpt, layer, context), head_params,
-                       expert_params)
+                       kv_bytes * kv_values_per_token(raw), context, head_params, expert_params,
+                       head_window(ckpt, layer))
 
 
 def _scales_of(weights: set[str], dense) -> set[str]:
     """The block scales beside `weights` (`X.weight_scale_inv`, or `X.scale` where a release names them so)."""
-    return {n for n in dense if n.removesuffix("_scale_inv") in weights
+    return {n for n in dense if (n.endswith("_scale_inv") and n.removesuffix("_scale_inv") in weights)
             or (n.endswith(".scale") and n.removesuffix("scale") + "weight" in weights)}
 
 
@@ -199,15 +201,15 @@ def _embedding_row(ckpt, lm_bytes: float) -> float:
     return stored_nbytes(ckpt)(name) / ckpt.entry(name).shape[0]
 
 
-def head_kv_tokens(ckpt, layer: int, context: int) -> int:
-    """Tokens MTP layer `layer`'s own KV cache holds at `context`: all of them, or its sliding window."""
+def head_window(ckpt, layer: int) -> int | None:
+    """MTP layer `layer`'s sliding window (its own KV cache holds that many tokens), or None: every token."""
     window = ckpt.family.attention_window(ckpt.config)
     if head_layers(ckpt) > 1:
         text = text_config(ckpt.raw_config)
         types = text.get("mtp_layer_types") or (text.get("layer_types") or [])[int(text["num_hidden_layers"]):]
         sliding = layer < len(types) and types[layer] == "sliding_attention"
         window = int(text["sliding_window"]) if sliding and text.get("sliding_window") else None
-    return min(context, window) if window else context
+    return window
 
 
 def draft_steps(ckpt, draft_lm_head: str, context: int, depth: int,
