@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from oracle.checkpoint import Checkpoint
+from oracle.cli import cli
 from oracle.speedup import (Clock, head_draft_terms, main_model, quantized_worth_line, runs_by_k, speed_table,
                             verify_terms)
-from tests.helpers import load_script
+from tests.helpers import FIXTURES as FIXTURE_DIR
+from tests.helpers import load_script, run_cli
 
 FIXTURES = load_script("make_fixtures")
 DTYPE_BYTES = {"BF16": 2, "F32": 4, "F8_E4M3": 1}
@@ -240,3 +242,63 @@ def test_a_cheaper_head_that_loses_acceptance_is_worth_less_and_the_line_says_so
         line = quantized_worth_line(quantized, base)
         assert f"the quantized head is {verdict}" in line
         assert "draft step 0.000 MB vs 0.000 MB" in line  # bytes shown both ways (MB of these toy sizes)
+
+
+def trained_accept(tmp_path, *args):
+    trained = FIXTURE_DIR / "qwen3_5_trained"
+    out = tmp_path / "acc.json"
+    r = run_cli(cli, ["accept", trained, "--tokens-file", trained / "heldout_tokens.txt", "--main-model", "-q",
+                      "--bandwidth", "1TB/s", "--json", out, *args])
+    assert r.exit_code == 0, r.output
+    return r.stdout, json.loads(out.read_text()), trained
+
+
+def hand_speedups(speed: dict, accepted: list[int]) -> list[float]:
+    """speedup(k) = E[len](k) t(plain) / (t(verify k+1) + k t(draft)) from the JSON's byte totals (the bandwidth
+    cancels), E[len](k) = 1 + the mean of min(accepted run, k) over chains."""
+    plain = speed["verify_step"]["1"]["total_bytes"]
+    draft = speed["draft_step"]["total_bytes"]
+    out = []
+    for k in range(1, 5):
+        e_len = 1 + sum(min(a, k) for a in accepted) / len(accepted)
+        out.append(e_len * plain / (speed["verify_step"][str(k + 1)]["total_bytes"] + k * draft))
+    return out
+
+
+def accepted_runs(drafts, targets) -> list[int]:
+    runs = []
+    for d, t in zip(drafts, targets):
+        run = 0
+        while run < len(d) and d[run] == t[run]:
+            run += 1
+        runs.append(run)
+    return runs
+
+
+@pytest.mark.parametrize("spec, context, verdict", [("*=int4", None, "worth more"), ("*=int2", "20000", "worth less")])
+def test_quantize_both_ways_by_hand_and_the_report_says_which(tmp_path, spec, context, verdict):
+    """The trained fixture's head: int4 keeps its acceptance and reads 4x fewer bytes (worth more); int2 loses a
+    fifth of E[len], and at 20000 tokens of context, where the verify's KV cache dominates the round, the saved
+    bytes no longer pay for it (worth less). Both ways by hand from the JSON's terms and per-chain drafts."""
+    stdout, data, trained = trained_accept(tmp_path, "--quantize", spec, *(["--context", context] if context else []))
+    targets = [c["targets"] for c in data["per_chain"]]
+    quantized = hand_speedups(data["speed"], accepted_runs([c["drafts"] for c in data["per_chain"]], targets))
+    base = hand_speedups(data["speed"]["unquantized"], accepted_runs(data["quantize"]["baseline"]["drafts"], targets))
+    assert [r["speedup"] for r in data["speed"]["rows"]] == pytest.approx(quantized, rel=1e-9)
+    assert [r["speedup"] for r in data["speed"]["unquantized"]["rows"]] == pytest.approx(base, rel=1e-9)
+    assert (max(quantized) > max(base)) == (verdict == "worth more")
+    assert f"the quantized head is {verdict}" in stdout
+    if spec == "*=int4":  # codes of 4 bits and a 16-bit scale per 32 inputs, the rest as stored
+        stored = {n: e.nbytes for n, e in ((n, Checkpoint(trained).entry(n)) for n in Checkpoint(trained).names())}
+        codes = sum(math.prod(t["shape"]) * (4 + 16 / 32) / 8 for t in data["quantize"]["tensors"])
+        kept = sum(stored[n] for n in data["quantize"]["kept"])
+        assert data["speed"]["draft_step"]["bytes"]["head layer (dense tensors)"] == pytest.approx(codes + kept)
+        assert data["speed"]["unquantized"]["draft_step"]["bytes"]["head layer (dense tensors)"] == sum(
+            b for n, b in stored.items() if n.startswith("mtp."))
+
+
+def test_the_printed_line_names_what_the_model_ignores(tmp_path):
+    stdout, data, _ = trained_accept(tmp_path)
+    line = next(s for s in stdout.splitlines() if s.strip().startswith("left out:"))
+    for ignored in ("kernel launch overhead", "tensor parallelism", "batching above 1"):
+        assert ignored in line and ignored in data["speed"]["left_out"]
