@@ -32,12 +32,14 @@ def render_report(result: AcceptResult, engine: list[EngineFigure] | None = None
     m = result.metrics
     lines = [f"acceptance: k={m.k} drafts per chain, {m.chains} chains (one after each bridge step "
              f"0..{m.chains - 1} of N={len(result.sequence)} tokens)",
-             TARGET_NOTES[result.target], *_layer_note(result), "",
-             f"{'depth':>5}  {'layer':>5}  {'p_j (unconditional)':<24}{'alpha_j (given drafts 1..j-1 right)'}"]
+             TARGET_NOTES[result.target], *_layer_note(result), ""]
+    layered = any(result.depth_layers)  # an N-layer head: the table names each depth's layer
+    layer_head = f"{'layer':>5}  " if layered else ""
+    lines.append(f"{'depth':>5}  {layer_head}{'p_j (unconditional)':<24}{'alpha_j (given drafts 1..j-1 right)'}")
     for j, layer in enumerate(result.depth_layers):
         p = f"{_rate(m.p[j])}  ({m.hits[j]}/{m.chains})"
         alpha = f"{_rate(m.alpha[j])}  ({m.runs[j]}/{m.alpha_den[j]})"
-        lines.append(f"{j + 1:>5}  {layer:>5}  {p:<24}{alpha}")
+        lines.append(f"{j + 1:>5}  {f'{layer:>5}  ' if layered else ''}{p:<24}{alpha}")
     lines += ["",
               f"E[len] = {m.e_len:.3f} tokens per round (chain-break: 1 + sum_j prod_(m<=j) alpha_m)",
               f"naive  = {m.e_len_naive:.3f} (1 + sum_j p_j: an upper bound; it ignores that draft j is only "
@@ -55,7 +57,7 @@ def render_report(result: AcceptResult, engine: list[EngineFigure] | None = None
 def _layer_note(result: AcceptResult) -> list[str]:
     """Which physical MTP layer each depth ran: an N-layer head's alpha_j is its layer j-1's, measured once."""
     if not any(result.depth_layers):
-        return ["layer: the head's one MTP layer at every depth (its output recycled)"]
+        return []
     return [f"layer: depth j ran MTP layer j-1 (transformers' MtpModel, each layer its own cache), so alpha_j is "
             f"layer j-1's acceptance given drafts 1..j-1 right: "
             + ", ".join(f"depth {j} -> layer {layer}" for j, layer in enumerate(result.depth_layers, start=1))]

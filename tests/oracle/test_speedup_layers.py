@@ -77,6 +77,7 @@ def test_each_depth_runs_its_layer_and_costs_that_layers_bytes(step_head, measur
     # the sliding layer's cache holds 5 tokens, the full layers' all 40: the steps differ by exactly that
     assert steps[0]["total_bytes"] - steps[1]["total_bytes"] == 2 * 2 * 12 * (40 - 5) * 2
     assert "depth 1 -> layer 0, depth 2 -> layer 1, depth 3 -> layer 2" in stdout
+    assert re.search(r"^depth  layer  p_j", stdout, re.M)
     assert re.search(r"^\s+3\s+2\s+\d\.\d{3}", stdout, re.M)  # the alpha table's depth 3 row names layer 2
     for depth in (1, 2, 3):
         assert f"draft step at depth {depth} (MTP layer {depth - 1})" in stdout
@@ -108,7 +109,8 @@ def test_a_one_layer_head_runs_layer_0_at_every_depth(tmp_path):
     assert data["layers"] == [0, 0, 0]
     steps = data["speed"]["draft_steps"]
     assert [s["layer"] for s in steps] == [0, 0, 0] and steps[0]["bytes"] == steps[1]["bytes"] == steps[2]["bytes"]
-    assert "one MTP layer at every depth" in r.stdout and "draft step (every depth, MTP layer 0)" in r.stdout
+    assert "draft step (every depth, MTP layer 0)" in r.stdout and "-> layer" not in r.stdout
+    assert re.search(r"^depth  p_j", r.stdout, re.M)  # no layer column: one layer
 
 
 def test_k_beyond_the_layers_exits_2_before_any_work(step_head, tmp_path):
