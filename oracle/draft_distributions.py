@@ -57,8 +57,8 @@ def replayed_out_rows(ckpt, head, rotary, sequence: np.ndarray, hidden: np.ndarr
     bridge = bridge_pass(head, rotary, embedding_rows(ckpt, sequence[1:chains + 1]), hidden[:chains],
                          np.arange(chains), window)
     forced = ForcedDrafts(drafts)
-    spec = ChainSpec(depths=k, rows=lambda depth: chains, tokens=ARGMAX, recycle=ckpt.family.recycled,
-                     window=window, keep=("out",))
+    spec = ChainSpec(depths=k, rows=lambda depth: chains, tokens=ARGMAX, token_ids=np.asarray(sequence[1:]),
+                     recycle=ckpt.family.recycled, window=window, keep=("out",))  # token_ids: as accept's chains
     for depth in run_chains(head, rotary, bridge, spec, lambda ids: embedding_rows(ckpt, ids), draft=forced,
                             first_drafts=drafts[:, 0]):
         if not (depth.token_ids == drafts[:, depth.depth - 2]).all():

@@ -140,3 +140,22 @@ def test_greedy_targets_use_the_main_lm_head_not_the_mtp_layers_copy(tmp_path):
     np.testing.assert_array_equal(result.targets, main.argmax(axis=1)[i + j])
     assert (result.targets != copy.argmax(axis=1)[i + j]).all()  # twin: the MTP copy would score other targets
     assert result.source["lm_head"] == own and result.source["target_lm_head"] == "lm_head.weight"
+
+
+def test_an_n_layer_head_replays_its_chains_for_the_p_min_gate_and_sampling(tmp_path):
+    """step3p7 (3 MTP layers): the replay through the draft loop feeds the teacher-forced tokens its layer caches
+    hold, so the distributions exist (it raised a TypeError without them) and the replayed drafts equal the
+    measured ones (replayed_out_rows checks that itself)."""
+    from oracle.cli import cli as oracle_cli
+    from tests.helpers import run_cli
+
+    tokens = tmp_path / "tokens.txt"
+    rng = np.random.default_rng(0)
+    tokens.write_text(",".join(map(str, rng.integers(0, 512, 30))))
+    hidden = tmp_path / "h.npy"
+    np.save(hidden, rng.standard_normal((30, 32)).astype(np.float32))  # H [N, D] as a main model's dump
+    for extra in (["--p-min", "0.5"], ["--temperature", "0.7"]):
+        result = run_cli(oracle_cli, ["accept", FIXTURES / "step3p7_tiny", "--tokens-file", tokens, "--hidden", hidden,
+                                      "--k", "3", "-q", *extra])
+        assert result.exit_code == 0, (extra, result.output)
+        assert result.output.strip().splitlines()[-1].startswith("ACCEPT | k=3")
