@@ -28,7 +28,12 @@ FIXTURES = load_script("make_fixtures")
 TOKENS = "5,17,3,99,200,7,42,5,61,9"
 # held-out dims: no fixture uses them (4 layers; a sliding window the 10 steps exceed)
 HELD_OUT = {"step3p7": {"hidden_size": 48, "head_dim": 12, "num_nextn_predict_layers": 4, "sliding_window": 3,
-                        "n_routed_experts": 6, "vocab_size": 230}}
+                        "n_routed_experts": 6, "vocab_size": 230},
+            # 4 layers (fixture 3), other widths, a longer convolution, a shorter relative extent, another muP
+            # multiplier and unpadded vocabulary
+            "inkling": {"hidden_size": 48, "head_dim": 12, "num_nextn_predict_layers": 4, "num_hidden_layers": 5,
+                        "vocab_size": 230, "unpadded_vocab_size": 221, "rel_extent": 5, "sconv_kernel_size": 4,
+                        "logits_mup_width_multiplier": 3.0, "intermediate_size": 80}}
 FAMILY_NAMES = sorted(HELD_OUT)
 
 
@@ -57,8 +62,9 @@ def official_mtp_model(ckpt):
     module, cls, _, _ = MODELS[cfg.family]
     main = getattr(importlib.import_module(module), cls)(config).float()
     tensors = load_file(ckpt / "model.safetensors")
-    main.get_input_embeddings().weight.data = tensors["model.embed_tokens.weight"].float()
-    main.lm_head.weight.data = tensors["lm_head.weight"].float()
+    spec = FAMILIES[cfg.family]
+    main.get_input_embeddings().weight.data = tensors[spec.main_model_prefixes[0] + spec.embedding].float()
+    main.lm_head.weight.data = tensors[spec.lm_head].float()
     main.config.name_or_path, main.config.dtype = str(ckpt), torch.float32
     return main, MtpModel.from_pretrained(main, device_map={"": "cpu"}).float().eval()
 
@@ -72,9 +78,13 @@ def test_every_depth_equals_mtp_model_forward_drafting_with_its_own_cache(chaine
 
     _, ckpt, trace = chained
     main, mtp = official_mtp_model(ckpt)
-    outs = {}
-    for index, layer in enumerate(mtp.layers):
-        layer.register_forward_hook(lambda m, a, o, index=index: outs.__setitem__(index, o[0]))
+    outs, forward_layer = {}, mtp.forward_layer
+
+    def recorded(layer_idx, *args, **kwargs):  # what MtpModel recycles: after the shared norm where it has one
+        outs[layer_idx] = forward_layer(layer_idx, *args, **kwargs)[0]
+        return outs[layer_idx][None]
+
+    mtp.forward_layer = recorded
     with h5py.File(trace) as f, torch.no_grad():
         ids, hidden, positions = (torch.from_numpy(f[f"inputs/{k}"][:])[None] for k in
                                   ("token_ids", "hidden", "positions"))
