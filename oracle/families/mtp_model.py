@@ -20,6 +20,7 @@ Weights are widened to float32 before the load (the official converters concaten
 head needs its float32 size in memory (a known limit, docs/DESIGN.md).
 """
 
+import copy
 import importlib
 import re
 from collections.abc import Callable
@@ -49,7 +50,9 @@ MODELS = {"step3p7": ("transformers.models.step3p7.modeling_step3p7", "Step3p7Fo
 def official_config(cfg):
     """The official config of the declared model type from the raw config.json (read as transformers reads it)."""
     _, _, config_module, config_class = MODELS[cfg.family]
-    raw = {k: v for k, v in cfg.text.items() if k not in ("model_type", "architectures", "transformers_version")}
+    # a deep copy: the official config class writes into the dicts it is given (InklingConfig fills text_config)
+    raw = {k: copy.deepcopy(v) for k, v in cfg.text.items()
+           if k not in ("model_type", "architectures", "transformers_version")}
     return getattr(importlib.import_module(config_module), config_class)(**raw)
 
 

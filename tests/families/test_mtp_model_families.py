@@ -116,8 +116,8 @@ def test_a_candidate_reusing_layer0_at_depth2_differs_from_the_reference_there(c
         d2 = {k: torch.from_numpy(f[f"chain/d2/inputs/{k}"][:]) for k in ("embed", "recycled", "positions")}
         mask = impl.layer_mask(d2["positions"], head.window(1))
         for layer, same in ((1, True), (0, False)):
-            rows = head.steps(rotary, d2["embed"][None], d2["recycled"][None], d2["positions"][None], mask, None,
-                              layer=layer)
+            rows = head.steps(rotary, d2["embed"][None], d2["recycled"][None], d2["positions"][None], mask,
+                              head.pass_cache(), layer=layer)
             ref = f["chain/d2/stages/out"][:]
             close = np.abs(rows["out"][0].numpy() - ref).max() <= 1e-5 * np.abs(ref).max()
             assert close == same, layer
@@ -161,10 +161,14 @@ def test_a_perturbation_of_each_stage_is_first_seen_at_that_stage_at_every_depth
                 assert report.first is not None and report.first.stage == stage, (depth, stage, report.first)
 
 
-def _with_config(ckpt, out, **text):
+# where each family's config.json holds the MTP layer count (Inkling's release: a top-level mtp_config)
+COUNT_KEY = {"step3p7": ("text_config", "num_nextn_predict_layers"), "inkling": ("mtp_config", "num_nextn_predict_layers")}
+
+
+def _with_config(ckpt, out, block="text_config", **text):
     out.mkdir()
     config = json.loads((ckpt / "config.json").read_text())
-    config["text_config"].update(text)
+    config[block].update(text)
     (out / "config.json").write_text(json.dumps(config))
     (out / "model.safetensors").symlink_to(ckpt / "model.safetensors")
     return out
@@ -174,16 +178,16 @@ def _with_config(ckpt, out, **text):
 def test_a_layer_count_disagreeing_with_the_tensors_exits_2_naming_both(family, tmp_path):
     ckpt = FIXTURES.write_mtp_model_checkpoint(tmp_path / "ckpt", family)
     cfg = Checkpoint(ckpt).config
-    key = "num_nextn_predict_layers"
-    n, first = cfg.num_mtp_layers, cfg.num_hidden_layers
+    block, key = COUNT_KEY[family]
+    n, first = cfg.num_mtp_layers, 0 if cfg.mtp_prefix else cfg.num_hidden_layers  # the checkpoint's layer 0
     cases = {"fewer": (n - 1, f"extra [{first + n - 1}]"), "more": (n + 1, f"missing [{first + n}]")}
     for case, (count, named) in cases.items():
-        bad = _with_config(ckpt, tmp_path / case, **{key: count})
+        bad = _with_config(ckpt, tmp_path / case, block, **{key: count})
         result = run_cli(oracle_cli, ["export", bad, "--out", tmp_path / f"{case}.h5", "--tokens", "5,6",
                                       "--hidden-seed", "0"])
         assert result.exit_code == 2, result.output
         assert f"declares {count} MTP layer" in result.output and named in result.output, result.output
-    absent = _with_config(ckpt, tmp_path / "absent", **{key: None})  # the silent-drop case: no count at all
+    absent = _with_config(ckpt, tmp_path / "absent", block, **{key: None})  # the silent-drop case: no count at all
     result = run_cli(oracle_cli, ["export", absent, "--out", tmp_path / "a.h5", "--tokens", "5,6",
                                   "--hidden-seed", "0"])
     assert result.exit_code == 2 and key in result.output, result.output
@@ -220,7 +224,9 @@ def test_accept_drafts_equal_mtp_model_forward_on_every_prefix(chained):
 
     from oracle.accept import draft_chains
 
-    _, ckpt, _ = chained
+    name, ckpt, _ = chained
+    if name == "inkling":  # not implemented: tests/families/test_inkling.py checks that it is refused (exit 2)
+        pytest.skip("argmax chains over short-convolution states are not implemented for inkling")
     checkpoint = Checkpoint(ckpt)
     cfg = checkpoint.config
     impl = head_module(checkpoint.family)
