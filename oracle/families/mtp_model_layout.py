@@ -100,11 +100,14 @@ class MtpModelFamily:
     stage_docs: dict = field(default_factory=dict)  # stage docs this family's layers need instead of the shared ones
     shared_variants: tuple[str, ...] = ("layer0_reused", "layer_caches_swapped", "shared_head_shared")
     notes: tuple[str, ...] = ()
+    refuse: Callable[[dict, dict, str], None] | None = None  # (raw, text, source): raises for what is unsupported
 
 
 def head_config_from_json(declared: MtpModelFamily, raw: dict, source: str) -> HeadConfig:
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
     layers = declared.layer_count(raw, text) if declared.layer_count else text.get(declared.layers_key)
+    if declared.refuse:
+        declared.refuse(raw, text, source)
     if not is_int(layers) or layers < 1:
         raise CheckpointError(f"{source}: {declared.layers_key} = {layers!r}; a {declared.name} MTP head needs it set "
                               f"to its layer count (>= 1). Without it transformers builds no MTP and drops the "
@@ -272,6 +275,19 @@ def inkling_layer_count(raw: dict, text: dict):
     return mtp.get("num_nextn_predict_layers")
 
 
+def inkling_refuse(raw: dict, text: dict, source: str) -> None:
+    """Sliding-window MTP layers: transformers 5.24's MtpModel masks a `hybrid_sliding` layer with the plain causal
+    mask (masking_utils LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING) while its cache keeps W-1 keys, so a batched and a
+    stepwise MtpModel.forward disagree past W rows: no single reference to hold the oracle to (docs/DESIGN.md)."""
+    mtp = raw.get("mtp_config") if isinstance(raw.get("mtp_config"), dict) else {}
+    local = text["mtp_local_layer_ids"] if "mtp_local_layer_ids" in text else mtp.get("local_layer_ids")
+    if local:
+        raise CheckpointError(f"{source}: MTP layers {local} use sliding-window attention (mtp_config.local_layer_ids)"
+                              f"; not supported for inkling yet: transformers' MtpModel masks them without their "
+                              f"window in a batched pass but keeps only the window in its cache, so there is no one "
+                              f"reference to hold the head to.")
+
+
 STEP3P7 = MtpModelFamily("step3p7", ("step3p7", "step3p5"), ("Step3p7ForConditionalGeneration",),
                          "num_nextn_predict_layers", "n_routed_experts", step3p7_tiny_config)
 INKLING = MtpModelFamily(
@@ -286,7 +302,7 @@ INKLING = MtpModelFamily(
                 "mlp": "dense MLP output (times its global_scale), before mlp_sconv",
                 "res2": "res1 + mlp_sconv(mlp)",
                 "out": "chain_norm(res2), one norm shared by every layer (chain_hidden_post_norm; res2 without it)"},
-    shared_variants=("layer0_reused", "layer_caches_swapped"),
+    shared_variants=("layer0_reused", "layer_caches_swapped"), refuse=inkling_refuse,
     notes=("positions come from each layer's cache as MtpCache counts them (row index + layer + 1); position ids "
            "are not read (no rotary)",
            "draft logits: lm_head(out / logits_mup_width_multiplier)[:unpadded_vocab_size]"))

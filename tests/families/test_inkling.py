@@ -144,3 +144,33 @@ def test_argmax_chains_are_refused_with_exit_2(inkling, tmp_path):
     hidden = rng.standard_normal((8, 64)).astype(np.float32)
     with pytest.raises(InputError, match="short-convolution"):
         draft_chains(Checkpoint(ckpt), head, rotary, sequence, hidden, 2)
+
+
+def test_sliding_window_mtp_layers_are_refused_with_exit_2_and_full_ones_accepted(tmp_path):
+    ckpt = FIXTURES.write_mtp_model_checkpoint(tmp_path / "ckpt", "inkling")
+    import json
+
+    config = json.loads((ckpt / "config.json").read_text())
+    config["mtp_config"]["local_layer_ids"] = [1]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    result = run_cli(oracle_cli, ["export", ckpt, "--out", tmp_path / "s.h5", "--tokens", "5,6", "--hidden-seed", "0"])
+    assert result.exit_code == 2 and "local_layer_ids" in result.output and "[1]" in result.output, result.output
+    config["mtp_config"]["local_layer_ids"] = []  # twin: no sliding layer is accepted
+    (ckpt / "config.json").write_text(json.dumps(config))
+    result = run_cli(oracle_cli, ["export", ckpt, "--out", tmp_path / "f.h5", "--tokens", "5,6", "--hidden-seed", "0"])
+    assert result.exit_code == 0, result.output
+
+
+def test_without_the_chain_norm_the_layer_output_is_recycled_and_equals_mtp_model_forward(tmp_path):
+    """chain_hidden_post_norm false: MtpModel applies no norm after a layer; `out` is res2 at every depth."""
+    import tests.families.test_mtp_model_families as shared
+
+    ckpt = FIXTURES.write_mtp_model_checkpoint(tmp_path / "ckpt", "inkling", {"chain_hidden_post_norm": False})
+    out = tmp_path / "chain.h5"
+    result = run_cli(oracle_cli, ["export", ckpt, "--out", out, "--tokens", TOKENS, "--hidden-seed", "0",
+                                  "--chain", "3", "-q"])
+    assert result.exit_code == 0, result.output
+    with h5py.File(out) as f:
+        for group in ("", "chain/d2/", "chain/d3/"):
+            np.testing.assert_array_equal(f[f"{group}stages/out"][:], f[f"{group}stages/res2"][:])
+    shared.test_every_depth_equals_mtp_model_forward_drafting_with_its_own_cache(("inkling", ckpt, out))
