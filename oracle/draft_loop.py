@@ -253,10 +253,6 @@ def _layer_chains(head, rotary: Rotary, bridge: Bridge, spec: ChainSpec,
             raise InputError(f"depth {depth} would run MTP layer {layer}, and the head has {head.num_layers} "
                              f"(depth j runs layer j-1): use at most {head.num_layers} depths (accept --k, export "
                              f"--chain), or export --chain-layers modulo (vLLM's spec_step_idx % N).")
-        if spec.tokens != TEACHER and getattr(head, "conv_states", False):
-            raise InputError(f"argmax chains (export --chain-tokens argmax, accept) are not supported for the "
-                             f"{type(head).__name__} of this family yet: its layers keep short-convolution states, "
-                             f"which each chain's own rows would need separately. Use teacher-forced chains.")
         n_tf = n if spec.tokens == TEACHER else max(n - d, 0)
         positions = bridge.positions[:n_tf] + d
         tokens = spec.token_ids[d:d + n_tf].astype(np.int64)
@@ -264,8 +260,10 @@ def _layer_chains(head, rotary: Rotary, bridge: Bridge, spec: ChainSpec,
         if spec.tokens == TEACHER:
             result, previous = tf, teacher
         else:
-            result, chain_rows_prev, previous = _own_rows(head, rotary, layer, d, n, bridge, tf, teacher,
-                                                          chain_rows_prev, chain_drafts, embedding_rows, spec)
+            # a head whose layers keep conv states runs each chain apart (oracle/families/mtp_model.py own_rows)
+            own_rows = getattr(head, "own_rows", _own_rows)
+            result, chain_rows_prev, previous = own_rows(head, rotary, layer, d, n, bridge, tf, teacher,
+                                                         chain_rows_prev, chain_drafts, embedding_rows, spec)
         result.depth = depth
         if spec.prenorm is not None:
             result.evidence["h_if_prenorm"] = head.hidden_norm(previous[spec.prenorm][:n][None],

@@ -85,6 +85,13 @@ class MtpModelHead(nn.Module):
             return MtpCache(config=self.text_config)
         return DynamicCache(config=self.text_config) if windowed else DynamicCache()
 
+    def own_rows(self, *args):
+        """The argmax chains' own rows at one depth (oracle/draft_loop.py _own_rows): batched over one shared
+        cache, or, where the layers keep conv states, each chain apart (`chain_rows_apart`)."""
+        from oracle.draft_loop import _own_rows
+
+        return (chain_rows_apart if self.conv_states else _own_rows)(*args)
+
     def pass_cache(self):
         """The cache of a pass that needs none but where the layer reads its state or positions from one."""
         return self.new_cache() if self.conv_states else None
@@ -204,6 +211,43 @@ def build_head(cfg, weights: dict[str, torch.Tensor]):
     if official is None:  # relative position logits (Inkling): no rotary, as MtpModel ties none
         return head.eval(), None
     return head.eval(), type(official)(config=head.text_config)  # built for real: inv_freq computed, not loaded
+
+
+def chain_rows_apart(head: MtpModelHead, rotary, layer: int, d: int, n: int, bridge, tf, teacher, previous_rows,
+                     chain_drafts: np.ndarray, embedding_rows, spec):
+    """`_own_rows` for conv-state layers: chain c at depth d+1 is MtpModel.forward's layer d over rows s = 0..c of
+    its own sequence: the teacher-forced rows s <= c-d, then the chain's rows m = 1..d (its drafts d_m; recycled
+    the teacher-forced row s for m = 1, its own previous row m-1 after), one causal pass through a fresh MtpCache.
+    A conv state runs along one sequence, so the chains cannot share a batch as `_own_rows` has them do; the cost
+    is quadratic in the chains (each reruns its prefix). Returns what `_own_rows` returns."""
+    from oracle.draft_loop import Depth, chain_mask, within_window
+
+    keep = {spec.recycle, *([spec.prenorm] if spec.prenorm else [])}
+    rows = {name: torch.zeros(n, d, teacher[name].shape[-1]) for name in keep}
+    last, came_from = [], {name: [] for name in keep}
+    for c in range(n):
+        t, own = max(c - d + 1, 0), [(m, c - d + m) for m in range(1, d + 1) if c - d + m >= 0]
+        tokens = np.concatenate([tf.token_ids[:t], [chain_drafts[c, m - 1] for m, _ in own]]).astype(np.int64)
+        recycled = {name: torch.cat([teacher[name][:t]] + [teacher[name][s][None] if m == 1 else
+                                                           previous_rows[name][c, m - 2][None] for m, s in own])
+                    for name in keep}
+        positions = bridge.positions[:c + 1] + d
+        embed = np.ascontiguousarray(embedding_rows(tokens), dtype=np.float32)
+        mask = within_window(chain_mask(0, c + 1, ()), positions, positions, head.window(layer))
+        stages = {k: v[0] for k, v in head.steps(rotary, torch.from_numpy(embed)[None], recycled[spec.recycle][None],
+                                                 positions[None], mask, head.new_cache(), layer=layer).items()}
+        for name in keep:
+            rows[name][c, [m - 1 for m, _ in own]] = stages[name][t:]
+            came_from[name].append(recycled[name][-1])
+        uniform = (head.uniform_attention(rotary, stages["ah"][None], positions[None], mask, head.new_cache(),
+                                          layer=layer)[0][-1] if spec.uniform else None)
+        last.append((tokens[-1], positions[-1], embed[-1], {k: v[-1] for k, v in stages.items()}, uniform))
+    stages = {k: torch.stack([x[3][k] for x in last]) for k in last[0][3]}
+    record = Depth(0, np.array([x[0] for x in last]), torch.stack([x[1] for x in last]).numpy(),
+                   torch.stack(came_from[spec.recycle]), np.stack([x[2] for x in last]), stages, layer_index=layer)
+    if spec.uniform:
+        record.evidence["attn_uniform"] = torch.stack([x[4] for x in last]).numpy()
+    return record, rows, {name: torch.stack(t) for name, t in came_from.items()}
 
 
 def torch_weights(weights: HeadWeights) -> dict[str, torch.Tensor]:

@@ -6,7 +6,8 @@ tests/families/test_mtp_model_families.py and test_family_contract.py.
 - concat order [h, e] (`mtp_hidden_states_first`): the other order is first seen at fc_in;
 - positions from the cache as MtpCache counts them (layer l's row r at r + l + 1): a plain cache's are not;
 - the draft logits: lm_head(out / logits_mup_width_multiplier) over the unpadded vocabulary, as MtpModel drafts;
-- argmax chains are refused (exit 2): the conv states of each chain's own rows are not implemented."""
+- argmax chains: each chain's own rows run apart (their own conv states), as MtpModel.forward on the prefix;
+- sliding-window MTP layers are refused (exit 2): transformers' batched and stepwise MtpModel disagree on them."""
 
 import h5py
 import numpy as np
@@ -16,7 +17,6 @@ from safetensors.torch import load_file, save_file
 
 from oracle.checkpoint import Checkpoint
 from oracle.cli import cli as oracle_cli
-from oracle.errors import InputError
 from oracle.families.registry import FAMILIES, head_module
 from tests.helpers import load_script, run_cli
 
@@ -131,19 +131,44 @@ def test_drafts_are_mup_scaled_and_sliced_to_the_unpadded_vocabulary(inkling, tm
     assert norm_max >= float(rows.norm(dim=1).max()) / cfg.logits_divisor > norm_max * 0.99
 
 
-def test_argmax_chains_are_refused_with_exit_2(inkling, tmp_path):
-    ckpt, _, head, rotary = inkling
-    result = run_cli(oracle_cli, ["export", ckpt, "--out", tmp_path / "a.h5", "--tokens", TOKENS, "--hidden-seed",
-                                  "0", "--chain", "2", "--chain-tokens", "argmax", "-q"])
-    assert result.exit_code == 2 and "short-convolution" in result.output, result.output
-    assert not (tmp_path / "a.h5").exists()
-    from oracle.accept import draft_chains
+def test_argmax_chains_equal_mtp_model_forward_on_each_prefix(inkling, tmp_path):
+    """export --chain-tokens argmax: chain c's depth-j rows are MtpModel.forward's layer j-1 at the last row of
+    the prefix 0..c through a fresh MtpCache (each chain its own conv states: run apart, not batched); twin: the
+    teacher-forced chains' rows differ from depth 2 on."""
+    from transformers.cache_utils import MtpCache
 
-    rng = np.random.default_rng(0)
-    sequence = rng.integers(0, 250, 8)
-    hidden = rng.standard_normal((8, 64)).astype(np.float32)
-    with pytest.raises(InputError, match="short-convolution"):
-        draft_chains(Checkpoint(ckpt), head, rotary, sequence, hidden, 2)
+    import tests.families.test_mtp_model_families as shared
+
+    ckpt, _, head, _ = inkling
+    out = tmp_path / "argmax.h5"
+    args = ["export", ckpt, "--out", out, "--tokens", TOKENS, "--hidden-seed", "0", "--chain", "3",
+            "--chain-tokens", "argmax", "-q"]
+    result = run_cli(oracle_cli, args)
+    assert result.exit_code == 0, result.output
+    main, mtp = shared.official_mtp_model(ckpt)
+    outs, forward_layer = {}, mtp.forward_layer
+
+    def recorded(layer_idx, *a, **k):
+        outs[layer_idx] = forward_layer(layer_idx, *a, **k)[0]
+        return outs[layer_idx][None]
+
+    mtp.forward_layer = recorded
+    with h5py.File(out) as f, torch.no_grad():
+        ids, hidden = (torch.from_numpy(f[f"inputs/{k}"][:])[None] for k in ("token_ids", "hidden"))
+        for c in range(len(f["chain/d3/stages/out"])):
+            mtp(input_ids=ids[:, :c + 1], last_hidden_states=hidden[:, :c + 1], attention_mask=None,
+                position_ids=torch.arange(c + 1)[None], mtp_cache=MtpCache(config=main.config.get_mtp_config()))
+            for depth in (2, 3):
+                ref = f[f"chain/d{depth}/stages/out"][c]
+                assert _close(outs[depth - 1][-1].numpy(), ref), (c, depth)
+    # twin: the argmax rows are not the teacher-forced ones (the comparison above would tell them apart)
+    teacher = tmp_path / "teacher.h5"
+    result = run_cli(oracle_cli, ["export", ckpt, "--out", teacher, "--tokens", TOKENS, "--hidden-seed", "0",
+                                  "--chain", "3", "-q"])
+    assert result.exit_code == 0, result.output
+    with h5py.File(out) as f, h5py.File(teacher) as g:
+        assert not _close(f["chain/d3/stages/out"][:], g["chain/d3/stages/out"][:])
+        np.testing.assert_array_equal(f["stages/out"][:], g["stages/out"][:])  # depth 1 is the same pass
 
 
 def test_sliding_window_mtp_layers_are_refused_with_exit_2_and_full_ones_accepted(tmp_path):

@@ -224,9 +224,7 @@ def test_accept_drafts_equal_mtp_model_forward_on_every_prefix(chained):
 
     from oracle.accept import draft_chains
 
-    name, ckpt, _ = chained
-    if name == "inkling":  # not implemented: tests/families/test_inkling.py checks that it is refused (exit 2)
-        pytest.skip("argmax chains over short-convolution states are not implemented for inkling")
+    _, ckpt, _ = chained
     checkpoint = Checkpoint(ckpt)
     cfg = checkpoint.config
     impl = head_module(checkpoint.family)
