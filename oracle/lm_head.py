@@ -78,8 +78,8 @@ class LmHead:
     _row_norm_max: list = field(default_factory=list, init=False, repr=False, compare=False)  # computed once
 
     def argmax(self, rows: np.ndarray) -> np.ndarray:
-        """argmax over the full vocabulary of the exact logits W @ row for each float32 row [R, D]; ties go to the
-        lowest id (see the module docstring)."""
+        """argmax over the full vocabulary (its first `vocab_rows` ids where set) of the exact logits W @ row (row /
+        divisor where set) for each float32 row [R, D]; ties go to the lowest id (see the module docstring)."""
         x = self._input(rows)
         if not np.isfinite(x).all():
             raise InputError(f"lm_head argmax: {np.count_nonzero(~np.isfinite(x).all(axis=1))} of {len(x)} rows "
