@@ -345,12 +345,12 @@ class Checkpoint:
 
     def main_model_prefix(self) -> str:
         """Where the shared embedding lies (e.g. `model.language_model.` in a VLM release, `model.` text-only)."""
-        prefixes = self.family.main_model_prefixes
+        prefixes, embedding = self.family.main_model_prefixes, self.family.embedding
         for prefix in prefixes:
-            if prefix + "embed_tokens.weight" in self._shard_of:
+            if prefix + embedding in self._shard_of:
                 return prefix
         raise CheckpointError(f"{self.path}: no embedding table; looked for "
-                              f"{' and '.join(p + 'embed_tokens.weight' for p in prefixes)}.")
+                              f"{' and '.join(p + embedding for p in prefixes)}.")
 
     def check_main_model(self, alternatives: str = "--hidden FILE (H from your engine) or --hidden-seed N "
                                                    "(synthetic H)") -> None:
@@ -374,7 +374,7 @@ class Checkpoint:
 
     def embedding_rows(self, token_ids: np.ndarray) -> np.ndarray:
         """Float32 rows [T, D] of the shared embedding for `token_ids`; only those rows are read."""
-        name = self.main_model_prefix() + "embed_tokens.weight"
+        name = self.main_model_prefix() + self.family.embedding
         entry = self.entry(name)
         _check_shape(entry, (self.config.vocab_size, self.config.hidden_size), self.config)
         check_token_ids(token_ids, self.config.vocab_size)

@@ -22,6 +22,7 @@ draft (the argmax of the family's draft projection on `out`, oracle/lm_head.py),
 uniform weights (oracle/attention_evidence.py) and the recycle alternatives (h_if_prenorm, h_if_main).
 """
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -124,7 +125,7 @@ def bridge_pass(head: Head, rotary: Rotary, embed: np.ndarray, hidden: np.ndarra
     mask = within_window(chain_mask(0, n, ()), p, p, window)
     # The head's own cache, holding every key: a window is the mask's job, so the chains can see the bridge keys
     # their own windows reach (a sliding-window cache would keep only the last W-1).
-    cache = DynamicCache()
+    cache = _new_cache(head)
     stages = head.steps(rotary, e, h, p[None], mask, cache)
     keys, values, _ = next(iter(cache))
     return Bridge({name: rows[0] for name, rows in stages.items()}, p, keys, values, h[0])  # (1, n, w) -> (n, w)
@@ -259,8 +260,10 @@ def _layer_chains(head, rotary: Rotary, bridge: Bridge, spec: ChainSpec,
         if spec.tokens == TEACHER:
             result, previous = tf, teacher
         else:
-            result, chain_rows_prev, previous = _own_rows(head, rotary, layer, d, n, bridge, tf, teacher,
-                                                          chain_rows_prev, chain_drafts, embedding_rows, spec)
+            # a head whose layers keep conv states runs each chain apart (oracle/families/mtp_model.py own_rows)
+            own_rows = getattr(head, "own_rows", _own_rows)
+            result, chain_rows_prev, previous = own_rows(head, rotary, layer, d, n, bridge, tf, teacher,
+                                                         chain_rows_prev, chain_drafts, embedding_rows, spec)
         result.depth = depth
         if spec.prenorm is not None:
             result.evidence["h_if_prenorm"] = head.hidden_norm(previous[spec.prenorm][:n][None],
@@ -283,16 +286,21 @@ def _layer_pass(head, rotary: Rotary, layer: int, positions: torch.Tensor, token
     embed = np.ascontiguousarray(embedding_rows(tokens), dtype=np.float32)
     e, p = torch.from_numpy(embed)[None], positions[None]
     mask = within_window(chain_mask(0, n, ()), positions, positions, head.window(layer))
-    cache = DynamicCache()
+    cache = _new_cache(head)
     stages = {k: v[0] for k, v in head.steps(rotary, e, recycled[None], p, mask, cache, layer=layer).items()}
     result = Depth(0, tokens, positions.numpy(), recycled, embed, stages, layer_index=layer)
     if n:
         result.cache_rows = (cache.layers[layer].keys, cache.layers[layer].values)
     if spec.uniform and n:
-        cache.crop(-n)
+        cache = _new_cache(head)  # the pass's cache without its n rows: it started empty
         result.evidence["attn_uniform"] = head.uniform_attention(rotary, stages["ah"][None], p, mask, cache,
                                                                  layer=layer)[0].numpy()
     return result
+
+
+def _new_cache(head) -> DynamicCache:
+    """An empty cache for one pass: the family's own where it has one (short-convolution states: MtpCache)."""
+    return head.new_cache() if hasattr(head, "new_cache") else DynamicCache()
 
 
 def _own_rows(head, rotary: Rotary, layer: int, d: int, n: int, bridge: Bridge, tf: Depth, teacher: Stages,
@@ -375,8 +383,18 @@ def _recycle_alternatives(head, bridge: Bridge, previous: Stages, spec: ChainSpe
 
 def draft_projection(ckpt: Checkpoint, chunk_rows: int = CHUNK_ROWS) -> LmHead:
     """The head's own output projection where its family names one and the checkpoint has it (DeepSeek/GLM:
-    `model.layers.{N}.shared_head.head.weight`), else the main lm_head (lm_head_of). CheckpointError when neither
-    is there."""
+    `model.layers.{N}.shared_head.head.weight`), else the main lm_head (lm_head_of), with the family's draft
+    logits where it declares them (Inkling: muP-scaled, sliced to the unpadded vocabulary). CheckpointError when
+    neither is there."""
+    projection = _projection(ckpt, chunk_rows)
+    draft_logits = getattr(ckpt.family, "draft_logits", None)
+    if draft_logits is None:
+        return projection
+    divisor, vocab_rows = draft_logits(ckpt.config)
+    return dataclasses.replace(projection, divisor=divisor, vocab_rows=vocab_rows)
+
+
+def _projection(ckpt: Checkpoint, chunk_rows: int) -> LmHead:
     own = ckpt.family.lm_head.format(num_hidden_layers=getattr(ckpt.config, "num_hidden_layers", None))
     if own == LM_HEAD:
         return lm_head_of(ckpt, chunk_rows)

@@ -70,13 +70,17 @@ class LmHead:
     checkpoint: Checkpoint
     name: str
     chunk_rows: int = CHUNK_ROWS
+    # the family's draft logits (FamilySpec.draft_logits): lm_head(row / divisor) over the first `vocab_rows` ids
+    # (Inkling: the muP width multiplier and the unpadded vocabulary, as MtpModel._project_to_logits)
+    divisor: float = 1.0
+    vocab_rows: int | None = None
     _column_max: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # chunk start -> M[c]
     _row_norm_max: list = field(default_factory=list, init=False, repr=False, compare=False)  # computed once
 
     def argmax(self, rows: np.ndarray) -> np.ndarray:
-        """argmax over the full vocabulary of the exact logits W @ row for each float32 row [R, D]; ties go to the
-        lowest id (see the module docstring)."""
-        x = np.ascontiguousarray(rows, dtype=np.float32)
+        """argmax over the full vocabulary (its first `vocab_rows` ids where set) of the exact logits W @ row (row /
+        divisor where set) for each float32 row [R, D]; ties go to the lowest id (see the module docstring)."""
+        x = self._input(rows)
         if not np.isfinite(x).all():
             raise InputError(f"lm_head argmax: {np.count_nonzero(~np.isfinite(x).all(axis=1))} of {len(x)} rows "
                              f"hold NaN or Inf; their logits have no argmax.")
@@ -91,7 +95,7 @@ class LmHead:
         second largest, not the largest), so the runner-up is among the candidates; both get float64 logits, and the
         margin is their difference less both float64 error bounds (never above the exact margin; 0 at a tie). A draft
         flip is rounding only where this margin is within what an error in the row could move the logits."""
-        x = np.ascontiguousarray(rows, dtype=np.float32)
+        x = self._input(rows)
         if not np.isfinite(x).all():
             raise InputError(f"lm_head argmax: {np.count_nonzero(~np.isfinite(x).all(axis=1))} of {len(x)} rows "
                              f"hold NaN or Inf; their logits have no argmax.")
@@ -108,6 +112,11 @@ class LmHead:
         margin = np.maximum(top - runner, 0.0).astype(np.float32)  # inf where the vocabulary has one id
         return ids, np.where(np.isinf(margin), margin, np.nextafter(margin, np.float32(0)))  # rounded down
 
+    def _input(self, rows: np.ndarray) -> np.ndarray:
+        """The projection's float32 input: the rows, divided by `divisor` in float32 where it is set."""
+        x = np.ascontiguousarray(rows, dtype=np.float32)
+        return x if self.divisor == 1.0 else x / np.float32(self.divisor)
+
     def row_norm_max(self) -> float:
         """The largest L2 norm of a row of the projection, rounded up (float32 sums of squares of D terms err by
         under D·2^-24 relative; 2^-10 covers D < 2^14): a row error of d (L2) moves a logit difference by at most
@@ -118,7 +127,8 @@ class LmHead:
                 for a in range(0, len(w), 1024):
                     largest = max(largest, float(torch.linalg.vector_norm(w[a:a + 1024], dim=1,
                                                                           dtype=torch.float32).max()))
-            self._row_norm_max.append(largest * (1 + 2.0**-10))
+            # per unit of the rows given: a row error d moves the input by d / divisor (rounded up once more)
+            self._row_norm_max.append(largest * (1 + 2.0**-10) / self.divisor * (1 + 2.0**-20))
         return self._row_norm_max[0]
 
     # ---- 1-3: screen, bound, keep -------------------------------------------------------------------------------
@@ -174,6 +184,7 @@ class LmHead:
         """(first row, rows [n, D]) per chunk: bf16 and f32 as stored (a view of the mapped shard, no copy), f16
         widened exactly into one reused float32 buffer (a fresh chunk per read would pay its page faults each time)."""
         vocab, width = self.checkpoint.entry(self.name).shape
+        vocab = min(vocab, self.vocab_rows or vocab)  # the draft logits' ids: the rows past it are padding
         widen = self.checkpoint.entry(self.name).dtype == "F16"
         wide = torch.empty(min(self.chunk_rows, vocab), width) if widen else None
         for start in range(0, vocab, self.chunk_rows):
@@ -306,7 +317,7 @@ def lm_head_of(ckpt: Checkpoint, chunk_rows: int = CHUNK_ROWS) -> LmHead:
     if LM_HEAD in ckpt.names():
         name = LM_HEAD
     elif tied:
-        name = ckpt.main_model_prefix() + "embed_tokens.weight"
+        name = ckpt.main_model_prefix() + ckpt.family.embedding
     else:
         raise CheckpointError(f"{ckpt.path} has no {LM_HEAD}, and config.json does not tie it to the embedding "
                               f"(tie_word_embeddings). Acceptance needs the main model's output projection: "

@@ -29,6 +29,9 @@ for family in qwen3_5_moe qwen3_next deepseek_v3 glm4_moe deepseek_v4 step3p7; d
     .venv/bin/mtp-oracle export "$fixture" --out "out/${family}.h5" --tokens 17,42,3,255,100,7,511,64 --hidden-seed 0 -q
     .venv/bin/mtp-oracle inspect "out/${family}.h5" | head -1
 done
+.venv/bin/mtp-oracle export fixtures/inkling_tiny --out out/inkling.h5 --tokens 17,42,3,245,100,7,211,64 --hidden-seed 0 \
+    --chain 3 -q
+.venv/bin/mtp-oracle inspect out/inkling.h5 | head -1
 for family in qwen3_5_moe qwen3_next; do
     PYTHONPATH=fixtures/candidates .venv/bin/mtp-probe run "out/${family}.h5" --impl python:numpy_moe_step:make_head \
         -q | tail -1

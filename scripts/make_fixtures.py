@@ -162,6 +162,7 @@ FAMILY_FIXTURES = {
     "glm4_moe_tiny": lambda out: write_mtp_layer_checkpoint(out, "glm4_moe"),
     "deepseek_v4_tiny": lambda out: write_deepseek_v4_checkpoint(out, fp8_block=[32, 32]),
     "step3p7_tiny": lambda out: write_mtp_model_checkpoint(out, "step3p7", STEP3P7_FIXTURE),  # 3 MTP layers
+    "inkling_tiny": lambda out: write_mtp_model_checkpoint(out, "inkling"),
 }
 
 
@@ -408,38 +409,62 @@ STEP3P7_RELEASE = (("mtp_block.", ""), ("post_norm.", "shared_head.norm."), ("ml
                    ("mlp.experts.down_proj", "moe.down_proj.weight"))
 
 
+# Inkling's release names of an MtpModel's parameters (the inverse of transformers' MtpModel and inkling_mm_model
+# conversion mappings; the oracle loads them through the official conversions, never through this table)
+INKLING_RELEASE = (("enorm.", "embed_norm."), ("hnorm.", "hidden_norm."), ("eh_proj.", "input_proj."),
+                   ("mtp_block.", "transformer_block."), ("self_attn.q_proj.", "attn.wq_du."),
+                   ("self_attn.k_proj.", "attn.wk_dv."), ("self_attn.v_proj.", "attn.wv_dv."),
+                   ("self_attn.r_proj.", "attn.wr_du."), ("self_attn.o_proj.", "attn.wo_ud."),
+                   ("sconv.conv1d.", "sconv."), ("self_attn.", "attn."), ("input_layernorm.", "attn_norm."),
+                   ("post_attention_layernorm.", "mlp_norm."), ("mlp.down_proj.", "mlp.w2_md."))
+
+
+def _release_names(family: str, cfg, index: int, rest: str, shape: tuple[int, ...]) -> dict:
+    """{released name: shape} of MtpModel parameter `layers.{index}.{rest}`."""
+    if family == "inkling":
+        for a, b in INKLING_RELEASE:
+            rest = rest.replace(a, b)
+        prefix = cfg.layer_prefix(index)
+        if rest.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):  # stored as one w13 [2I, D]
+            return {prefix + rest.rsplit("mlp.", 1)[0] + "mlp.w13_dn.weight": (2 * shape[0], shape[1])}
+        return {prefix + rest: shape}
+    for a, b in STEP3P7_RELEASE:
+        rest = rest.replace(a, b)
+    prefix = f"model.layers.{cfg.num_hidden_layers + index}."
+    if rest.endswith("mlp.experts.gate_up_proj"):  # stored as two stacks, gate then up
+        e, i2, d = shape
+        return {prefix + rest.replace("mlp.experts.gate_up_proj", f"moe.{part}_proj.weight"): (e, i2 // 2, d)
+                for part in ("gate", "up")}
+    return {prefix + rest: shape}
+
+
 def mtp_model_release_shapes(family: str, config: dict, copies: bool = True) -> dict[str, tuple[int, ...]]:
     """Released tensor names and shapes of a tiny MtpModel head (every MTP layer, their shared_head.head copies
-    when `copies`) plus the main embedding and lm_head, from the official MtpModel built on the meta device."""
+    when `copies` and the family releases them; Inkling's shared chain_norm) plus the main embedding and lm_head,
+    from the official MtpModel built on the meta device."""
     from oracle.families.mtp_model import MtpModelHead
     from oracle.families.registry import family as family_spec
 
-    cfg = family_spec(family).parse_config(config, "tiny config")
+    spec = family_spec(family)
+    cfg = spec.parse_config(config, "tiny config")
     head = MtpModelHead(cfg)
     shapes = {}
     for name, t in head.mtp.state_dict().items():
-        if not name.startswith("layers."):
-            continue
-        _, index, rest = name.split(".", 2)
-        for a, b in STEP3P7_RELEASE:
-            rest = rest.replace(a, b)
-        prefix = f"model.layers.{cfg.num_hidden_layers + int(index)}."
-        if rest.endswith("mlp.experts.gate_up_proj"):  # stored as two stacks, gate then up
-            e, i2, d = t.shape
-            for part in ("gate", "up"):
-                shapes[prefix + rest.replace("mlp.experts.gate_up_proj", f"moe.{part}_proj.weight")] = (e, i2 // 2, d)
-        else:
-            shapes[prefix + rest] = tuple(t.shape)
+        if name == "shared_post_norm.weight":
+            shapes[cfg.mtp_prefix + "chain_norm.weight"] = tuple(t.shape)
+        elif name.startswith("layers."):
+            _, index, rest = name.split(".", 2)
+            shapes |= _release_names(family, cfg, int(index), rest, tuple(t.shape))
     v, d = cfg.vocab_size, cfg.hidden_size
-    if copies:
+    if copies and family != "inkling":
         shapes |= {cfg.layer_prefix(layer) + "shared_head.head.weight": (v, d) for layer in range(cfg.num_mtp_layers)}
-    return shapes | {"model.embed_tokens.weight": (v, d), "lm_head.weight": (v, d)}
+    return shapes | {spec.main_model_prefixes[0] + spec.embedding: (v, d), spec.lm_head: (v, d)}
 
 
 def write_mtp_model_checkpoint(out_dir: Path, family: str = "step3p7", overrides: dict | None = None,
                                seed: int = 0) -> Path:
-    """A tiny multi-layer MtpModel head (issue 25) as released, bf16 (router bias f32): every MTP layer,
-    their shared_head.head copies, the main embedding and lm_head."""
+    """A tiny multi-layer MtpModel head (issue 25) as released, bf16 (router bias, Inkling's MLP global_scale
+    f32): every MTP layer, their shared_head.head copies (Step), the main embedding and lm_head."""
     from oracle.families.registry import family as family_spec
 
     out_dir = Path(out_dir)
@@ -449,7 +474,8 @@ def write_mtp_model_checkpoint(out_dir: Path, family: str = "step3p7", overrides
     for name, shape in sorted(mtp_model_release_shapes(family, config).items()):
         flat = shape if len(shape) < 3 else (shape[0] * shape[1], shape[2])  # stacked experts: rows of [out, in]
         value = torch.from_numpy(mtp_layer_values(name, flat, seed)).reshape(shape)
-        tensors[name] = value if name.endswith("router_bias") else value.to(torch.bfloat16)
+        keep_f32 = name.endswith(("router_bias", "mlp.global_scale"))  # Inkling's global_scale: a scalar near 1
+        tensors[name] = value if keep_f32 else value.to(torch.bfloat16)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
     return out_dir

@@ -9,7 +9,10 @@ loaded with `MtpModel.get_weight_conversions(main_model)` through transformers' 
 main model, anything unexpected, mismatched or failing a conversion is refused. Stages are recorded by forward
 hooks on the official modules of the layer that runs; nothing is transcribed. Rope comes from the main model's
 official rotary class built for real on the MTP config, asked for the layer's type where the rope is per layer
-(as `MtpModel.forward_layer` does).
+(as `MtpModel.forward_layer` does); a model without one (Inkling: relative position logits) gets none.
+Layers that keep short-convolution states (Inkling: k/v, attention output and MLP output convolved over the layer's
+rows) run every pass through an official `MtpCache` (`new_cache`): the conv states live there, and the attention
+reads its positions from it as MtpModel does (layer l's row r at r + l + 1; position ids are not read).
 What it is not: MtpModel.forward (which embeds, masks through an MtpCache and drafts): the draft loop
 (oracle/draft_loop.py) runs the layers itself, depth j on layer j-1, and the contract test holds the two equal.
 
@@ -17,6 +20,7 @@ Weights are widened to float32 before the load (the official converters concaten
 head needs its float32 size in memory (a known limit, docs/DESIGN.md).
 """
 
+import copy
 import importlib
 import re
 from collections.abc import Callable
@@ -38,13 +42,17 @@ Stages = dict[str, torch.Tensor]
 TIED = {"embed_tokens.weight", "shared_head.weight"}  # MtpModel takes these from the main model
 # model type -> (modeling module, main model class, config class)
 MODELS = {"step3p7": ("transformers.models.step3p7.modeling_step3p7", "Step3p7ForConditionalGeneration",
-                      "transformers.models.step3p7.configuration_step3p7", "Step3p7Config")}
+                      "transformers.models.step3p7.configuration_step3p7", "Step3p7Config"),
+          "inkling": ("transformers.models.inkling.modeling_inkling", "InklingForConditionalGeneration",
+                      "transformers.models.inkling.configuration_inkling", "InklingConfig")}
 
 
 def official_config(cfg):
     """The official config of the declared model type from the raw config.json (read as transformers reads it)."""
     _, _, config_module, config_class = MODELS[cfg.family]
-    raw = {k: v for k, v in cfg.text.items() if k not in ("model_type", "architectures", "transformers_version")}
+    # a deep copy: the official config class writes into the dicts it is given (InklingConfig fills text_config)
+    raw = {k: copy.deepcopy(v) for k, v in cfg.text.items()
+           if k not in ("model_type", "architectures", "transformers_version")}
     return getattr(importlib.import_module(config_module), config_class)(**raw)
 
 
@@ -63,7 +71,30 @@ class MtpModelHead(nn.Module):
         self.text_config = self.mtp.config
         self.text_config._attn_implementation = "eager"  # eager is not causal without our mask
         self.num_layers = cfg.num_mtp_layers
+        # short-convolution states per layer (Inkling): every pass runs through an MtpCache (see new_cache)
+        self.conv_states = getattr(self.text_config, "number_of_conv_states", 0) > 0
         self._seen: Stages | None = None
+
+    def new_cache(self, windowed: bool = False):
+        """An empty cache for one pass. Conv-state layers: the official MtpCache (it holds the conv states and
+        gives layer l's queries and keys MtpModel's offset, l + 1). Else a DynamicCache keeping every key (the
+        mask does the window), or with `windowed` the official window cache of the config's layer types."""
+        from transformers.cache_utils import MtpCache
+
+        if self.conv_states:
+            return MtpCache(config=self.text_config)
+        return DynamicCache(config=self.text_config) if windowed else DynamicCache()
+
+    def own_rows(self, *args):
+        """The argmax chains' own rows at one depth (oracle/draft_loop.py _own_rows): batched over one shared
+        cache, or, where the layers keep conv states, each chain apart (`chain_rows_apart`)."""
+        from oracle.draft_loop import _own_rows
+
+        return (chain_rows_apart if self.conv_states else _own_rows)(*args)
+
+    def pass_cache(self):
+        """The cache of a pass that needs none but where the layer reads its state or positions from one."""
+        return self.new_cache() if self.conv_states else None
 
     def load(self, weights: dict[str, torch.Tensor]) -> None:
         """The checkpoint's MTP tensors through MtpModel's own weight conversions, strictly."""
@@ -130,7 +161,10 @@ class MtpModelHead(nn.Module):
             self._seen[name] = value
 
     def rope(self, rotary, x: torch.Tensor, positions: torch.Tensor, layer: int):
-        """cos/sin as MtpModel.forward_layer asks the rotary: with the layer's type where rope is per layer."""
+        """cos/sin as MtpModel.forward_layer asks the rotary: with the layer's type where rope is per layer; None
+        where the model has no rotary (Inkling)."""
+        if rotary is None:
+            return None
         if self.mtp.has_per_layer_rope:
             return rotary(x, positions, layer_type=self.text_config.layer_types[layer])
         return rotary(x, positions)
@@ -141,12 +175,17 @@ class MtpModelHead(nn.Module):
 
     def steps(self, rotary, embed, hidden, positions, mask, cache, layer: int = 0) -> Stages:
         """Steps (1, n, ·) of MTP layer `layer` (depth layer+1) at `positions` under `mask` through `cache`."""
+        from oracle.export import quiet_kernel_fallbacks  # Inkling's convolutions: the reference path, unannounced
+
         self._seen = {}
         try:
-            self.mtp.layers[layer](embed, hidden, position_embeddings=self.rope(rotary, embed, positions, layer),
-                                   attention_mask=mask, position_ids=positions, cache=cache)
+            with quiet_kernel_fallbacks():
+                self.mtp.layers[layer](embed, hidden, position_embeddings=self.rope(rotary, embed, positions, layer),
+                                       attention_mask=mask, position_ids=positions, cache=cache)
             if self.mtp.use_shared_post_norm:
                 self.mtp.shared_post_norm(self._seen["res2"])
+            elif not self.mtp.use_post_norm:  # chain_hidden_post_norm false: the layer's output is recycled as is
+                self._seen["out"] = self._seen["res2"]
             seen = self._seen
         finally:
             self._seen = None
@@ -171,8 +210,47 @@ def build_head(cfg, weights: dict[str, torch.Tensor]):
     head = MtpModelHead(cfg)
     head.load(weights)
     head.install_hooks()
-    rotary_class = type(head.main.get_decoder().rotary_emb)
-    return head.eval(), rotary_class(config=head.text_config)  # built for real: inv_freq computed, not loaded
+    official = getattr(head.main.get_decoder(), "rotary_emb", None)
+    if official is None:  # relative position logits (Inkling): no rotary, as MtpModel ties none
+        return head.eval(), None
+    return head.eval(), type(official)(config=head.text_config)  # built for real: inv_freq computed, not loaded
+
+
+def chain_rows_apart(head: MtpModelHead, rotary, layer: int, d: int, n: int, bridge, tf, teacher, previous_rows,
+                     chain_drafts: np.ndarray, embedding_rows, spec):
+    """`_own_rows` for conv-state layers: chain c at depth d+1 is MtpModel.forward's layer d over rows s = 0..c of
+    its own sequence: the teacher-forced rows s <= c-d, then the chain's rows m = 1..d (its drafts d_m; recycled
+    the teacher-forced row s for m = 1, its own previous row m-1 after), one causal pass through a fresh MtpCache.
+    A conv state runs along one sequence, so the chains cannot share a batch as `_own_rows` has them do; the cost
+    is quadratic in the chains (each reruns its prefix). Returns what `_own_rows` returns."""
+    from oracle.draft_loop import Depth, chain_mask, within_window
+
+    keep = {spec.recycle, *([spec.prenorm] if spec.prenorm else [])}
+    rows = {name: torch.zeros(n, d, teacher[name].shape[-1]) for name in keep}
+    last, came_from = [], {name: [] for name in keep}
+    for c in range(n):
+        t, own = max(c - d + 1, 0), [(m, c - d + m) for m in range(1, d + 1) if c - d + m >= 0]
+        tokens = np.concatenate([tf.token_ids[:t], [chain_drafts[c, m - 1] for m, _ in own]]).astype(np.int64)
+        recycled = {name: torch.cat([teacher[name][:t]] + [teacher[name][s][None] if m == 1 else
+                                                           previous_rows[name][c, m - 2][None] for m, s in own])
+                    for name in keep}
+        positions = bridge.positions[:c + 1] + d
+        embed = np.ascontiguousarray(embedding_rows(tokens), dtype=np.float32)
+        mask = within_window(chain_mask(0, c + 1, ()), positions, positions, head.window(layer))
+        stages = {k: v[0] for k, v in head.steps(rotary, torch.from_numpy(embed)[None], recycled[spec.recycle][None],
+                                                 positions[None], mask, head.new_cache(), layer=layer).items()}
+        for name in keep:
+            rows[name][c, [m - 1 for m, _ in own]] = stages[name][t:]
+            came_from[name].append(recycled[name][-1])
+        uniform = (head.uniform_attention(rotary, stages["ah"][None], positions[None], mask, head.new_cache(),
+                                          layer=layer)[0][-1] if spec.uniform else None)
+        last.append((tokens[-1], positions[-1], embed[-1], {k: v[-1] for k, v in stages.items()}, uniform))
+    stages = {k: torch.stack([x[3][k] for x in last]) for k in last[0][3]}
+    record = Depth(0, np.array([x[0] for x in last]), torch.stack([x[1] for x in last]).numpy(),
+                   torch.stack(came_from[spec.recycle]), np.stack([x[2] for x in last]), stages, layer_index=layer)
+    if spec.uniform:
+        record.evidence["attn_uniform"] = torch.stack([x[4] for x in last]).numpy()
+    return record, rows, {name: torch.stack(t) for name, t in came_from.items()}
 
 
 def torch_weights(weights: HeadWeights) -> dict[str, torch.Tensor]:
@@ -193,7 +271,8 @@ def layer_mask(positions: torch.Tensor, window: int | None) -> torch.Tensor:
 def run_batched(head: MtpModelHead, rotary, inputs: TraceInputs) -> dict[str, np.ndarray]:
     """Depth 1 (layer 0) over all T steps as one causal pass."""
     embed, hidden, positions = _step_tensors(inputs)
-    return _to_numpy(head.steps(rotary, embed, hidden, positions, layer_mask(positions[0], head.window(0)), None))
+    return _to_numpy(head.steps(rotary, embed, hidden, positions, layer_mask(positions[0], head.window(0)),
+                                head.pass_cache()))
 
 
 @torch.inference_mode()
@@ -201,7 +280,7 @@ def run_stepwise(head: MtpModelHead, rotary, inputs: TraceInputs,
                  on_step: Callable[[int], None] | None = None) -> dict[str, np.ndarray]:
     """Depth 1 one step at a time through layer 0's own cache (a sliding window: the official window cache)."""
     embed, hidden, positions = _step_tensors(inputs)
-    cache = DynamicCache(config=head.text_config)
+    cache = head.new_cache(windowed=True)
     steps = []
     for t in range(inputs.num_tokens):
         sl = slice(t, t + 1)
@@ -235,7 +314,7 @@ def official_layer_stepwise(head: MtpModelHead, rotary, inputs: TraceInputs, fc:
     """res2 [T, D] as layer 0's official decoder layer computes it from the `fc` rows, one step at a time."""
     embed, _, positions = _step_tensors(inputs)
     x = torch.from_numpy(np.ascontiguousarray(fc))[None]
-    cache = DynamicCache(config=head.text_config)
+    cache = head.new_cache(windowed=True)
     rows = []
     for t in range(inputs.num_tokens):
         sl = slice(t, t + 1)
@@ -262,12 +341,13 @@ def qk_output_projection(head: MtpModelHead) -> nn.Module:
 
 @torch.inference_mode()
 def qk_part_variants(head: MtpModelHead, rotary, inputs: TraceInputs, ah: np.ndarray) -> list[PartVariant]:
-    """The wrong variants of each q/k-path part of layer 0's official attention (depth 1; oracle/qk_parts.py), one
-    pass each on the trace's own `ah` rows: RoPE (cos = 1 and sin = 0; NeoX over all head dims where the rotary
+    """The wrong variants of each q/k-path part layer 0's official attention has (depth 1; oracle/qk_parts.py),
+    one pass each on the trace's own `ah` rows (through a fresh cache where the layer keeps conv states, as the
+    real pass): RoPE where the model has a rotary (cos = 1 and sin = 0; NeoX over all head dims where the rotary
     slice is partial; interleaved pairs), q_norm and k_norm where the module has them (skipped, or the other of
-    w / 1 + w), the KV append, and the sliding window where layer 0 has one (W - 1, W + 1, none)."""
-    from oracle.qk_parts import (interleaved_pairs, kv_append_variants, neox_cos_sin, other_norm_form, rotary_off,
-                                 skipped)
+    w / 1 + w), the KV append, and the sliding window where layer 0 has one (W - 1, W + 1, none). A part the
+    head lacks (Inkling's rotary) is not listed, so it is never claimed."""
+    from oracle.qk_parts import kv_append_variants, other_norm_form, skipped
 
     attention = head.mtp.layers[0].mtp_block.self_attn
     embed, _, positions = _step_tensors(inputs)
@@ -276,7 +356,7 @@ def qk_part_variants(head: MtpModelHead, rotary, inputs: TraceInputs, ah: np.nda
 
     def run(position_embeddings=rope, attention_mask=mask):
         return lambda: attention(hidden_states=x, position_embeddings=position_embeddings,
-                                 attention_mask=attention_mask, position_ids=positions)[0][0]
+                                 attention_mask=attention_mask, position_ids=positions, cache=head.pass_cache())[0][0]
 
     def under(context, *args):
         def go():
@@ -284,14 +364,7 @@ def qk_part_variants(head: MtpModelHead, rotary, inputs: TraceInputs, ah: np.nda
                 return run()()
         return go
 
-    cos, _ = rope
-    variants = [PartVariant("rope", "absent", run(rotary_off(*rope)))]
-    if cos.shape[-1] < attention.head_dim:
-        full = neox_cos_sin(positions, _rope_theta(head), attention.head_dim)
-        variants.append(PartVariant("rope", "all_dims", run(full)))
-    module = importlib.import_module(type(attention).__module__)
-    variants.append(PartVariant("rope", "interleaved", under(swapped, module, "apply_rotary_pos_emb",
-                                                             interleaved_pairs(module.apply_rotary_pos_emb))))
+    variants = _rope_variants(head, attention, rope, positions, run, under) if rope is not None else []
     for part in ("q_norm", "k_norm"):
         norm = getattr(attention, part, None)
         if norm is not None:
@@ -305,6 +378,20 @@ def qk_part_variants(head: MtpModelHead, rotary, inputs: TraceInputs, ah: np.nda
         windows = {"one_less": window - 1, "one_more": window + 1, "none": None}
         variants += [PartVariant("window", name, run(attention_mask=layer_mask(positions[0], w)))
                      for name, w in windows.items() if w is None or (1 <= w < n + window)]
+    return variants
+
+
+def _rope_variants(head: MtpModelHead, attention, rope, positions, run, under) -> list[PartVariant]:
+    from oracle.qk_parts import interleaved_pairs, neox_cos_sin, rotary_off
+
+    cos, _ = rope
+    variants = [PartVariant("rope", "absent", run(rotary_off(*rope)))]
+    if cos.shape[-1] < attention.head_dim:
+        full = neox_cos_sin(positions, _rope_theta(head), attention.head_dim)
+        variants.append(PartVariant("rope", "all_dims", run(full)))
+    module = importlib.import_module(type(attention).__module__)
+    variants.append(PartVariant("rope", "interleaved", under(swapped, module, "apply_rotary_pos_emb",
+                                                             interleaved_pairs(module.apply_rotary_pos_emb))))
     return variants
 
 

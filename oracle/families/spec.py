@@ -110,7 +110,7 @@ class FamilySpec:
     head_prefix: str  # every head tensor starts with it; one that the layout does not name is refused
     stages: Callable[[HeadConfig], StageList]
     dims: Callable[[HeadConfig], Dims]
-    main_model_prefixes: tuple[str, ...]  # where the shared embedding lies: <prefix>embed_tokens.weight
+    main_model_prefixes: tuple[str, ...]  # where the shared embedding lies: <prefix><embedding>
     lm_head: str
     head_module: str  # the torch half: build_head, run_batched, run_stepwise, ...
     qk_dependent_from: str = "attn"  # this stage and every later one see q/k only through the attention weights
@@ -133,6 +133,8 @@ class FamilySpec:
     # trace records what recycling it would have given (h_if_prenorm) and `export --recycle` can choose it; None
     # where the family has no pre-norm tensor of the recycled width (DeepSeek-V4: head_collapsed is D, not hc·D)
     recycle_prenorm: str | None = "res2"
+    # the shared embedding's name after its main-model prefix (Inkling's release: model.llm.embed.weight)
+    embedding: str = "embed_tokens.weight"
 
     def hidden_width(self, cfg: HeadConfig) -> int:
         """Width of the hidden H one step consumes: hc·D (DeepSeek-V4: the main model's hc_mult residual streams),

@@ -68,7 +68,7 @@ def test_every_registered_family_has_held_out_dims():
     from tests.families.test_mtp_model_families import HELD_OUT as MULTI_LAYER
 
     assert sorted(HELD_OUT) == ONE_LAYER
-    assert sorted(HELD_OUT) + sorted(MULTI_LAYER) == sorted(FAMILIES)
+    assert sorted([*HELD_OUT, *MULTI_LAYER]) == sorted(FAMILIES)
 
 
 @pytest.fixture(scope="module", params=ONE_LAYER)

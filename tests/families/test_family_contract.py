@@ -43,6 +43,7 @@ WRITERS = {
     "glm4_moe": lambda path: FIXTURES.write_mtp_layer_checkpoint(path, "glm4_moe"),
     "deepseek_v4": lambda path: FIXTURES.write_deepseek_v4_checkpoint(path),
     "step3p7": lambda path: FIXTURES.write_mtp_model_checkpoint(path, "step3p7"),
+    "inkling": lambda path: FIXTURES.write_mtp_model_checkpoint(path, "inkling"),
 }
 FAMILY_NAMES = sorted(FAMILIES)
 
@@ -88,6 +89,7 @@ QK_PARTS = {  # the q/k-path parts each family's head has (oracle/families/*.py 
     "glm4_moe": {"rope", "q_norm", "k_norm", "kv_append"},
     "deepseek_v4": {"rope", "q_norm", "k_norm", "kv_append", "window", "sink"},
     "step3p7": {"rope", "q_norm", "k_norm", "kv_append"},  # its fixture's layer 0 is full attention
+    "inkling": {"q_norm", "k_norm", "kv_append"},  # no rotary (relative position logits): rope is never claimed
 }
 
 
@@ -120,14 +122,15 @@ def test_export_measures_each_qk_part_from_the_familys_own_variants(family):
 
 
 def test_twin_a_candidate_whose_attn_is_a_variants_diverges(family, tmp_path):
-    """RoPE absent (every family has RoPE): a candidate computing attn that way diverges at attn."""
+    """RoPE absent (q_norm absent where the head has no rotary: Inkling): a candidate computing attn that way
+    diverges at attn."""
     name, ckpt, batched, _ = family
     inputs, stages = load_trace(batched)
     checkpoint = Checkpoint(ckpt)
     impl = head_module(checkpoint.family)
     head, rotary = impl.build_head(checkpoint.config, impl.torch_weights(checkpoint.read_head(widen=False)))
-    variant = next(v for v in impl.qk_part_variants(head, rotary, inputs, stages["ah"])
-                   if (v.part, v.name) == ("rope", "absent"))
+    variants = {(v.part, v.name): v for v in impl.qk_part_variants(head, rotary, inputs, stages["ah"])}
+    variant = variants.get(("rope", "absent")) or variants[("q_norm", "absent")]
     cand = write_raw(tmp_path / "cand", {"attn": variant.rows(), "out": stages["out"]})
     report = diff_traces(batched, cand)
     assert report.verdict.name == "diverged" and report.first.stage == "attn"

@@ -28,7 +28,12 @@ FIXTURES = load_script("make_fixtures")
 TOKENS = "5,17,3,99,200,7,42,5,61,9"
 # held-out dims: no fixture uses them (4 layers; a sliding window the 10 steps exceed)
 HELD_OUT = {"step3p7": {"hidden_size": 48, "head_dim": 12, "num_nextn_predict_layers": 4, "sliding_window": 3,
-                        "n_routed_experts": 6, "vocab_size": 230}}
+                        "n_routed_experts": 6, "vocab_size": 230},
+            # 4 layers (fixture 3), other widths, a longer convolution, a shorter relative extent, another muP
+            # multiplier and unpadded vocabulary
+            "inkling": {"hidden_size": 48, "head_dim": 12, "num_nextn_predict_layers": 4, "num_hidden_layers": 5,
+                        "vocab_size": 230, "unpadded_vocab_size": 221, "rel_extent": 5, "sconv_kernel_size": 4,
+                        "logits_mup_width_multiplier": 3.0, "intermediate_size": 80}}
 FAMILY_NAMES = sorted(HELD_OUT)
 
 
@@ -57,8 +62,9 @@ def official_mtp_model(ckpt):
     module, cls, _, _ = MODELS[cfg.family]
     main = getattr(importlib.import_module(module), cls)(config).float()
     tensors = load_file(ckpt / "model.safetensors")
-    main.get_input_embeddings().weight.data = tensors["model.embed_tokens.weight"].float()
-    main.lm_head.weight.data = tensors["lm_head.weight"].float()
+    spec = FAMILIES[cfg.family]
+    main.get_input_embeddings().weight.data = tensors[spec.main_model_prefixes[0] + spec.embedding].float()
+    main.lm_head.weight.data = tensors[spec.lm_head].float()
     main.config.name_or_path, main.config.dtype = str(ckpt), torch.float32
     return main, MtpModel.from_pretrained(main, device_map={"": "cpu"}).float().eval()
 
@@ -72,9 +78,13 @@ def test_every_depth_equals_mtp_model_forward_drafting_with_its_own_cache(chaine
 
     _, ckpt, trace = chained
     main, mtp = official_mtp_model(ckpt)
-    outs = {}
-    for index, layer in enumerate(mtp.layers):
-        layer.register_forward_hook(lambda m, a, o, index=index: outs.__setitem__(index, o[0]))
+    outs, forward_layer = {}, mtp.forward_layer
+
+    def recorded(layer_idx, *args, **kwargs):  # what MtpModel recycles: after the shared norm where it has one
+        outs[layer_idx] = forward_layer(layer_idx, *args, **kwargs)[0]
+        return outs[layer_idx][None]
+
+    mtp.forward_layer = recorded
     with h5py.File(trace) as f, torch.no_grad():
         ids, hidden, positions = (torch.from_numpy(f[f"inputs/{k}"][:])[None] for k in
                                   ("token_ids", "hidden", "positions"))
@@ -106,8 +116,8 @@ def test_a_candidate_reusing_layer0_at_depth2_differs_from_the_reference_there(c
         d2 = {k: torch.from_numpy(f[f"chain/d2/inputs/{k}"][:]) for k in ("embed", "recycled", "positions")}
         mask = impl.layer_mask(d2["positions"], head.window(1))
         for layer, same in ((1, True), (0, False)):
-            rows = head.steps(rotary, d2["embed"][None], d2["recycled"][None], d2["positions"][None], mask, None,
-                              layer=layer)
+            rows = head.steps(rotary, d2["embed"][None], d2["recycled"][None], d2["positions"][None], mask,
+                              head.pass_cache(), layer=layer)
             ref = f["chain/d2/stages/out"][:]
             close = np.abs(rows["out"][0].numpy() - ref).max() <= 1e-5 * np.abs(ref).max()
             assert close == same, layer
@@ -151,10 +161,14 @@ def test_a_perturbation_of_each_stage_is_first_seen_at_that_stage_at_every_depth
                 assert report.first is not None and report.first.stage == stage, (depth, stage, report.first)
 
 
-def _with_config(ckpt, out, **text):
+# where each family's config.json holds the MTP layer count (Inkling's release: a top-level mtp_config)
+COUNT_KEY = {"step3p7": ("text_config", "num_nextn_predict_layers"), "inkling": ("mtp_config", "num_nextn_predict_layers")}
+
+
+def _with_config(ckpt, out, block="text_config", **text):
     out.mkdir()
     config = json.loads((ckpt / "config.json").read_text())
-    config["text_config"].update(text)
+    config[block].update(text)
     (out / "config.json").write_text(json.dumps(config))
     (out / "model.safetensors").symlink_to(ckpt / "model.safetensors")
     return out
@@ -164,16 +178,16 @@ def _with_config(ckpt, out, **text):
 def test_a_layer_count_disagreeing_with_the_tensors_exits_2_naming_both(family, tmp_path):
     ckpt = FIXTURES.write_mtp_model_checkpoint(tmp_path / "ckpt", family)
     cfg = Checkpoint(ckpt).config
-    key = "num_nextn_predict_layers"
-    n, first = cfg.num_mtp_layers, cfg.num_hidden_layers
+    block, key = COUNT_KEY[family]
+    n, first = cfg.num_mtp_layers, 0 if cfg.mtp_prefix else cfg.num_hidden_layers  # the checkpoint's layer 0
     cases = {"fewer": (n - 1, f"extra [{first + n - 1}]"), "more": (n + 1, f"missing [{first + n}]")}
     for case, (count, named) in cases.items():
-        bad = _with_config(ckpt, tmp_path / case, **{key: count})
+        bad = _with_config(ckpt, tmp_path / case, block, **{key: count})
         result = run_cli(oracle_cli, ["export", bad, "--out", tmp_path / f"{case}.h5", "--tokens", "5,6",
                                       "--hidden-seed", "0"])
         assert result.exit_code == 2, result.output
         assert f"declares {count} MTP layer" in result.output and named in result.output, result.output
-    absent = _with_config(ckpt, tmp_path / "absent", **{key: None})  # the silent-drop case: no count at all
+    absent = _with_config(ckpt, tmp_path / "absent", block, **{key: None})  # the silent-drop case: no count at all
     result = run_cli(oracle_cli, ["export", absent, "--out", tmp_path / "a.h5", "--tokens", "5,6",
                                   "--hidden-seed", "0"])
     assert result.exit_code == 2 and key in result.output, result.output
