@@ -62,6 +62,8 @@ def adapter_notes(adapter: Adapter) -> list[str]:
         notes.append("note: flash attention on: llama.cpp casts K/V to f16, so attn may diverge under the float32 "
                      "rule; judge it with a measured profile: `mtp-oracle noise CHECKPOINT ... --out noise.json` "
                      "(the reference's tokens and hidden), then `--profile noise.json:float16`")
+    if getattr(adapter, "chain_skipped", None):
+        notes.append(f"note: {adapter.name} ran no draft loop, only the bridge steps: {adapter.chain_skipped}")
     unmapped = getattr(adapter, "unmapped", None)
     if unmapped:
         shown = ", ".join(unmapped[:12]) + (f" … ({len(unmapped) - 12} more)" if len(unmapped) > 12 else "")
@@ -293,6 +295,8 @@ def run_and_diff(ref_path: Path, adapter: Adapter, tols: dict[str, Tol], out: Pa
         with read_trace(ref_path) as reader:
             inputs, ref_digest = reader.inputs(), reader.attrs.get("checkpoint_digest")
         chain = chain_inputs(ref) if getattr(adapter, "supports_chains", False) else None
+        if hasattr(adapter, "reference_stages"):  # an engine that offers every stage returns only the reference's
+            adapter.reference_stages = tuple(ref.stages)
         result = adapter.run(inputs) if chain is None else adapter.run(inputs, chain)
         _check_weights(adapter, ref_digest, ref_path)
         depths = _depth_results(result, adapter.name, ref.stages)
@@ -388,10 +392,11 @@ def _write_candidate(out: Path, inputs: TraceInputs, stages: dict, adapter: Adap
     depths = depths or {}
     if depths and (_chain_unwritable(depths, stages, ref) or chain is None):
         return None  # the diff says what is wrong with those depths; no trace that drops some is written
-    attrs = {"producer": f"mtp-probe run --impl {adapter.name}", "checkpoint_digest": adapter.weights_digest,
-             "family": ref.attrs.get("family", "qwen3_5"),
+    attrs = {"producer": f"mtp-probe run --impl {adapter.name}", "family": ref.attrs.get("family", "qwen3_5"),
              "poison_filled": True,  # the adapter poisoned every buffer: an all-zero row was computed
              "provenance": {"command": command, "adapter": adapter.name}}
+    if adapter.weights_digest is not None:  # llama.cpp runs the GGUF's own weights: no digest is claimed
+        attrs["checkpoint_digest"] = adapter.weights_digest
     record, chains = _candidate_chains(depths, chain, ref) if depths else (None, None)
     write_trace(out, inputs, stages, attrs, stage_list=listed, dims=ref.dims, chain=record, chains=chains)
     return Path(out)

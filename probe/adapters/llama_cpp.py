@@ -27,7 +27,6 @@ from pathlib import Path
 import numpy as np
 
 from oracle.output import removed_on_interrupt
-from oracle.stages import STAGE_NAMES
 from oracle.trace import TraceInputs
 from probe.adapters.cabi import _tail, _wait_worker
 from probe.adapters.cabi_process import start_worker
@@ -89,6 +88,7 @@ class LlamaCppAdapter:
                          "`mtp-probe weights CKPT MODEL.gguf`)"
     capture_only: tuple[str, ...] | None = None
     supports_chains = True  # run() takes the reference's chain inputs (probe/run.py chain_inputs)
+    reference_stages: tuple[str, ...] | None = None  # set by `run`: the draft is returned where the reference has it
 
     def __init__(self, spec_rest: str, flash_attn: bool = False, threads: int = 1, mutant: str | None = None):
         model, _, lib = spec_rest.partition(":")
@@ -137,7 +137,7 @@ class LlamaCppAdapter:
             if result is None and "No module named 'llama_cpp'" in finished.stderr:
                 said = ("llama-cpp-python is not installed: `pip install llama-cpp-python==0.3.36` (it builds "
                         "llama.cpp's libllama; see README, 'llama.cpp')")
-            raise CandidateError(f"{self.name}: {said}. llama.cpp's log:\n{_tail(finished.stderr) or '(none)'}")
+            raise CandidateError(f"{self.name}: {said}. llama.cpp's log:\n{_log_excerpt(finished.stderr)}")
         self.library = result["library"]
         self.chain_skipped = result.get("chain_skipped")
         stages, self.unmapped = self._depth(work / "captured", result["captured"], num_steps)
@@ -149,15 +149,24 @@ class LlamaCppAdapter:
                           if base_name(name) in LLAMA_CPP_NAMES]
         return stages
 
-    @staticmethod
-    def _depth(folder: Path, names: dict, num_steps: int) -> tuple[dict[str, np.ndarray], list[str]]:
+    def _depth(self, folder: Path, names: dict, num_steps: int) -> tuple[dict[str, np.ndarray], list[str]]:
         """One depth's stages from the worker's files, the draft the argmax of its logits; and the unmapped names."""
         captured = {name: np.load(folder / f"{name}.npy") for name in names}
         logits = captured.pop("result_output")
         stages, unmapped = stages_from_named(captured, num_steps)
-        if "draft" in STAGE_NAMES:
+        if self.reference_stages is None or "draft" in self.reference_stages:
             stages["draft"] = np.argmax(logits.reshape(num_steps, -1), axis=1).astype(np.int64)[:, None]
         return stages, unmapped
+
+
+_LOG_ERROR = re.compile(r"\berror\b|failed|inconsistent|required|X = |Y = |GGML_ASSERT|GGML_ABORT")
+
+
+def _log_excerpt(log: str, limit: int = 12) -> str:
+    """The lines of llama.cpp's log that say why it refused (its batch checks log several before `decode: failed`;
+    the tail is graph-reservation chatter), else the log's tail."""
+    said = [line for line in log.splitlines() if _LOG_ERROR.search(line)]
+    return "\n".join(said[:limit]) if said else (_tail(log) or "(none)")
 
 
 def _library_folder(lib: Path) -> Path:

@@ -136,7 +136,8 @@ def run(model_path: Path, work: Path) -> dict:
     engine = Engine(llama_cpp, ctx, vocab, hidden.shape[1])
     result = {"library": str(Path(llama_cpp.llama_cpp._lib._name).resolve()),
               "version": getattr(llama_cpp, "__version__", "?"), "steps": int(n)}
-    nextn = _nextn_api(llama_cpp) if chain else None
+    nextn = (_nextn_api(llama_cpp) if mutant != "no_nextn_api" else "the nextn API is withheld (loop mutant "
+             "no_nextn_api)") if chain else None
     if chain and isinstance(nextn, str):
         result["chain_skipped"] = nextn  # depth 1 still runs; the verdict says the loop was not checked
         chain = None
@@ -158,6 +159,7 @@ LOOP_MUTANTS = {
     "chain_position_skips": "depth j runs at p_i + j (one past the draft loop's p_i + j - 1)",
     "recycle_main": "every depth is fed the main model's H_i instead of the previous depth's hidden",
     "recycle_prenorm": "depth j is fed depth j-1's mtp_post_ffn (the residual before the final norm)",
+    "no_nextn_api": "as a build without llama-ext.h's nextn API: depth 1 runs, no chain",
 }
 
 
@@ -197,8 +199,9 @@ class Engine:
                          for k in range(len(entries))])
 
     def drop_from(self, pos: int) -> None:
-        """llama_memory_seq_rm(mem, 0, pos, -1): the server's `slot.mem.seq_rm(slot.id, pos_next, -1)` after a
-        verification, which removes the draft region's KV from the draft context too."""
+        """llama_memory_seq_rm(mem, 0, pos, -1), as the server drops a draft's KV from the draft context right after
+        common_speculative_draft (tools/server/server-context.cpp: `llama_memory_seq_rm(llama_get_memory(ctx_dft),
+        slot.id, ckpt.pos_max + 1, -1)`, "for now, always re-evaluate"): pos = the bridge's position + 1."""
         if not self.lib.llama_memory_seq_rm(self.lib.llama_get_memory(self.ctx), 0, int(pos), -1):
             raise RuntimeError(f"llama_memory_seq_rm refused to remove positions >= {pos}")
 
@@ -219,7 +222,7 @@ def drive_loop(engine: Engine, capture: Capture, nextn, tokens, positions, hidde
     """The engine's own draft loop, in its order: bridge step i (x_{i+1}, p_i, H_i), then its chain, depth j = 2..
     (the probe's token and position; the hidden is the engine's: llama_get_embeddings_nextn_ith of the entry just
     decoded, as common_speculative_impl_draft_mtp::draft recycles it), then the chain's KV removed
-    (llama_memory_seq_rm from p_i + 1, as the server does once a draft is verified), then bridge step i+1. Every
+    (llama_memory_seq_rm from p_i + 1, as the server does right after drafting), then bridge step i+1. Every
     decode holds one entry; its named tensors are depth j's row i."""
     depths = {j: {"named": [], "logits": []} for j in [1, *sorted(chain)]}
 
