@@ -8,6 +8,12 @@ that keep upstream's names need nothing else. Names the graph offered that the m
 `unmapped` (the report shows them), never silently dropped. The draft (`draft`, where the reference has it) is the
 argmax of the graph's own logits (`result_output`: lm_head, or the fork's choice of matrix).
 
+The draft loop: against a reference with chains, the worker runs llama.cpp's own loop in its driver's order
+(bridge i, its chain, bridge i+1; see probe/adapters/llama_cpp_worker.py). The probe hands it only each depth's
+token and position; the hidden is llama.cpp's own, and so is everything each depth computes, captured through the
+same cb_eval map as depth 1 and returned as "d{j}". A library without the nextn API runs depth 1 only, and the
+verdict says the loop was not checked.
+
 LIB: a user's own build, either libllama.so itself or the folder holding it (with its libggml-base.so), run through
 llama-cpp-python's bindings (LLAMA_CPP_LIB_PATH). Without LIB: the libllama that the pinned llama-cpp-python wheel
 built and ships.
@@ -142,11 +148,11 @@ class LlamaCppAdapter:
         self.chain_skipped = result.get("chain_skipped")
         stages, self.unmapped = self._depth(work / "captured", result["captured"], num_steps)
         for depth, names in sorted(result.get("chain_captured", {}).items(), key=lambda kv: int(kv[0])):
-            rows = next(iter(names.values()))[0]
+            rows = names["result_output"][0]  # one logits row per decode of the depth: n_j
             stages[f"d{depth}"], unmapped = self._depth(work / "captured" / f"d{depth}", names, rows)
             self.unmapped += [f"{name} (depth {depth})" for name in unmapped if name not in self.unmapped]
         self.unmapped += [f"{name} ({why})" for name, why in sorted(result.get("skipped", {}).items())
-                          if base_name(name) in LLAMA_CPP_NAMES]
+                          if base_name(name.split(" ")[0]) in LLAMA_CPP_NAMES]
         return stages
 
     def _depth(self, folder: Path, names: dict, num_steps: int) -> tuple[dict[str, np.ndarray], list[str]]:

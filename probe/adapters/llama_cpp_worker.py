@@ -4,16 +4,25 @@ probe/adapters/llama_cpp.py, so that a crash or abort inside llama.cpp is report
 It drives llama.cpp's own MTP graph (an `LLAMA_CONTEXT_TYPE_MTP` context over the GGUF's MTP block: `graph_mtp` in
 src/models/qwen35.cpp, qwen35moe.cpp, qwen3next.cpp) through llama-cpp-python's ctypes bindings, on the inputs the
 probe wrote into WORK: token_ids.npy (the token each step feeds, x_{i+1}), positions.npy (p_i) and hidden.npy (H_i,
-float32 [T, D], set as each entry's embedding beside its token id, as common/speculative.cpp's MTP driver does). The T bridge
-steps go in one batch through the head's own KV cache (causal: step i sees steps 0..i), as llama.cpp's draft
-context processes a prompt. The scheduler's eval callback (`cb_eval`) copies every tensor the graph names with
-`cb()` (names end in `-<layer>`) into WORK/captured/<name>.npy, float32 or int32 [T, width]; the logits of each step
-are kept as `result_output` (the draft token is their argmax). WORK/result.json says what ran: the library, the
-names captured, and the ones the graph offered that were not contiguous (not captured, listed, never dropped).
+float32 [T, D], set as each entry's embedding beside its token id, as common/speculative.cpp's MTP driver does).
+
+Without WORK/chain.npz the T bridge steps go in one batch through the head's own KV cache (causal: step i sees
+steps 0..i), as llama.cpp's draft context processes a prompt. With it (d{j}.token_ids, d{j}.positions: the probe's
+token and position per depth j and bridge), the worker runs llama.cpp's draft loop as its driver does
+(`drive_loop`): bridge step i alone, then its chain, one decode per depth, each fed the nextn embedding llama.cpp
+returns for the entry just decoded (llama_get_embeddings_nextn_ith: the graph's `t_h_nextn`, i.e. h_nextn, the
+head's normed output), then the chain's KV removed from p_i + 1 on (llama_memory_seq_rm), then bridge step i+1.
+
+The scheduler's eval callback (`cb_eval`) copies every tensor the graph names with `cb()` (names end in
+`-<layer>`) after each decode: WORK/captured/<name>.npy for depth 1 and WORK/captured/d{j}/<name>.npy for depth j,
+float32 or int32 [rows, width]; each decode's logits are kept as `result_output` (the draft token is their argmax).
+WORK/result.json says what ran: the library, the names captured per depth, the ones the graph offered that were not
+captured (listed, never dropped), and `chain_skipped` where the library lacks the nextn API (depth 1 only then).
 
 K/V cache in float32 and flash attention off by default (request.json may turn them on: llama.cpp casts K/V to f16
-with flash attention, which an f16 tolerance profile then judges). LLAMA_CPP_LIB_PATH (a folder holding
-libllama.so and libggml-base.so) runs a user's own build; the parent sets it from `--impl llama.cpp:MODEL:LIB`.
+with flash attention, which an f16 tolerance profile then judges). request.json's `mutant` (LOOP_MUTANTS) runs a
+driver loop bug, for the twins only. LLAMA_CPP_LIB_PATH (a folder holding libllama.so and libggml-base.so) runs a
+user's own build; the parent sets it from `--impl llama.cpp:MODEL:LIB`.
 """
 
 import ctypes
@@ -244,7 +253,7 @@ def drive_loop(engine: Engine, capture: Capture, nextn, tokens, positions, hidde
             ran = True
         if ran and mutant != "chain_kv_kept":
             engine.drop_from(int(positions[i]) + 1)
-    return {j: {"named": _stacked(part["named"], j), "logits": np.stack(part["logits"])}
+    return {j: {"named": _stacked(part["named"], j, capture.skipped), "logits": np.stack(part["logits"])}
             for j, part in depths.items()}
 
 
@@ -304,12 +313,18 @@ def _chain_inputs(work: Path) -> dict[int, dict[str, np.ndarray]] | None:
                 for j in depths}
 
 
-def _stacked(calls: list[dict], depth: int) -> dict:
-    """Per-call {name: one row} -> {name: [n, ...]}; a name not named by every call is not a stage of this depth."""
-    names = set(calls[0]) if calls else set()
-    for named in calls[1:]:
-        names &= set(named)
-    return {name: np.stack([named[name].reshape(-1) for named in calls]) for name in sorted(names)}
+def _stacked(calls: list[dict], depth: int, skipped: dict) -> dict:
+    """Per-call {name: one row} -> {name: [n, ...]}; a name not named by every decode of the depth (or in another
+    width) is listed in `skipped`, never stacked into rows that mix steps."""
+    every = set.union(*(set(named) for named in calls)) if calls else set()
+    out = {}
+    for name in sorted(every):
+        rows = [named.get(name) for named in calls]
+        if any(r is None for r in rows) or len({r.size for r in rows}) != 1:
+            skipped[f"{name} (depth {depth})"] = "not named alike by every decode of the depth"
+            continue
+        out[name] = np.stack([r.reshape(-1) for r in rows])
+    return out
 
 
 def save_depths(folder: Path, depths: dict, capture: Capture) -> dict:

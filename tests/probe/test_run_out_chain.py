@@ -1,7 +1,9 @@
 """`mtp-probe run --out` records every depth the candidate computed (issue 24): depth 1 and /chain/d{j} in the
 trace schema, so `mtp-probe diff REF OUT` compares them again and comes to the same verdict at the same (depth,
 stage, bridge). Its twins: a candidate with a loop bug writes a trace whose diff diverges where the run did; a
-candidate that captures no chain writes depth 1 only, and its diff is inconclusive as the run was."""
+candidate that captures no chain writes depth 1 only, and its diff is inconclusive as the run was. The torch
+transcription is not a driven candidate (probe/adapters/torch_ref.py): on a chain reference it is inconclusive,
+on the same head's bridge-only reference it passes."""
 
 import json
 import textwrap
@@ -114,3 +116,21 @@ def test_a_failed_write_leaves_no_file_and_no_half_trace(chained, candidates, tm
     ran = _run_out(chained[0], "python:numpy_step:make_head", out)
     assert ran.exit_code != 0 and "No space left" in ran.output, ran.output
     assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["out_mutants.py"]
+
+
+def test_torch_captures_no_chain_so_a_chain_reference_is_inconclusive(chained, tmp_path):
+    ref, out = chained[0], tmp_path / "torch.h5"
+    ran = run_cli(cli, ["run", ref, "--impl", "torch", "--checkpoint", TINY, "--out", out, "-q"])
+    assert ran.exit_code == 3, ran.output
+    assert last_line(ran).startswith("INCONCLUSIVE") and "the draft loop was not checked" in last_line(ran)
+    with read_trace(out) as cand:
+        assert "chain" not in cand.attrs and len(cand.stages) == 11  # depth 1, as it computed
+
+
+def test_torch_on_the_same_heads_bridge_only_reference_passes(tmp_path):
+    """Twin: the torch transcription is right at depth 1, so the inconclusive verdict above is the loop's alone."""
+    from tests.probe.chain_reference import export_depth1
+
+    ref = export_depth1(tmp_path / "bridge.h5")
+    ran = run_cli(cli, ["run", ref, "--impl", "torch", "--checkpoint", TINY, "-q"])
+    assert ran.exit_code == 0 and last_line(ran).startswith("PASSED | 11 stages x 10 tokens"), ran.output
