@@ -62,6 +62,8 @@ def adapter_notes(adapter: Adapter) -> list[str]:
         notes.append("note: flash attention on: llama.cpp casts K/V to f16, so attn may diverge under the float32 "
                      "rule; judge it with a measured profile: `mtp-oracle noise CHECKPOINT ... --out noise.json` "
                      "(the reference's tokens and hidden), then `--profile noise.json:float16`")
+    if getattr(adapter, "chain_skipped", None):
+        notes.append(f"note: {adapter.name} ran no draft loop, only the bridge steps: {adapter.chain_skipped}")
     unmapped = getattr(adapter, "unmapped", None)
     if unmapped:
         shown = ", ".join(unmapped[:12]) + (f" … ({len(unmapped) - 12} more)" if len(unmapped) > 12 else "")
@@ -293,11 +295,13 @@ def run_and_diff(ref_path: Path, adapter: Adapter, tols: dict[str, Tol], out: Pa
         with read_trace(ref_path) as reader:
             inputs, ref_digest = reader.inputs(), reader.attrs.get("checkpoint_digest")
         chain = chain_inputs(ref) if getattr(adapter, "supports_chains", False) else None
+        if hasattr(adapter, "reference_stages"):  # an engine that offers every stage returns only the reference's
+            adapter.reference_stages = tuple(ref.stages)
         result = adapter.run(inputs) if chain is None else adapter.run(inputs, chain)
         _check_weights(adapter, ref_digest, ref_path)
         depths = _depth_results(result, adapter.name, ref.stages)
         stages = _checked_result(result, adapter.name, ref.stages)
-        written = _write_candidate(out, inputs, stages, adapter, command, ref) if out else None
+        written = _write_candidate(out, inputs, stages, adapter, command, ref, depths, chain) if out else None
         source = ArraySource(adapter.name, inputs, stages, depths)
         if getattr(adapter, "weights_unverified", None):  # e.g. llama.cpp on its GGUF: said, never claimed
             source.kind = "adapter, own weights"
@@ -377,16 +381,61 @@ def _checked_result(result, name: str, valid: tuple[str, ...] = STAGE_NAMES) -> 
 
 
 def _write_candidate(out: Path, inputs: TraceInputs, stages: dict, adapter: Adapter, command: str,
-                     ref) -> Path | None:
+                     ref, depths: dict[int, dict[str, np.ndarray]] | None = None,
+                     chain: dict[int, dict[str, np.ndarray]] | None = None) -> Path | None:
+    """The candidate's trace at `out` (atomic, oracle/trace.py write_trace): depth 1 and every depth 2..m it
+    computed (/chain/d{j}, the trace schema's chains), so `mtp-probe diff REF OUT` compares them again. None (not
+    written) where a layout is wrong: the diff reports that as invalid, and it cannot be stored as mtp-trace/1."""
     listed = ref.stage_list
-    if any(a.dtype != np.dtype(listed[n].dtype) or a.shape != tuple(ref.stage_shape(n)) for n, a in stages.items()):
-        return None  # a wrong layout is reported as invalid by the diff; it cannot be stored as mtp-trace/1
-    attrs = {"producer": f"mtp-probe run --impl {adapter.name}", "checkpoint_digest": adapter.weights_digest,
-             "family": ref.attrs.get("family", "qwen3_5"),
+    if _layout_differs(stages, listed, ref.stage_shape):
+        return None
+    depths = depths or {}
+    if depths and (_chain_unwritable(depths, stages, ref) or chain is None):
+        return None  # the diff says what is wrong with those depths; no trace that drops some is written
+    attrs = {"producer": f"mtp-probe run --impl {adapter.name}", "family": ref.attrs.get("family", "qwen3_5"),
              "poison_filled": True,  # the adapter poisoned every buffer: an all-zero row was computed
              "provenance": {"command": command, "adapter": adapter.name}}
-    write_trace(out, inputs, stages, attrs, stage_list=listed, dims=ref.dims)
+    if adapter.weights_digest is not None:  # llama.cpp runs the GGUF's own weights: no digest is claimed
+        attrs["checkpoint_digest"] = adapter.weights_digest
+    record, chains = _candidate_chains(depths, chain, ref) if depths else (None, None)
+    write_trace(out, inputs, stages, attrs, stage_list=listed, dims=ref.dims, chain=record, chains=chains)
     return Path(out)
+
+
+def _layout_differs(stages: dict, listed, shape_of) -> bool:
+    return any(a.dtype != np.dtype(listed[n].dtype) or a.shape != tuple(shape_of(n)) for n, a in stages.items())
+
+
+def _chain_unwritable(depths: dict, stages: dict, ref) -> bool:
+    """Depths that mtp-trace/1 cannot hold as they are: not 2..m without a gap, another stage set than depth 1's,
+    or a layout other than the reference's depth. The diff reports each of these (invalid, or the depths missing)."""
+    if sorted(depths) != list(range(2, max(depths) + 1)) or max(depths) > getattr(ref.chain, "depths", 0):
+        return True
+    return any(set(part) != set(stages) or _layout_differs(part, ref.stage_list, ref.depth(j).stage_shape)
+               for j, part in depths.items())
+
+
+def _candidate_chains(depths: dict, chain: dict, ref) -> tuple[dict, dict]:
+    """The root `chain` record and {j: ChainDepthRecord} of the depths the candidate computed. Its inputs are what
+    it was handed (bridge, token, position, embedding row); the hidden it recycled and the layer it ran are its
+    own and not seen by the probe: `recycled` is NaN and `layer` -1 (the probe never checks either of a
+    candidate). The record's conventions are the reference's, under which the candidate was driven."""
+    from oracle.trace import ChainDepthRecord
+
+    info, k = ref.chain, max(depths)
+    record = {"depths": k, "tokens": info.tokens, "recycle": info.recycle, "layers": list(info.layers[:k - 1]),
+              "num_layers": info.num_layers, "kv": info.kv}
+    chains = {}
+    for j, part in depths.items():
+        n = len(chain[j]["token_ids"])
+        inputs = {"bridge": np.arange(n, dtype=np.int64),
+                  "token_ids": np.asarray(chain[j]["token_ids"], dtype=np.int64),
+                  "positions": np.asarray(chain[j]["positions"], dtype=np.int64),
+                  "layer": np.full(n, -1, dtype=np.int64),
+                  "recycled": np.full((n, ref.hidden_width), np.nan, dtype=np.float32),
+                  "embed": np.asarray(chain[j]["embed"], dtype=np.float32)}
+        chains[j] = ChainDepthRecord(inputs, dict(part), {})
+    return record, chains
 
 
 class ArraySource:

@@ -8,6 +8,12 @@ that keep upstream's names need nothing else. Names the graph offered that the m
 `unmapped` (the report shows them), never silently dropped. The draft (`draft`, where the reference has it) is the
 argmax of the graph's own logits (`result_output`: lm_head, or the fork's choice of matrix).
 
+The draft loop: against a reference with chains, the worker runs llama.cpp's own loop in its driver's order
+(bridge i, its chain, bridge i+1; see probe/adapters/llama_cpp_worker.py). The probe hands it only each depth's
+token and position; the hidden is llama.cpp's own, and so is everything each depth computes, captured through the
+same cb_eval map as depth 1 and returned as "d{j}". A library without the nextn API runs depth 1 only, and the
+verdict says the loop was not checked.
+
 LIB: a user's own build, either libllama.so itself or the folder holding it (with its libggml-base.so), run through
 llama-cpp-python's bindings (LLAMA_CPP_LIB_PATH). Without LIB: the libllama that the pinned llama-cpp-python wheel
 built and ships.
@@ -27,7 +33,6 @@ from pathlib import Path
 import numpy as np
 
 from oracle.output import removed_on_interrupt
-from oracle.stages import STAGE_NAMES
 from oracle.trace import TraceInputs
 from probe.adapters.cabi import _tail, _wait_worker
 from probe.adapters.cabi_process import start_worker
@@ -80,15 +85,18 @@ def stages_from_named(named: dict[str, np.ndarray], num_steps: int,
 
 
 class LlamaCppAdapter:
-    """Runs llama.cpp's MTP context over the reference's bridge steps in one batch; see the module docstring."""
+    """Runs llama.cpp's MTP context over the reference's bridge steps (in one batch), or, against a reference with
+    chains, llama.cpp's own draft loop (bridge i, its chain, bridge i+1); see the module docstring."""
 
     deterministic = True
     weights_digest: str | None = None  # never known: see the module docstring
     weights_unverified = "the head ran from the GGUF's own weights, not the checkpoint's (audit them with " \
                          "`mtp-probe weights CKPT MODEL.gguf`)"
     capture_only: tuple[str, ...] | None = None
+    supports_chains = True  # run() takes the reference's chain inputs (probe/run.py chain_inputs)
+    reference_stages: tuple[str, ...] | None = None  # set by `run`: the draft is returned where the reference has it
 
-    def __init__(self, spec_rest: str, flash_attn: bool = False, threads: int = 1):
+    def __init__(self, spec_rest: str, flash_attn: bool = False, threads: int = 1, mutant: str | None = None):
         model, _, lib = spec_rest.partition(":")
         self.model = Path(model)
         if not self.model.is_file() or self.model.suffix != ".gguf":
@@ -96,18 +104,26 @@ class LlamaCppAdapter:
                                f"checkpoint with `mtp-oracle gguf CHECKPOINT --out head.gguf`.")
         self.lib_dir = _library_folder(Path(lib)) if lib else None
         self.flash_attn, self.threads = flash_attn, threads
-        self.name = f"llama.cpp:{self.model.name}" + (f" ({self.lib_dir})" if self.lib_dir else "")
+        self.mutant = mutant  # a driver loop bug (llama_cpp_worker.LOOP_MUTANTS), for the twins only
+        self.name = f"llama.cpp:{self.model.name}" + (f" ({self.lib_dir})" if self.lib_dir else "") + \
+            (f" [loop mutant {mutant}]" if mutant else "")
         self.unmapped: list[str] = []
         self.library: str | None = None
+        self.chain_skipped: str | None = None
 
-    def run(self, inputs: TraceInputs) -> dict[str, np.ndarray]:
+    def run(self, inputs: TraceInputs, chain: dict[int, dict[str, np.ndarray]] | None = None) -> dict:
+        """Stage -> [T, width] of depth 1, and with `chain` ({j: token_ids, positions, ...} per depth) "d{j}":
+        depth j's stages [n_j, width], from llama.cpp's own loop."""
         with tempfile.TemporaryDirectory(prefix="mtp-llama-") as tmp, removed_on_interrupt(Path(tmp)):
             work = Path(tmp)
             np.save(work / "token_ids.npy", np.asarray(inputs.token_ids, dtype=np.int64))
             np.save(work / "positions.npy", np.asarray(inputs.positions, dtype=np.int64))
             np.save(work / "hidden.npy", np.ascontiguousarray(inputs.hidden, dtype=np.float32))
+            if chain:  # the probe says depth, token and position only: the engine recycles its own hidden
+                np.savez(work / "chain.npz", **{f"d{j}.{name}": np.asarray(part[name], dtype=np.int64)
+                                               for j, part in chain.items() for name in ("token_ids", "positions")})
             (work / "request.json").write_text(json.dumps({"flash_attn": self.flash_attn, "kv_f16": self.flash_attn,
-                                                           "threads": self.threads}))
+                                                           "threads": self.threads, "mutant": self.mutant}))
             command = [sys.executable, "-m", "probe.adapters.llama_cpp_worker", str(self.model.resolve()), str(work)]
             proc = start_worker(command, work, self._env())
             finished = _wait_worker(proc, work, self.name, inputs.num_tokens)
@@ -116,7 +132,7 @@ class LlamaCppAdapter:
     def _env(self) -> dict[str, str] | None:
         return {"LLAMA_CPP_LIB_PATH": str(self.lib_dir)} if self.lib_dir else None
 
-    def _results(self, finished: subprocess.CompletedProcess, work: Path, num_steps: int) -> dict[str, np.ndarray]:
+    def _results(self, finished: subprocess.CompletedProcess, work: Path, num_steps: int) -> dict:
         result_file = work / "result.json"
         result = json.loads(result_file.read_text()) if result_file.is_file() else None
         if finished.returncode < 0:
@@ -127,16 +143,36 @@ class LlamaCppAdapter:
             if result is None and "No module named 'llama_cpp'" in finished.stderr:
                 said = ("llama-cpp-python is not installed: `pip install llama-cpp-python==0.3.36` (it builds "
                         "llama.cpp's libllama; see README, 'llama.cpp')")
-            raise CandidateError(f"{self.name}: {said}. llama.cpp's log:\n{_tail(finished.stderr) or '(none)'}")
+            raise CandidateError(f"{self.name}: {said}. llama.cpp's log:\n{_log_excerpt(finished.stderr)}")
         self.library = result["library"]
-        captured = {name: np.load(work / "captured" / f"{name}.npy") for name in result["captured"]}
-        logits = captured.pop("result_output")
-        stages, self.unmapped = stages_from_named(captured, num_steps)
-        if "draft" in STAGE_NAMES:
-            stages["draft"] = np.argmax(logits.reshape(num_steps, -1), axis=1).astype(np.int64)[:, None]
+        self.chain_skipped = result.get("chain_skipped")
+        stages, self.unmapped = self._depth(work / "captured", result["captured"], num_steps)
+        for depth, names in sorted(result.get("chain_captured", {}).items(), key=lambda kv: int(kv[0])):
+            rows = names["result_output"][0]  # one logits row per decode of the depth: n_j
+            stages[f"d{depth}"], unmapped = self._depth(work / "captured" / f"d{depth}", names, rows)
+            self.unmapped += [f"{name} (depth {depth})" for name in unmapped if name not in self.unmapped]
         self.unmapped += [f"{name} ({why})" for name, why in sorted(result.get("skipped", {}).items())
-                          if base_name(name) in LLAMA_CPP_NAMES]
+                          if base_name(name.split(" ")[0]) in LLAMA_CPP_NAMES]
         return stages
+
+    def _depth(self, folder: Path, names: dict, num_steps: int) -> tuple[dict[str, np.ndarray], list[str]]:
+        """One depth's stages from the worker's files, the draft the argmax of its logits; and the unmapped names."""
+        captured = {name: np.load(folder / f"{name}.npy") for name in names}
+        logits = captured.pop("result_output")
+        stages, unmapped = stages_from_named(captured, num_steps)
+        if self.reference_stages is None or "draft" in self.reference_stages:
+            stages["draft"] = np.argmax(logits.reshape(num_steps, -1), axis=1).astype(np.int64)[:, None]
+        return stages, unmapped
+
+
+_LOG_ERROR = re.compile(r"\berror\b|failed|inconsistent|required|X = |Y = |GGML_ASSERT|GGML_ABORT")
+
+
+def _log_excerpt(log: str, limit: int = 12) -> str:
+    """The lines of llama.cpp's log that say why it refused (its batch checks log several before `decode: failed`;
+    the tail is graph-reservation chatter), else the log's tail."""
+    said = [line for line in log.splitlines() if _LOG_ERROR.search(line)]
+    return "\n".join(said[:limit]) if said else (_tail(log) or "(none)")
 
 
 def _library_folder(lib: Path) -> Path:

@@ -4,6 +4,13 @@ No transformers class is used: this is a second transcription of the head (from 
 so agreeing with the oracle is evidence, not a tautology. It runs the T teacher-forced steps as one causal pass.
 In bfloat16 the weights and activations are bf16 while norms, softmax and RoPE angles run in float32, as engines
 usually do; it then misses the float32 tolerance and meets the bfloat16 profile (probe/tolerance.py).
+
+It is not a driven candidate of the draft loop (issue 24): it transcribes the bridge step (depth 1) only. Driving
+its chains through the oracle's one loop implementation (oracle/draft_loop.py) would need that loop's `Head`
+(steps through a transformers DynamicCache under an additive mask), and the probe never imports transformers
+(tests/test_dependencies.py); giving it a loop of its own would be a second implementation of the loop
+semantics, which the issue rules out. Against a reference with chains it therefore captures no chain, and the
+verdict says the loop was not checked (inconclusive), never a pass about depths it did not compute.
 """
 
 from pathlib import Path
@@ -20,6 +27,8 @@ DTYPES = ("float32", "bfloat16")
 
 
 class TorchAdapter:
+    supports_chains = False  # depth 1 only: see the module docstring
+
     def __init__(self, checkpoint: Path, device: str = "cpu", dtype: str = "float32"):
         import torch
 
