@@ -691,6 +691,39 @@ def bench_chain(ckpt: Path, work: Path, rate: float, gemm: dict[int, float], row
                  f"{diff_rss[f'plain{t}_s']:.2f} s)", f"{diff_rss[f'chain{t}'] / diff_rss[f'plain{t}']:.2f}x", "flat"))
 
 
+def child_ds_chain(ckpt: str, t: int, k: int, out: str) -> None:
+    """The DeepSeek-V3-shaped export in-process, `--chain k` or bridge only (k = 1), imports done first."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_moe import _ds_ids
+
+    from oracle.export import ChainOptions, HiddenSource, export_trace
+    from oracle.families import deepseek_v3  # noqa: F401  (imports done before the clock starts)
+
+    begin = time.perf_counter()
+    export_trace(Path(ckpt), Path(out), _ds_ids(t, t), HiddenSource(seed=0), chain=ChainOptions(k) if k > 1 else None)
+    print(json.dumps({"export_s": time.perf_counter() - begin}))
+
+
+def bench_deepseek_chain(ckpt: Path, work: Path, rows: list, t: int = 32, k: int = 2) -> None:
+    """The DeepSeek-V3-shaped FP8 layer (scripts/make_realscale_deepseek_checkpoint.py) at T, `--chain k` beside
+    the bridge-only export: time and peak RSS, alternated, best of BENCH_CHAIN_RUNS."""
+    if not (ckpt / "model.safetensors.index.json").is_file():
+        subprocess.run([PY, str(ROOT / "scripts" / "make_realscale_deepseek_checkpoint.py"), str(ckpt)], check=True)
+    experts = json.loads((ckpt / "config.json").read_text())["n_routed_experts"]
+    runs = int(os.environ.get("BENCH_CHAIN_RUNS", "2"))
+    got = {1: [], k: []}
+    for _ in range(runs):
+        for depths in got:
+            _, rss, out = run_child([PY, __file__, "child-ds-chain", str(ckpt), str(t), str(depths),
+                                     str(work / f"ds{t}_{depths}.h5")])
+            got[depths].append((json.loads(out)["export_s"], rss))
+    (chain_s, chain_rss), (bridge_s, bridge_rss) = (min(got[d]) for d in (k, 1))
+    rows.append((f"DeepSeek-V3 FP8 ({experts} experts) export --chain {k}, T={t}", f"{chain_s:.2f} s",
+                 f"bridge only {bridge_s:.2f} s", f"{chain_s / bridge_s:.2f}x", ""))
+    rows.append((f"DeepSeek-V3 FP8 export --chain {k} peak RSS, T={t}", f"{chain_rss:.2f} GB",
+                 f"bridge only {bridge_rss:.2f} GB", f"{chain_rss / bridge_rss:.2f}x", ""))
+
+
 def machine() -> str:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
@@ -703,7 +736,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", type=Path, default=Path("/tmp/mtp-bench/q35_27b"))
     parser.add_argument("--work", type=Path, default=Path("/tmp/mtp-bench/work"))
-    parser.add_argument("--only", choices=("export", "diff", "cabi", "accept", "moe", "chain", "plain"),
+    parser.add_argument("--ds-checkpoint", type=Path, default=Path("/tmp/mtp-bench/dsv3"),
+                        help="the DeepSeek-V3-shaped checkpoint of the ds-chain part (generated if missing)")
+    parser.add_argument("--only", choices=("export", "diff", "cabi", "accept", "moe", "chain", "plain",
+                                           "ds-chain"),
                         help="Run one part (floors always run).")
     parser.add_argument("--abi", type=int, choices=(1, 2), action="append",
                         help="C ABI version(s) the cabi part measures (repeatable; default: 2, then 1).")
@@ -735,6 +771,8 @@ def main() -> None:
         bench_plain(args.checkpoint, args.work, rows)
     if args.only in (None, "chain"):
         bench_chain(args.checkpoint, args.work, rate, gemm, rows)
+    if args.only in (None, "ds-chain"):
+        bench_deepseek_chain(args.ds_checkpoint, args.work, rows)
     if args.only in (None, "moe"):  # the Qwen3-Next-shaped MoE layer (scripts/bench_moe.py)
         sys.path.insert(0, str(ROOT / "scripts"))
         from bench_moe import bench_moe
@@ -757,6 +795,7 @@ if __name__ == "__main__":
          "child-evidence": lambda a: child_evidence(a[0], int(a[1])),
          "child-diff": lambda a: child_diff(a[0], a[1]),
          "child-accept": lambda a: child_accept(a[0], int(a[1]), int(a[2])),
-         "child-chain": lambda a: child_chain(a[0], int(a[1]), int(a[2]), a[3], a[4])}[sys.argv[1]](sys.argv[2:])
+         "child-chain": lambda a: child_chain(a[0], int(a[1]), int(a[2]), a[3], a[4]),
+         "child-ds-chain": lambda a: child_ds_chain(a[0], int(a[1]), int(a[2]), a[3])}[sys.argv[1]](sys.argv[2:])
     else:
         main()
