@@ -98,8 +98,8 @@ class LmHead:
         if len(x) == 0:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
         cand = self._screen(x, second=True)
-        ids = self._decide(x, cand)
         logit, err = self._float64_logits(x.astype(np.float64), cand.rows, cand.ids)
+        ids = self._decide(x, cand, (logit, err))  # the same float64 logits: rescored once, not twice
         best = cand.ids == ids[cand.rows]
         top = np.full(len(x), -np.inf)
         np.maximum.at(top, cand.rows[best], logit[best] - err[best])
@@ -189,10 +189,11 @@ class LmHead:
 
     # ---- 4: rescore exactly -------------------------------------------------------------------------------------
 
-    def _decide(self, x: np.ndarray, cand: "Candidates") -> np.ndarray:
-        """Per row, the exact argmax among its candidates (which include every id that may be the argmax)."""
+    def _decide(self, x: np.ndarray, cand: "Candidates", scored: tuple | None = None) -> np.ndarray:
+        """Per row, the exact argmax among its candidates (which include every id that may be the argmax);
+        `scored`: their (float64 logits, error bounds) where the caller has them already."""
         x64 = x.astype(np.float64)
-        logit, err = self._float64_logits(x64, cand.rows, cand.ids)
+        logit, err = scored if scored is not None else self._float64_logits(x64, cand.rows, cand.ids)
         broken = np.abs(logit - cand.score) > (cand.slack + cand.rel * np.abs(cand.score) + err) * (1 + MARGIN)
         if broken.any():
             raise RuntimeError(f"the lm_head screen's error bound failed on {int(broken.sum())} candidates (e.g. "
