@@ -43,6 +43,8 @@ Peak memory is one chunk's screen scores (rows x chunk, bf16), the candidates an
 """
 
 import math
+import os
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -107,6 +109,28 @@ class LmHead:
         np.maximum.at(runner, cand.rows[~best], logit[~best] + err[~best])
         margin = np.maximum(top - runner, 0.0).astype(np.float32)  # inf where the vocabulary has one id
         return ids, np.where(np.isinf(margin), margin, np.nextafter(margin, np.float32(0)))  # rounded down
+
+    def read_ahead(self) -> None:
+        """Ask the kernel, on a daemon thread, to bring the stored rows into the page cache (posix_fadvise
+        WILLNEED), so that a sweep started later finds them there: the export calls this before its forward, and a
+        cold lm_head (2.5 GB at real scale) is then read while the head computes, not while the sweep waits
+        (measured here: the column-maximum pass of a cold 27B lm_head was 25x its CPU time in wall time). A hint
+        only: where it is not supported or fails, the sweep reads the pages itself, as before."""
+        entry = self.checkpoint.entry(self.name)
+        if not hasattr(os, "posix_fadvise"):
+            return
+
+        def advise() -> None:
+            try:
+                fd = os.open(entry.file, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, entry.offset, entry.nbytes, os.POSIX_FADV_WILLNEED)
+                finally:
+                    os.close(fd)
+            except OSError:
+                pass  # the sweep reads the rows regardless
+
+        threading.Thread(target=advise, name="lm_head-read-ahead", daemon=True).start()
 
     def row_norm_max(self) -> float:
         """The largest L2 norm of a row of the projection, rounded up (float32 sums of squares of D terms err by

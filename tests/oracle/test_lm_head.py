@@ -273,3 +273,27 @@ def test_twin_row_norm_max_follows_the_largest_row_not_a_stale_chunk(tmp_path, t
     assert grown.row_norm_max() > base.row_norm_max()
     exact = np.linalg.norm(stored(w).astype(np.float64), axis=1).max()
     assert exact <= grown.row_norm_max() <= exact * (1 + 2**-9)
+
+
+def test_read_ahead_advises_exactly_the_projection_bytes_and_a_failure_is_only_a_hint(tmp_path, trained_w,
+                                                                                     monkeypatch):
+    """The export asks for the lm_head's pages before its forward: the advice covers the tensor's stored bytes (not
+    the shard, not another tensor), and an OS that refuses it leaves the argmax as it was."""
+    import threading
+
+    head = lm_head_of(checkpoint_with(tmp_path, trained_w), chunk_rows=40)
+    entry = head.checkpoint.entry(head.name)
+    advised, done = [], threading.Event()
+
+    def advise(fd, offset, length, advice):
+        advised.append((offset, length, advice))
+        done.set()
+        raise OSError("not supported here")
+
+    monkeypatch.setattr(lm_head_module.os, "posix_fadvise", advise)
+    head.read_ahead()
+    assert done.wait(10)
+    assert advised == [(entry.offset, entry.nbytes, lm_head_module.os.POSIX_FADV_WILLNEED)]
+    assert entry.nbytes == trained_w.numel() * 2
+    rows = np.random.default_rng(2).standard_normal((3, 64)).astype(np.float32)
+    np.testing.assert_array_equal(head.argmax(rows), exact_argmax(rows, stored(trained_w)))
