@@ -130,6 +130,9 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     h = reads.hidden.result() if h is None else h
     inputs = TraceInputs(token_ids=token_ids, positions=positions, hidden=h, embed=embed)
     head, rotary = impl.build_head(cfg, impl.torch_weights(weights))
+    projection = _draft_projection(ckpt, warn, needed=chain is not None and chain.tokens == "argmax")
+    if projection is not None:
+        projection.read_ahead()  # its rows reach the page cache while the head runs, not when the sweep starts
     log(f"running the head ({mode})")
     bridge = None
     with reused_projections(head):  # the uniform-weights pass gets the real pass's q/k/v projections back
@@ -145,7 +148,6 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
         uniform = impl.attention_with_uniform_weights(head, rotary, inputs, stages["ah"])
         part_rows, qk_parts = qk_part_evidence(impl, head, rotary, inputs, stages["ah"], stages["attn"])
     heap.close()
-    projection = _draft_projection(ckpt, warn, needed=chain is not None and chain.tokens == "argmax")
     stage_list = family.stages(cfg)
     if projection is None:
         stage_list = StageList(s for s in stage_list if s.name != DRAFT.name)

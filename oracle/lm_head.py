@@ -43,6 +43,8 @@ Peak memory is one chunk's screen scores (rows x chunk, bf16), the candidates an
 """
 
 import math
+import os
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -75,7 +77,7 @@ class LmHead:
     divisor: float = 1.0
     vocab_rows: int | None = None
     _column_max: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # chunk start -> M[c]
-    _row_norm_max: list = field(default_factory=list, init=False, repr=False, compare=False)  # computed once
+    _row_norm_sq: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # start -> max ‖w_v‖²
 
     def argmax(self, rows: np.ndarray) -> np.ndarray:
         """argmax over the full vocabulary (its first `vocab_rows` ids where set) of the exact logits W @ row (row /
@@ -102,8 +104,8 @@ class LmHead:
         if len(x) == 0:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
         cand = self._screen(x, second=True)
-        ids = self._decide(x, cand)
         logit, err = self._float64_logits(x.astype(np.float64), cand.rows, cand.ids)
+        ids = self._decide(x, cand, (logit, err))  # the same float64 logits: rescored once, not twice
         best = cand.ids == ids[cand.rows]
         top = np.full(len(x), -np.inf)
         np.maximum.at(top, cand.rows[best], logit[best] - err[best])
@@ -117,19 +119,38 @@ class LmHead:
         x = np.ascontiguousarray(rows, dtype=np.float32)
         return x if self.divisor == 1.0 else x / np.float32(self.divisor)
 
+    def read_ahead(self) -> None:
+        """Ask the kernel, on a daemon thread, to bring the stored rows into the page cache (posix_fadvise
+        WILLNEED), so that a sweep started later finds them there: the export calls this before its forward, and a
+        cold lm_head (2.5 GB at real scale) is then read while the head computes, not while the sweep waits
+        (measured here: the column-maximum pass of a cold 27B lm_head was 25x its CPU time in wall time). A hint
+        only: where it is not supported or fails, the sweep reads the pages itself, as before."""
+        entry = self.checkpoint.entry(self.name)
+        if not hasattr(os, "posix_fadvise"):
+            return
+
+        def advise() -> None:
+            try:
+                fd = os.open(entry.file, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, entry.offset, entry.nbytes, os.POSIX_FADV_WILLNEED)
+                finally:
+                    os.close(fd)
+            except OSError:
+                pass  # the sweep reads the rows regardless
+
+        threading.Thread(target=advise, name="lm_head-read-ahead", daemon=True).start()
+
     def row_norm_max(self) -> float:
         """The largest L2 norm of a row of the projection, rounded up (float32 sums of squares of D terms err by
         under D·2^-24 relative; 2^-10 covers D < 2^14): a row error of d (L2) moves a logit difference by at most
-        2 * row_norm_max * d. Computed once, in one pass over the stored rows."""
-        if not self._row_norm_max:
-            largest = 0.0
-            for _, w in self._chunks():
-                for a in range(0, len(w), 1024):
-                    largest = max(largest, float(torch.linalg.vector_norm(w[a:a + 1024], dim=1,
-                                                                          dtype=torch.float32).max()))
-            # per unit of the rows given: a row error d moves the input by d / divisor (rounded up once more)
-            self._row_norm_max.append(largest * (1 + 2.0**-10) / self.divisor * (1 + 2.0**-20))
-        return self._row_norm_max[0]
+        2 * row_norm_max * d. The squared norms are taken in the pass that computes each chunk's column maxima
+        (`_colmax`), so after a screen this reads nothing; a chunk no screen has read yet is read once here."""
+        for start, w in self._chunks(skip=self._row_norm_sq):
+            self._colmax(start, w)
+        largest = math.sqrt(float(max(self._row_norm_sq.values()))) * (1 + 2.0**-10)
+        # per unit of the rows given: a row error d moves the input by d / divisor (rounded up once more)
+        return largest if self.divisor == 1.0 else largest / self.divisor * (1 + 2.0**-20)
 
     # ---- 1-3: screen, bound, keep -------------------------------------------------------------------------------
 
@@ -168,26 +189,31 @@ class LmHead:
         return Candidates(rows[keep][order], ids[keep][order], score[keep][order], slack[keep][order], rel)
 
     def _colmax(self, start: int, w: torch.Tensor) -> np.ndarray:
-        """M[c, i] = max_v |w[v, i]| of this chunk as float32, from the stored bits, computed once per chunk."""
+        """M[c, i] = max_v |w[v, i]| of this chunk as float32, from the stored bits, computed once per chunk; the same
+        pass keeps the chunk's largest squared row norm for `row_norm_max` (one read of the rows for both)."""
         if start not in self._column_max:
             if w.dtype == torch.bfloat16:
-                colmax = _bf16_column_max(w.view(torch.int16).numpy())
+                colmax, norm_sq = _bf16_column_max(w.view(torch.int16).numpy())
             else:
                 colmax = w.abs().amax(dim=0).numpy().astype(np.float32)
+                norm_sq = _row_norm_sq_max(w.numpy())
             if not np.isfinite(colmax).all():
                 raise CheckpointError(f"{self.name} rows {start}.. hold NaN or Inf; the argmax of its logits is "
                                       f"undefined.")
-            self._column_max[start] = colmax
+            self._column_max[start], self._row_norm_sq[start] = colmax, norm_sq
         return self._column_max[start]
 
-    def _chunks(self):
-        """(first row, rows [n, D]) per chunk: bf16 and f32 as stored (a view of the mapped shard, no copy), f16
-        widened exactly into one reused float32 buffer (a fresh chunk per read would pay its page faults each time)."""
+    def _chunks(self, skip=()):
+        """(first row, rows [n, D]) per chunk (but those whose first row is in `skip`): bf16 and f32 as stored (a
+        view of the mapped shard, no copy), f16 widened exactly into one reused float32 buffer (a fresh chunk per
+        read would pay its page faults each time)."""
         vocab, width = self.checkpoint.entry(self.name).shape
         vocab = min(vocab, self.vocab_rows or vocab)  # the draft logits' ids: the rows past it are padding
         widen = self.checkpoint.entry(self.name).dtype == "F16"
         wide = torch.empty(min(self.chunk_rows, vocab), width) if widen else None
         for start in range(0, vocab, self.chunk_rows):
+            if start in skip:
+                continue
             stored = self._stored(start, min(start + self.chunk_rows, vocab))
             yield start, wide[: len(stored)].copy_(stored) if widen else stored
 
@@ -199,10 +225,11 @@ class LmHead:
 
     # ---- 4: rescore exactly -------------------------------------------------------------------------------------
 
-    def _decide(self, x: np.ndarray, cand: "Candidates") -> np.ndarray:
-        """Per row, the exact argmax among its candidates (which include every id that may be the argmax)."""
+    def _decide(self, x: np.ndarray, cand: "Candidates", scored: tuple | None = None) -> np.ndarray:
+        """Per row, the exact argmax among its candidates (which include every id that may be the argmax);
+        `scored`: their (float64 logits, error bounds) where the caller has them already."""
         x64 = x.astype(np.float64)
-        logit, err = self._float64_logits(x64, cand.rows, cand.ids)
+        logit, err = scored if scored is not None else self._float64_logits(x64, cand.rows, cand.ids)
         broken = np.abs(logit - cand.score) > (cand.slack + cand.rel * np.abs(cand.score) + err) * (1 + MARGIN)
         if broken.any():
             raise RuntimeError(f"the lm_head screen's error bound failed on {int(broken.sum())} candidates (e.g. "
@@ -279,20 +306,37 @@ def _screen_operand(x: np.ndarray, bf16: bool) -> tuple[torch.Tensor, torch.Tens
     return operand, weight, phi, BF16_REL if bf16 else 0.0
 
 
-def _bf16_column_max(bits: np.ndarray, block: int = COLMAX_BLOCK_ROWS) -> np.ndarray:
-    """max_v |w[v, i]| as float32 for bf16 bit patterns [n, D] (int16: sign | exponent | mantissa).
+def _bf16_column_max(bits: np.ndarray, block: int = COLMAX_BLOCK_ROWS) -> tuple[np.ndarray, np.float32]:
+    """(max_v |w[v, i]| as float32, max_v ‖w_v‖² as float32) for bf16 bit patterns [n, D] (int16: sign | exponent |
+    mantissa), in one pass over the rows.
 
     Clearing the sign bit gives |w|'s pattern, and for non-negative bf16 the pattern's order is the value's order
     (NaN patterns sort above Inf, so a NaN column stays NaN). Done `block` rows at a time into a buffer that stays
     in cache: one pass over the stored rows instead of two (the signed and the unsigned maximum), 0.59 -> 0.35 s
-    over a 248320 x 5120 lm_head here (bench: `scripts/bench.py --only accept`)."""
+    over a 248320 x 5120 lm_head here (bench: `scripts/bench.py --only accept`). The same block, widened exactly
+    to float32 (its bits in the top half), gives the rows' squared norms while it is in cache: `row_norm_max` no
+    longer reads the lm_head a second time (a separate torch vector_norm pass cost more than the screen's GEMM)."""
     magnitude = np.zeros(bits.shape[1], dtype=np.int16)
     scratch = np.empty((min(block, len(bits)), bits.shape[1]), dtype=np.int16)
+    wide = np.empty(scratch.shape, dtype=np.int32)
+    norm_sq = np.float32(0)
     for start in range(0, len(bits), block):
         rows = scratch[: min(block, len(bits) - start)]
         np.bitwise_and(bits[start:start + block], 0x7FFF, out=rows)
         np.maximum(magnitude, rows.max(axis=0), out=magnitude)
-    return (magnitude.astype(np.uint32) << 16).view(np.float32)  # bf16 is the top half of a float32
+        widened = wide[: len(rows)]
+        np.left_shift(rows, 16, out=widened, dtype=np.int32, casting="unsafe")  # |w| as float32 bits: exact
+        norm_sq = max(norm_sq, _row_norm_sq_max(widened.view(np.float32)))
+    return (magnitude.astype(np.uint32) << 16).view(np.float32), norm_sq
+
+
+def _row_norm_sq_max(rows: np.ndarray) -> np.float32:
+    """max_v Σ_i w[v, i]² of float32 rows [n, D] (the squares are exact for bf16 and f16 values; the float32 sum
+    errs by under D·2^-24 relative in any order, which `row_norm_max` rounds up for). numpy's own loop, not a BLAS
+    call: deterministic, and no OpenBLAS threads left spinning against torch's GEMM."""
+    if len(rows) == 0:
+        return np.float32(0)
+    return np.einsum("ij,ij->i", rows, rows).max()
 
 
 def _down(value: np.ndarray, scale: np.ndarray) -> np.ndarray:

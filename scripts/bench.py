@@ -273,10 +273,20 @@ def child_accept(ckpt: str, chains: int, k: int) -> None:
                       "summary": f"E[len]={result.metrics.e_len:.3f}"}))
 
 
-def child_chain(ckpt: str, t: int, k: int, out: str, chain: int) -> None:
-    """export_trace in-process (imports and the head's first read excluded, as child_export), with `--chain k` or
-    without it (chain 0); with it, also the screened lm_head's rate on as many `out`-like rows as the export drafts
-    (T + sum of n_j), from a fresh LmHead (its column maxima computed in the timing, as the export's are)."""
+def child_chain(ckpt: str, t: int, k: int, out: str, variant: str) -> None:
+    """export_trace in-process (imports and the head's first read excluded, as child_export) as `variant`:
+    - "chain": `--chain k`, then the screened lm_head's rate on as many `out`-like rows as the export drafts
+      (T + sum of n_j), from a fresh LmHead (its column maxima computed in the timing, as the export's are);
+    - "plain": no --chain, then the same draft sweep alone on T rows (what the draft stage is allowed to cost:
+      `margin_s`, argmax_margin, as the stage runs it);
+    - "nodraft": no --chain and no draft stage (the draft projection absent, as for a head-only checkpoint): the
+      export before the draft stage existed;
+    - "oldnorm": "plain" with row_norm_max as it was before it was folded into the screen's sweep (a second pass
+      over the lm_head, torch vector_norm per 1024 rows)."""
+    import torch
+
+    import oracle.export
+    from oracle import lm_head
     from oracle.checkpoint import Checkpoint
     from oracle.draft_loop import chain_rows, draft_projection
     from oracle.export import ChainOptions, HiddenSource, export_trace
@@ -284,17 +294,32 @@ def child_chain(ckpt: str, t: int, k: int, out: str, chain: int) -> None:
 
     c = Checkpoint(Path(ckpt))
     head_module(c.family)
+    if variant == "nodraft":
+        oracle.export._draft_projection = lambda ckpt, warn, needed: None
+    if variant == "oldnorm":
+        def separate_pass(self) -> float:
+            largest = 0.0
+            for _, w in self._chunks():
+                for a in range(0, len(w), 1024):
+                    largest = max(largest, float(torch.linalg.vector_norm(w[a:a + 1024], dim=1,
+                                                                          dtype=torch.float32).max()))
+            return largest * (1 + 2.0**-10)
+
+        lm_head.LmHead.row_norm_max = separate_pass
     result = {}
     begin = time.perf_counter()
     export_trace(Path(ckpt), Path(out), token_ids(t), HiddenSource(seed=0),
-                 chain=ChainOptions(k) if chain else None)
+                 chain=ChainOptions(k) if variant == "chain" else None)
     result["export_s"] = time.perf_counter() - begin
-    if chain:
-        rows = t + sum(chain_rows(t, j) for j in range(2, k + 1))
+    if variant in ("chain", "plain"):
+        rows = t + sum(chain_rows(t, j) for j in range(2, k + 1)) if variant == "chain" else t
         x = np.random.default_rng(0).standard_normal((rows, c.config.hidden_size)).astype(np.float32)
         begin = time.perf_counter()
-        draft_projection(Checkpoint(Path(ckpt))).argmax(x)
+        draft_projection(Checkpoint(Path(ckpt))).argmax(x)  # the floor's rate: the plain screened argmax
         result |= {"draft_s": time.perf_counter() - begin, "draft_rows": rows}
+        begin = time.perf_counter()
+        draft_projection(Checkpoint(Path(ckpt))).argmax_margin(x)  # what the draft stage runs (its top-2 screen)
+        result["margin_s"] = time.perf_counter() - begin
     print(json.dumps(result))
 
 
@@ -595,29 +620,118 @@ def bench_accept(ckpt: Path, rows: list, chains: int = 169, k: int = 4) -> None:
     print(f"accept: {out.strip().splitlines()[-1]}", file=sys.stderr)
 
 
+def bench_plain(ckpt: Path, work: Path, rows: list, t: int = 169) -> None:
+    """The plain export (no --chain) against the export before the draft stage existed (no draft projection) plus
+    the one lm_head sweep the draft stage needs (measured alone in the plain child), and against the plain export
+    with row_norm_max as its own second pass over the lm_head (as before it was folded into the sweep): the three
+    alternated in one run, best of BENCH_CHAIN_RUNS each."""
+    runs = int(os.environ.get("BENCH_CHAIN_RUNS", "2"))
+    got = {"nodraft": [], "plain": [], "oldnorm": []}
+    for _ in range(runs):
+        for variant in got:
+            warm_page_cache(shard_of(ckpt, "lm_head.weight"))  # each variant starts from the same cache state
+            wall, rss, out = run_child([PY, __file__, "child-chain", str(ckpt), str(t), "1",
+                                        str(work / f"{variant}{t}.h5"), variant])
+            got[variant].append((json.loads(out), rss))
+    best = {v: min(r["export_s"] for r, _ in got[v]) for v in got}
+    sweep = min(r["margin_s"] for r, _ in got["plain"])
+    rss = {v: min(r for _, r in got[v]) for v in got}
+    rows.append((f"plain export in-process, T={t}", f"{best['plain']:.2f} s",
+                 f"before the draft stage {best['nodraft']:.2f} s + its sweep {sweep:.2f} s",
+                 f"{best['plain'] / (best['nodraft'] + sweep):.2f}x", "<= 1.0x"))
+    rows.append((f"plain export, row_norm_max folded / its own pass, T={t}", f"{best['plain']:.2f} s",
+                 f"separate pass {best['oldnorm']:.2f} s", f"{best['plain'] / best['oldnorm']:.2f}x", ""))
+    rows.append((f"plain export peak RSS, T={t}", f"{rss['plain']:.2f} GB",
+                 f"before the draft stage {rss['nodraft']:.2f} GB", f"{rss['plain'] / rss['nodraft']:.2f}x", ""))
+    print("plain export runs: " + "; ".join(f"{v} " + ", ".join(f"{r['export_s']:.2f}" for r, _ in got[v])
+                                             for v in got), file=sys.stderr)
+
+
+def warm_page_cache(path: Path) -> None:
+    """Read `path` once (dd to /dev/null: nothing enters this small parent), so that a child's lm_head sweep does not
+    pay a cold read that another variant, run right after it, would not: on a machine short of page cache the
+    variant run second otherwise wins by the order alone (measured: 159 s against 179 s, the same code)."""
+    subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=16M"], check=True, capture_output=True)
+
+
 def bench_chain(ckpt: Path, work: Path, rate: float, gemm: dict[int, float], rows: list, t: int = 169,
                 k: int = 4) -> None:
     """`export --chain k` (teacher-forced) at real scale against its floor, measured in the same run: k bridge
     forwards at the export floor (head bytes / read rate + FLOPs / GEMM rate, as bench_export), plus the draft
     argmax of every recorded row at the screened lm_head's measured rate; peak RSS against the plain T export
-    (which records the draft stage too: the lm_head screen)."""
+    (which records the draft stage too: the lm_head screen); then `mtp-probe diff` of each trace against a copy of
+    itself, peak RSS (a chained trace is read one depth at a time: its diff's memory stays that of the plain one)."""
+    import shutil
+
     head_bytes = (ckpt / "model-00003-of-00003.safetensors").stat().st_size
     forward = head_bytes / rate / 1e9 + head_flops(t) / gemm[t] / 1e9
     runs = int(os.environ.get("BENCH_CHAIN_RUNS", "2"))  # best of; 1 where the machine is short of time
-    chained = [run_child([PY, __file__, "child-chain", str(ckpt), str(t), str(k), str(work / f"chain{t}.h5"), "1"])
-               for _ in range(runs)]
-    plain = [run_child([PY, __file__, "child-chain", str(ckpt), str(t), str(k), str(work / f"plain{t}.h5"), "0"])
-             for _ in range(runs)]
+    chained, plain = [], []
+    for _ in range(runs):  # alternated: the machine is shared
+        warm_page_cache(shard_of(ckpt, "lm_head.weight"))
+        chained.append(run_child([PY, __file__, "child-chain", str(ckpt), str(t), str(k), str(work / f"chain{t}.h5"),
+                                  "chain"]))
+        warm_page_cache(shard_of(ckpt, "lm_head.weight"))
+        plain.append(run_child([PY, __file__, "child-chain", str(ckpt), str(t), str(k), str(work / f"plain{t}.h5"),
+                                "plain"]))
     inner = [json.loads(out) for _, _, out in chained]
     export_s, draft_s = min(r["export_s"] for r in inner), min(r["draft_s"] for r in inner)
+    margin_s = min(r["margin_s"] for r in inner)  # the same rows through argmax_margin, as the draft stage runs
     floor = k * forward + draft_s
     plain_s = min(json.loads(out)["export_s"] for _, _, out in plain)
     rss, plain_rss = min(r for _, r, _ in chained), min(r for _, r, _ in plain)
     rows.append((f"export --chain {k} in-process, T={t}", f"{export_s:.2f} s",
                  f"floor {floor:.2f} s ({k} x {forward:.2f} s + draft {draft_s:.2f} s, {inner[0]['draft_rows']} rows)",
                  f"{export_s / floor:.2f}x", f"<= {TARGETS['chain']}x"))
+    rows.append((f"export --chain {k}, the floor's draft through argmax_margin (top-2 screen)", f"{margin_s:.2f} s",
+                 f"argmax {draft_s:.2f} s", f"chain {export_s / (k * forward + margin_s):.2f}x of that floor", ""))
     rows.append((f"export --chain {k} peak RSS, T={t}", f"{rss:.2f} GB", f"plain export {plain_rss:.2f} GB "
                  f"({plain_s:.2f} s)", f"{rss / plain_rss:.2f}x", f"<= {TARGETS['chain_rss']}x"))
+    runs_s = ", ".join(f"{r['export_s']:.2f}" for r in inner)
+    print(f"export --chain {k} runs: {runs_s} s", file=sys.stderr)
+    diff_rss = {}
+    for name in (f"chain{t}", f"plain{t}"):
+        ref, cand = work / f"{name}.h5", work / f"{name}_copy.h5"
+        shutil.copyfile(ref, cand)
+        wall, diff_rss[name], out = run_child([str(BIN / "mtp-probe"), "diff", str(ref), str(cand)])
+        diff_rss[name + "_s"] = wall
+        cand.unlink()
+    rows.append((f"mtp-probe diff peak RSS, chained trace (K={k}) / plain, T={t}", f"{diff_rss[f'chain{t}']:.2f} GB",
+                 f"plain {diff_rss[f'plain{t}']:.2f} GB ({diff_rss[f'chain{t}_s']:.2f} s / "
+                 f"{diff_rss[f'plain{t}_s']:.2f} s)", f"{diff_rss[f'chain{t}'] / diff_rss[f'plain{t}']:.2f}x", "flat"))
+
+
+def child_ds_chain(ckpt: str, t: int, k: int, out: str) -> None:
+    """The DeepSeek-V3-shaped export in-process, `--chain k` or bridge only (k = 1), imports done first."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_moe import _ds_ids
+
+    from oracle.export import ChainOptions, HiddenSource, export_trace
+    from oracle.families import deepseek_v3  # noqa: F401  (imports done before the clock starts)
+
+    begin = time.perf_counter()
+    export_trace(Path(ckpt), Path(out), _ds_ids(t, t), HiddenSource(seed=0), chain=ChainOptions(k) if k > 1 else None)
+    print(json.dumps({"export_s": time.perf_counter() - begin}))
+
+
+def bench_deepseek_chain(ckpt: Path, work: Path, rows: list, t: int = 32, k: int = 2) -> None:
+    """The DeepSeek-V3-shaped FP8 layer (scripts/make_realscale_deepseek_checkpoint.py) at T, `--chain k` beside
+    the bridge-only export: time and peak RSS, alternated, best of BENCH_CHAIN_RUNS."""
+    if not (ckpt / "model.safetensors.index.json").is_file():
+        subprocess.run([PY, str(ROOT / "scripts" / "make_realscale_deepseek_checkpoint.py"), str(ckpt)], check=True)
+    experts = json.loads((ckpt / "config.json").read_text())["n_routed_experts"]
+    runs = int(os.environ.get("BENCH_CHAIN_RUNS", "2"))
+    got = {1: [], k: []}
+    for _ in range(runs):
+        for depths in got:
+            _, rss, out = run_child([PY, __file__, "child-ds-chain", str(ckpt), str(t), str(depths),
+                                     str(work / f"ds{t}_{depths}.h5")])
+            got[depths].append((json.loads(out)["export_s"], rss))
+    (chain_s, chain_rss), (bridge_s, bridge_rss) = (min(got[d]) for d in (k, 1))
+    rows.append((f"DeepSeek-V3 FP8 ({experts} experts) export --chain {k}, T={t}", f"{chain_s:.2f} s",
+                 f"bridge only {bridge_s:.2f} s", f"{chain_s / bridge_s:.2f}x", ""))
+    rows.append((f"DeepSeek-V3 FP8 export --chain {k} peak RSS, T={t}", f"{chain_rss:.2f} GB",
+                 f"bridge only {bridge_rss:.2f} GB", f"{chain_rss / bridge_rss:.2f}x", ""))
 
 
 def machine() -> str:
@@ -632,7 +746,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", type=Path, default=Path("/tmp/mtp-bench/q35_27b"))
     parser.add_argument("--work", type=Path, default=Path("/tmp/mtp-bench/work"))
-    parser.add_argument("--only", choices=("export", "diff", "cabi", "accept", "moe", "chain"),
+    parser.add_argument("--ds-checkpoint", type=Path, default=Path("/tmp/mtp-bench/dsv3"),
+                        help="the DeepSeek-V3-shaped checkpoint of the ds-chain part (generated if missing)")
+    parser.add_argument("--only", choices=("export", "diff", "cabi", "accept", "moe", "chain", "plain",
+                                           "ds-chain"),
                         help="Run one part (floors always run).")
     parser.add_argument("--abi", type=int, choices=(1, 2), action="append",
                         help="C ABI version(s) the cabi part measures (repeatable; default: 2, then 1).")
@@ -660,8 +777,12 @@ def main() -> None:
                 bench_cabi(args.checkpoint, args.work, rows, t=t, abi=abi)
     if args.only in (None, "accept"):
         bench_accept(args.checkpoint, rows)
+    if args.only in (None, "plain"):
+        bench_plain(args.checkpoint, args.work, rows)
     if args.only in (None, "chain"):
         bench_chain(args.checkpoint, args.work, rate, gemm, rows)
+    if args.only in (None, "ds-chain"):
+        bench_deepseek_chain(args.ds_checkpoint, args.work, rows)
     if args.only in (None, "moe"):  # the Qwen3-Next-shaped MoE layer (scripts/bench_moe.py)
         sys.path.insert(0, str(ROOT / "scripts"))
         from bench_moe import bench_moe
@@ -684,6 +805,7 @@ if __name__ == "__main__":
          "child-evidence": lambda a: child_evidence(a[0], int(a[1])),
          "child-diff": lambda a: child_diff(a[0], a[1]),
          "child-accept": lambda a: child_accept(a[0], int(a[1]), int(a[2])),
-         "child-chain": lambda a: child_chain(a[0], int(a[1]), int(a[2]), a[3], int(a[4]))}[sys.argv[1]](sys.argv[2:])
+         "child-chain": lambda a: child_chain(a[0], int(a[1]), int(a[2]), a[3], a[4]),
+         "child-ds-chain": lambda a: child_ds_chain(a[0], int(a[1]), int(a[2]), a[3])}[sys.argv[1]](sys.argv[2:])
     else:
         main()

@@ -206,9 +206,11 @@ def test_the_column_maximum_is_max_abs_of_the_stored_bf16(block):
     w[:, 1] = -0.0
     w[5, 2] = torch.tensor(-1e-39).bfloat16()  # subnormal, the column's only nonzero
     w[np.arange(131) != 5, 2] = 0.0
-    got = lm_head_module._bf16_column_max(w.view(torch.int16).numpy(), block=block)
+    got, norm_sq = lm_head_module._bf16_column_max(w.view(torch.int16).numpy(), block=block)
     np.testing.assert_array_equal(got, w.abs().amax(dim=0).float().numpy())
     assert got[0] > 0 and got[1] == 0 and got[2] > 0
+    exact = (w.double() ** 2).sum(dim=1).max().item()  # the same pass's squared row norms: float32 sums
+    assert abs(float(norm_sq) - exact) <= 40 * 2.0**-24 * exact
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("-inf"), float("inf")])
@@ -219,3 +221,79 @@ def test_a_nan_or_inf_weight_is_refused_not_screened(tmp_path, trained_w, bad):
     rows = np.ones((2, w.shape[1]), dtype=np.float32)
     with pytest.raises(CheckpointError, match="NaN or Inf"):
         lm_head_of(checkpoint_with(tmp_path, w)).argmax(rows)
+
+
+# --- row_norm_max, folded into the screen's sweep ----------------------------------------------------------------
+
+
+def counted_reads(monkeypatch) -> list:
+    """Every (start, stop) of lm_head rows read from the checkpoint from now on."""
+    reads, stored_rows = [], lm_head_module.LmHead._stored
+    monkeypatch.setattr(lm_head_module.LmHead, "_stored",
+                        lambda self, start, stop: reads.append((start, stop)) or stored_rows(self, start, stop))
+    return reads
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "f16", "f32"])
+@pytest.mark.parametrize("chunk_rows", [7, 40, 8192])
+def test_the_folded_sweep_gives_the_same_row_norm_max_and_drafts_as_separate_passes(tmp_path, trained_w, dtype,
+                                                                                    chunk_rows, monkeypatch):
+    """row_norm_max is taken in the screen's column-maximum pass: after a screen it reads no row again, and it equals
+    the value of its own pass over the rows (row_norm_max before any screen), with the same drafts and margins
+    either way; both are the documented upper bound on the largest exact row norm."""
+    w = trained_w.to(dtype).clone()  # the fixture is shared: never edit it in place
+    w[17] = w[17] * 4  # one row clearly the largest
+    rows = np.random.default_rng(5).standard_normal((9, 64)).astype(np.float32)
+    separate = lm_head_of(checkpoint_with(tmp_path / "separate", w), chunk_rows=chunk_rows)
+    norm_first = separate.row_norm_max()  # its own pass: no screen ran
+    ids_after, margin_after = separate.argmax_margin(rows)
+    folded = lm_head_of(checkpoint_with(tmp_path / "folded", w), chunk_rows=chunk_rows)
+    ids, margin = folded.argmax_margin(rows)
+    reads = counted_reads(monkeypatch)
+    norm_folded = folded.row_norm_max()
+    assert norm_folded == norm_first and not reads  # the same value, nothing read a second time
+    np.testing.assert_array_equal(ids, ids_after)
+    np.testing.assert_array_equal(margin, margin_after)
+    np.testing.assert_array_equal(ids, exact_argmax(rows, stored(w)))
+    exact = np.linalg.norm(stored(w).astype(np.float64), axis=1).max()
+    assert exact <= norm_folded <= exact * (1 + 2**-9)
+    old = float(torch.linalg.vector_norm(w, dim=1, dtype=torch.float32).max()) * (1 + 2.0**-10)  # before the fold
+    assert abs(norm_folded - old) <= 64 * 2.0**-24 * exact  # within the float32 rounding the bound allows for
+
+
+def test_twin_row_norm_max_follows_the_largest_row_not_a_stale_chunk(tmp_path, trained_w):
+    """Twin: the folded value is measured per chunk; a larger row in the last chunk raises it, a screen of another
+    head leaves it alone."""
+    base = lm_head_of(checkpoint_with(tmp_path / "base", trained_w), chunk_rows=40)
+    base.argmax(np.ones((1, 64), dtype=np.float32))
+    w = trained_w.clone()
+    w[95] = w[95] * 8  # the last (short) chunk
+    grown = lm_head_of(checkpoint_with(tmp_path / "grown", w), chunk_rows=40)
+    grown.argmax(np.ones((1, 64), dtype=np.float32))
+    assert grown.row_norm_max() > base.row_norm_max()
+    exact = np.linalg.norm(stored(w).astype(np.float64), axis=1).max()
+    assert exact <= grown.row_norm_max() <= exact * (1 + 2**-9)
+
+
+def test_read_ahead_advises_exactly_the_projection_bytes_and_a_failure_is_only_a_hint(tmp_path, trained_w,
+                                                                                     monkeypatch):
+    """The export asks for the lm_head's pages before its forward: the advice covers the tensor's stored bytes (not
+    the shard, not another tensor), and an OS that refuses it leaves the argmax as it was."""
+    import threading
+
+    head = lm_head_of(checkpoint_with(tmp_path, trained_w), chunk_rows=40)
+    entry = head.checkpoint.entry(head.name)
+    advised, done = [], threading.Event()
+
+    def advise(fd, offset, length, advice):
+        advised.append((offset, length, advice))
+        done.set()
+        raise OSError("not supported here")
+
+    monkeypatch.setattr(lm_head_module.os, "posix_fadvise", advise)
+    head.read_ahead()
+    assert done.wait(10)
+    assert advised == [(entry.offset, entry.nbytes, lm_head_module.os.POSIX_FADV_WILLNEED)]
+    assert entry.nbytes == trained_w.numel() * 2
+    rows = np.random.default_rng(2).standard_normal((3, 64)).astype(np.float32)
+    np.testing.assert_array_equal(head.argmax(rows), exact_argmax(rows, stored(trained_w)))
