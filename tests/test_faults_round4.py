@@ -1,0 +1,104 @@
+"""Issue 29, finished (round 4): what round 3 left open, and one NEW case per numbered cause that the earlier tests
+(tests/test_faults_round3.py, tests/test_red_team_fixes.py, tests/probe/*) do not use.
+
+A shard cut short while `accept` (or the draft stage) reads the lm_head: the chunks were views of a mapped shard,
+so a page past the new end killed the process with SIGBUS (exit -7); now every lm_head read is a pread, a short read
+is exit 2 naming the shard, and a shard rewritten in place meanwhile is refused (its drafts may mix old and new
+weights), as export does. Each fault is made by ANOTHER process (`truncate`, a Python child) on the real file, at a
+named moment of the real CLI run (a hook around Checkpoint.stored_rows), and each has its intact twin."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.helpers import FIXTURES, ROOT
+from tests.test_bad_inputs import checkpoint_copy, digests, leftovers
+
+ACCEPT_TOKENS = ",".join(str(t) for t in [17, 42, 3, 255, 100, 7, 511, 64, 9, 33, 12, 5])
+
+# The mtp-oracle CLI as the program; on the `at`-th lm_head read (Checkpoint.stored_rows, a vocabulary chunk) a
+# separate process truncates the shard to half ("truncate") or rewrites its lm_head bytes in place ("rewrite").
+_LM_HEAD_FAULT = """
+import subprocess, sys
+from pathlib import Path
+import oracle.checkpoint
+shard, how, at = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+real, calls = oracle.checkpoint.Checkpoint.stored_rows, []
+def hooked(self, name, *a, **k):
+    calls.append(name)
+    if len(calls) == at and how == "truncate":
+        subprocess.run(["truncate", "-s", str(shard.stat().st_size // 2), str(shard)], check=True)
+    if len(calls) == at and how == "rewrite":
+        entry = self.entry(name)
+        code = (f"f = open({str(shard)!r}, 'r+b'); f.seek({entry.offset}); f.write(bytes({entry.nbytes})); "
+                f"f.close()")
+        subprocess.run([sys.executable, "-c", code], check=True)
+    return real(self, name, *a, **k)
+oracle.checkpoint.Checkpoint.stored_rows = hooked
+from oracle.cli import main
+main(sys.argv[4:])
+"""
+
+
+def _accept_with_fault(ckpt: Path, out: Path, how: str, at: int, *extra) -> subprocess.CompletedProcess:
+    args = [ckpt / "model.safetensors", how, at, "accept", ckpt, "--tokens", ACCEPT_TOKENS, "--hidden-seed", "0",
+            "--k", "3", "--chunk-rows", "100", "--json", out, "-q", *extra]
+    return subprocess.run([sys.executable, "-c", _LM_HEAD_FAULT, *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+def _assert_refused(result, pattern: str, tmp_path: Path, out: Path, before: str | None):
+    text = result.stdout + result.stderr
+    assert result.returncode != -7, "SIGBUS: a mapped lm_head page past the new end of the shard was read"
+    assert result.returncode == 2, text
+    assert "Traceback" not in text, text
+    assert pattern in text, text
+    assert not leftovers(tmp_path), leftovers(tmp_path)
+    assert (out.read_text() if out.exists() else None) == before, "the previous --json output changed"
+
+
+@pytest.mark.parametrize("at", [2, 5], ids=["between-sweeps", "mid-sweep"])
+def test_a_shard_cut_short_while_accept_reads_the_lm_head_is_exit_2_naming_it(tmp_path, at):
+    ckpt = checkpoint_copy(tmp_path)
+    out = tmp_path / "acc.json"
+    out.write_text('{"previous": true}\n')  # an earlier result: kept as it was
+    result = _accept_with_fault(ckpt, out, "truncate", at)
+    _assert_refused(result, str(ckpt / "model.safetensors"), tmp_path, out, '{"previous": true}\n')
+
+
+def test_a_shard_rewritten_in_place_while_accept_reads_the_lm_head_is_refused(tmp_path):
+    ckpt = checkpoint_copy(tmp_path)
+    out = tmp_path / "acc.json"
+    result = _accept_with_fault(ckpt, out, "rewrite", 3)
+    _assert_refused(result, "changed while it was being read", tmp_path, out, None)
+
+
+def test_twin_an_undisturbed_accept_reads_every_chunk_and_writes_its_result(tmp_path):
+    ckpt = checkpoint_copy(tmp_path)
+    out = tmp_path / "acc.json"
+    before = digests([ckpt])
+    result = _accept_with_fault(ckpt, out, "none", 0)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads(out.read_text())["chains"] == 8, out.read_text()
+    assert digests([ckpt]) == before
+
+
+def test_twin_the_pread_lm_head_argmax_equals_the_float64_argmax_over_the_whole_vocabulary(tmp_path):
+    """The chunks read with pread into one reused buffer (and the rows rescored read one by one) give the exact
+    argmax: against a float64 product over the whole table, read independently with safetensors."""
+    import torch
+    from safetensors.torch import load_file
+
+    from oracle.checkpoint import Checkpoint
+    from oracle.lm_head import lm_head_of
+
+    torch.set_float32_matmul_precision("highest")
+    ckpt = Checkpoint(FIXTURES / "qwen3_5_tiny")
+    head = lm_head_of(ckpt, chunk_rows=37)  # ragged last chunk: 512 = 13 x 37 + 31
+    w = load_file(FIXTURES / "qwen3_5_tiny" / "model.safetensors")["lm_head.weight"].double().numpy()
+    rows = np.random.default_rng(0).standard_normal((9, ckpt.config.hidden_size)).astype(np.float32)
+    np.testing.assert_array_equal(head.argmax(rows), np.argmax(rows.astype(np.float64) @ w.T, axis=1))
