@@ -251,3 +251,68 @@ def kv_append_variants(run: Callable, mask: torch.Tensor) -> list[PartVariant]:
     mask: the current key missing, and only the current key (the cache never grows)."""
     return [PartVariant("kv_append", "own_key_missing", run(attention_mask=without_own_key(mask))),
             PartVariant("kv_append", "only_own_key", run(attention_mask=only_own_key(mask)))]
+
+
+# --- the same records at every chain depth (export --chain) ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class DepthRows:
+    """What depth j of the chains fed and computed: the rows its q/k-part records are measured on."""
+
+    token_ids: np.ndarray  # (n_j,)
+    positions: np.ndarray  # (n_j,) p_i + j - 1
+    recycled: np.ndarray  # (n_j, w)
+    embed: np.ndarray  # (n_j, D)
+    ah: np.ndarray  # (n_j, D)
+    attn: np.ndarray  # (n_j, D): the reference's depth-j attn rows, what each variant is measured against
+
+
+def chain_part_records(impl, head, rotary, inputs, bridge_ah: np.ndarray, bridge_attn: np.ndarray,
+                       depths: dict[int, DepthRows], names: dict[str, list[str]]) -> dict[int, dict[str, np.ndarray]]:
+    """{depth j: {/chain/d{j}/evidence dataset: [n_j, V]}}: each q/k-path part's wrong variants measured on the
+    chain's own depth-j attn rows, as depth 1's are on the bridge's (one-layer heads).
+
+    The rows are the draft loop's own (oracle/draft_loop.py): the bridge steps, then every depth's chain entries,
+    stacked as one pass of the official attention module on the reference's `ah` rows, with the loop's mask (chain c
+    at depth j sees bridge rows 0..c and its own entries of depths 2..j, within the window) and its key positions
+    (bridge i at p_i, chain c's depth-d entry at p_c + d - 1). A variant then applies wherever the head attends
+    (the bridge keys a chain reads included, as an engine wrong in that part is), its inputs held at the
+    reference's, and only the depth-j rows are kept for depth j. With the same mask and no variant this pass gives
+    the loop's own attn rows (tests/probe/test_qk_parts_depths.py). Only the parts whose variants are depth 1's
+    (`names`, the root's evidence_rules.qk_parts, which the probe reads at every depth) are kept."""
+    from oracle.draft_loop import key_positions, within_window
+    from oracle.trace import TraceInputs
+
+    order = sorted(depths)
+    counts = tuple(len(depths[j].token_ids) for j in order)
+    bridge_positions = torch.from_numpy(np.asarray(inputs.positions, dtype=np.int64))
+    keys = key_positions(0, bridge_positions, counts)  # the stacked rows' positions
+    mask = stacked_mask(len(bridge_positions), counts)
+    stacked = TraceInputs(
+        token_ids=np.concatenate([inputs.token_ids, *(depths[j].token_ids for j in order)]).astype(np.int64),
+        positions=keys.numpy(), hidden=np.concatenate([inputs.hidden, *(depths[j].recycled for j in order)]),
+        embed=np.concatenate([inputs.embed, *(depths[j].embed for j in order)]))
+    ah = np.concatenate([bridge_ah, *(depths[j].ah for j in order)]).astype(np.float32)
+    attn = np.concatenate([bridge_attn, *(depths[j].attn for j in order)])
+    variants = impl.qk_part_variants(head, rotary, stacked, ah,
+                                     mask_of=lambda w: within_window(mask, keys, keys, w))
+    records, measured = measure(variants, attn, impl.qk_output_projection(head))
+    kept = {dataset_name(p) for p, v in measured.items() if names.get(p) == v}
+    out, start = {}, len(bridge_positions)
+    for j, n in zip(order, counts):
+        out[j] = {name: np.ascontiguousarray(rows[start:start + n]) for name, rows in records.items() if name in kept}
+        start += n
+    return out
+
+
+def stacked_mask(bridge_rows: int, counts: tuple[int, ...]) -> torch.Tensor:
+    """Additive (1, 1, R, R) mask over the bridge rows then each depth's chain entries (`counts` per depth): bridge
+    rows causal, the rows of depth 2 + d the draft loop's chain_mask after counts[:d + 1], keys of later depths
+    blocked. R = bridge_rows + sum(counts)."""
+    from oracle.draft_loop import chain_mask
+
+    total = bridge_rows + sum(counts)
+    blocks = [chain_mask(0, bridge_rows, counts[:d]) for d in range(len(counts) + 1)]  # d = 0: the bridge
+    low = torch.finfo(torch.float32).min
+    padded = [torch.nn.functional.pad(b, (0, total - b.shape[-1]), value=low) for b in blocks]
+    return torch.cat(padded, dim=-2)

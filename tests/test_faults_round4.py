@@ -102,3 +102,72 @@ def test_twin_the_pread_lm_head_argmax_equals_the_float64_argmax_over_the_whole_
     w = load_file(FIXTURES / "qwen3_5_tiny" / "model.safetensors")["lm_head.weight"].double().numpy()
     rows = np.random.default_rng(0).standard_normal((9, ckpt.config.hidden_size)).astype(np.float32)
     np.testing.assert_array_equal(head.argmax(rows), np.argmax(rows.astype(np.float64) @ w.T, axis=1))
+
+
+# --- claim 7: a 3-D per-expert tensor with gate/up halves swapped inside every expert (a NEW case: the checkpoint is
+# itself fused, qwen3_next's gate_up_proj [E, 2I, D], and the dump uses vLLM's FusedMoE name) ----------------------
+
+def test_gate_up_halves_swapped_in_each_expert_of_a_fused_checkpoint_is_named_so(tmp_path):
+    from tests.probe.test_weights import audit, head
+
+    fused, mlp = FIXTURES / "qwen3_next_tiny_fused", "mtp.layers.0.mlp."
+    tensors = head(fused)
+    w13, w2 = tensors.pop(mlp + "experts.gate_up_proj"), tensors.pop(mlp + "experts.down_proj")
+    half = w13.shape[1] // 2
+    swapped = np.concatenate([w13[:, half:], w13[:, :half]], axis=1)  # [up | gate] inside every expert
+    cases = {"every": swapped, "some": np.concatenate([swapped[:3], w13[3:]]), "whole": w13[[1, 0, *range(2, 8)]]}
+    notes = {}
+    for case, value in cases.items():
+        (tmp_path / case).mkdir()
+        found = audit(tmp_path / case, fused, tensors | {mlp + "experts.w13_weight": value,
+                                                         mlp + "experts.w2_weight": w2})
+        assert found[mlp + "experts.w13_weight"].status == "permuted_rows", (case, found)
+        notes[case] = found[mlp + "experts.w13_weight"].note
+    for case in ("every", "some"):
+        assert "halves of each expert's rows swapped" in notes[case] and "whole experts" not in notes[case], notes
+    assert "in every expert" in notes["every"] and "in 3 of 8 experts" in notes["some"], notes
+    # twin: two experts exchanged whole, rows intact, is said so, and not as halves
+    assert "whole experts swapped" in notes["whole"] and "halves" not in notes["whole"], notes
+
+
+# --- fault 2, the load audit: a dump .npy cut short by another process while `weights` audits it ------------------
+
+_WEIGHTS_FAULT = """
+import subprocess, sys
+from pathlib import Path
+import probe.weights
+cut, real, seen = sys.argv[1] == "truncate", probe.weights.classify, []
+def hooked(array, ref, facts):
+    seen.append(1)
+    if cut and len(seen) == 1:  # the first tensor's file, after it was loaded and before its values are read
+        for f in sorted(Path(sys.argv[3]).glob("*.npy")):
+            subprocess.run(["truncate", "-s", "128", str(f)], check=True)
+    return real(array, ref, facts)
+probe.weights.classify = hooked
+from probe.cli import main
+main(["weights", sys.argv[2], sys.argv[3]])
+"""
+
+
+@pytest.mark.parametrize("how", ["truncate", "none"], ids=["cut-short-while-audited", "twin-intact"])
+def test_a_weights_dump_cut_short_while_audited_is_never_a_sigbus(tmp_path, how):
+    """The dump's .npy tensors were mapped (np.load mmap_mode) and read lazily, so a file cut short after loading
+    killed the audit with SIGBUS (the first tensor, loaded before the cut). Now each is read whole when loaded: the
+    first is judged on the bytes read, and the next, loaded after the cut, is exit 2 naming its file."""
+    from tests.probe.test_weights import head
+
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    for name, values in head(FIXTURES / "qwen3_5_tiny").items():
+        np.save(dump / f"{name}.npy", np.ascontiguousarray(values, dtype=np.float32))
+    result = subprocess.run([sys.executable, "-c", _WEIGHTS_FAULT, how, str(FIXTURES / "qwen3_5_tiny"), str(dump)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    text = result.stdout + result.stderr
+    assert result.returncode != -7, "SIGBUS: a mapped page of a dump file past its new end was read"
+    assert "Traceback" not in text, text
+    if how == "truncate":
+        assert result.returncode == 2 and "cut short" in text and str(dump) in text, text
+    else:
+        assert result.returncode == 0 and result.stdout.strip().splitlines()[-1].startswith("WEIGHTS OK"), text
+    sizes = {f.stat().st_size for f in dump.glob("*.npy")}
+    assert (sizes == {128}) == (how == "truncate"), sizes  # the files really were cut short (or not, the twin)
