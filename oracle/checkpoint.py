@@ -183,6 +183,14 @@ class Checkpoint:
             raise CheckpointError(f"{entry.file}: reading tensor {entry.name} failed ({err.strerror or err}); check "
                                   f"the file and the disk, or re-copy the shard.") from None
 
+    def stored_bytes(self, name: str) -> bytearray:
+        """A whole tensor's stored bytes (any dtype: integer tables, FP8, E8M0 scales), read with pread into fresh
+        memory: a shard cut short meanwhile is a CheckpointError naming it, never a SIGBUS."""
+        entry = self.entry(name)
+        out = bytearray(entry.nbytes)
+        self._preadv(entry, [(memoryview(out), entry.offset)])
+        return out
+
     def check_unchanged(self) -> None:
         """Raise CheckpointError if a shard read so far is no longer the file it was when opened (another inode,
         size, modification or change time): its bytes may then be a mix of old and new weights."""

@@ -8,6 +8,7 @@ weights), as export does. Each fault is made by ANOTHER process (`truncate`, a P
 named moment of the real CLI run (a hook around Checkpoint.stored_rows), and each has its intact twin."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -171,3 +172,132 @@ def test_a_weights_dump_cut_short_while_audited_is_never_a_sigbus(tmp_path, how)
         assert result.returncode == 0 and result.stdout.strip().splitlines()[-1].startswith("WEIGHTS OK"), text
     sizes = {f.stat().st_size for f in dump.glob("*.npy")}
     assert (sizes == {128}) == (how == "truncate"), sizes  # the files really were cut short (or not, the twin)
+
+
+# --- fault 1 and fault 3, a NEW case: a C library (not a Python candidate) that forges the verdict from an atexit
+# handler of the worker and from a forked child that would outlive the run ------------------------------------------
+
+_FORGER = r"""
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+static const char *alive_path = ALIVE;
+static void forge_late(void) { const char *m = "PASSED | forged by the candidate (atexit)\n"; (void)!write(1, m, strlen(m)); }
+__attribute__((constructor)) static void forge_init(void) {
+    atexit(forge_late);
+    if (fork() == 0) {  /* a child the library leaves behind: it prints a verdict and marks that it lived on */
+        sleep(2);
+        const char *m = "PASSED | forged by a forked child\n";
+        (void)!write(1, m, strlen(m));
+        int fd = open(alive_path, O_WRONLY | O_CREAT, 0644);
+        if (fd >= 0) close(fd);
+        _exit(0);
+    }
+}
+"""
+
+
+@pytest.mark.parametrize("forger", [True, False], ids=["forger", "twin-plain-library"])
+def test_a_c_library_cannot_forge_the_verdict_or_leave_a_child_running(tmp_path, forger):
+    import time
+
+    from tests.probe.test_qk_parts import SOURCE
+
+    source = tmp_path / "lib.c"
+    alive = tmp_path / "alive"
+    source.write_text(SOURCE.read_text() + (_FORGER.replace("ALIVE", f'"{alive}"') if forger else ""))
+    lib = tmp_path / "lib.so"
+    subprocess.run(["gcc", "-std=gnu11", "-O2", "-shared", "-fPIC", f"-I{SOURCE.parent}", "-o", lib, source, "-lm"],
+                   check=True)
+    code = "import sys; from probe.cli import main; main(sys.argv[1:])"
+    result = subprocess.run([sys.executable, "-c", code, "run", str(FIXTURES / "qwen3_5_tiny_ref.h5"), "--impl",
+                             f"c:{lib}", "--checkpoint", str(FIXTURES / "qwen3_5_tiny")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    last = result.stdout.rstrip().splitlines()[-1]
+    assert last.startswith("PASSED | 11 stages") and "forged" not in last, result.stdout
+    time.sleep(3)  # past the child's sleep: had it survived the run, it would have marked `alive`
+    assert not alive.exists(), "the library's forked child outlived the probe"
+
+
+# --- claim 8, NEW cases: the DeepSeek-V4 C ABI v2 candidate away from position 0, at T=1, and under the mask -------
+
+@pytest.fixture(scope="module")
+def v4_c(tmp_path_factory):
+    from probe.adapters.cabi import build_library
+    from tests.helpers import load_script
+
+    root = tmp_path_factory.mktemp("v4-c")
+    ckpt = load_script("make_fixtures").write_deepseek_v4_checkpoint(root / "v4")
+    source = ROOT / "fixtures" / "candidates" / "mtp_step_v4.c"
+    return ckpt, root, {m: build_library(source, root, (f"MTP_MUTANT_{m}",) if m else ()) for m in ("", "HIDDEN_D_WIDE")}
+
+
+def _v4_run(v4_c, name: str, *export_args, lib: str = ""):
+    from oracle.cli import cli as oracle_cli
+    from probe.cli import cli as probe_cli
+    from tests.helpers import run_cli
+
+    ckpt, root, libs = v4_c
+    ref = root / f"{name}.h5"
+    if not ref.exists():
+        made = run_cli(oracle_cli, ["export", ckpt, "--out", ref, "--hidden-seed", "0", "-q", *export_args])
+        assert made.exit_code == 0, made.output
+    return run_cli(probe_cli, ["run", ref, "--impl", f"c:{libs[lib]}", "--checkpoint", ckpt])
+
+
+@pytest.mark.parametrize("name, args", [("start7", ("--tokens", "5,17,3,99,4,250", "--start-pos", "7")),
+                                        ("masked", ("--tokens", "5,17,3,99,4,250", "--mask-pos0-embedding"))])
+def test_the_v4_c_candidate_passes_away_from_position_0_and_under_the_mask(v4_c, name, args):
+    result = _v4_run(v4_c, name, *args)
+    assert result.exit_code == 0 and result.output.rstrip().splitlines()[-1].startswith("PASSED |"), result.output
+    twin = _v4_run(v4_c, name, *args, lib="HIDDEN_D_WIDE")  # its mutant still diverges there, at h
+    assert twin.exit_code == 1 and "first divergent stage: h" in twin.output.rstrip().splitlines()[-1], twin.output
+
+
+def test_the_v4_c_candidate_at_t_1_is_inconclusive_not_passed(v4_c):
+    """One step: attention sees one key, so no q/k-path part can be evidenced; exit 3 naming them, never PASSED."""
+    result = _v4_run(v4_c, "t1", "--tokens", "5")
+    last = result.output.rstrip().splitlines()[-1]
+    assert result.exit_code == 3 and last.startswith("INCONCLUSIVE |") and "RoPE" in last, result.output
+
+
+# --- messages, NEW cases: the position-0 mask convention named for DeepSeek-V4 and GLM-4.5 raw dumps, both ways -----
+
+@pytest.mark.parametrize("family", ["deepseek_v4", "glm4_moe"])
+def test_a_raw_dump_with_the_other_position_0_convention_names_the_flag(tmp_path, family, v4_c):
+    from oracle.cli import cli as oracle_cli
+    from tests.helpers import run_cli
+    from tests.probe.tracekit import diff_cli, load_trace, write_raw
+
+    ckpt = v4_c[0] if family == "deepseek_v4" else FIXTURES / "glm4_moe_tiny"
+    stem = ("e", "h", "x_in") if family == "deepseek_v4" else ("e", "h", "fc_in", "fc")
+    refs = {}
+    for kind, extra in (("plain", ()), ("masked", ("--mask-pos0-embedding",))):
+        refs[kind] = tmp_path / f"{kind}.h5"
+        made = run_cli(oracle_cli, ["export", ckpt, "--out", refs[kind], "--tokens", "5,17,3,99,200,7",
+                                    "--hidden-seed", "0", "-q", *extra])
+        assert made.exit_code == 0, made.output
+    for dump_kind, ref_kind in (("masked", "plain"), ("plain", "masked")):
+        inputs, stages = load_trace(refs[dump_kind])
+        dump = write_raw(tmp_path / f"dump_{dump_kind}", {n: stages[n].copy() for n in stem}, inputs)
+        result = diff_cli(refs[ref_kind], dump)
+        assert result.exit_code in (1, 2) and "--mask-pos0-embedding" in result.output, result.output
+        assert "check the row offset" not in result.output, result.output
+        twin = diff_cli(refs[dump_kind], dump)  # the same dump against its own convention passes its stages
+        assert twin.exit_code in (0, 3) and "--mask-pos0-embedding" not in twin.output.splitlines()[-1], twin.output
+
+
+# --- fault 4, NEW case: a FIFO given as --profile is named as a FIFO, never opened (it would block) --------------
+
+def test_a_fifo_as_the_profile_is_refused_naming_it(tmp_path):
+    from probe.cli import cli as probe_cli
+    from tests.helpers import TINY_REF, run_cli
+
+    fifo = tmp_path / "profile.json"
+    os.mkfifo(fifo)
+    result = run_cli(probe_cli, ["diff", TINY_REF, TINY_REF, "--profile", str(fifo)])
+    assert result.exit_code == 2 and "FIFO" in result.output and "Traceback" not in result.output, result.output
+    twin = run_cli(probe_cli, ["diff", TINY_REF, TINY_REF, "--profile", "float32"])
+    assert twin.exit_code == 0, twin.output
