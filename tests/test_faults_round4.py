@@ -301,3 +301,215 @@ def test_a_fifo_as_the_profile_is_refused_naming_it(tmp_path):
     assert result.exit_code == 2 and "FIFO" in result.output and "Traceback" not in result.output, result.output
     twin = run_cli(probe_cli, ["diff", TINY_REF, TINY_REF, "--profile", "float32"])
     assert twin.exit_code == 0, twin.output
+
+
+# --- claim 9, a NEW case: GLM-4.5 whose main lm_head is TIED to the embedding (no lm_head.weight), through the CLI --
+
+def test_greedy_targets_of_a_tied_glm_head_come_from_the_embedding_not_the_mtp_copy(tmp_path):
+    """A GLM-4.5 checkpoint with tie_word_embeddings and no lm_head.weight, whose MTP layer's shared_head.head differs
+    (rows rolled): accept --target greedy scores drafts against argmax(embed_tokens @ H), the main model's own
+    head; the JSON names both tables. Twin: the MTP copy would have given other targets at every chain."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from oracle.cli import cli as oracle_cli
+    from oracle.checkpoint import Checkpoint
+    from oracle.inputs import hidden_from_seed
+    from tests.helpers import load_script, run_cli
+
+    ckpt_dir = load_script("make_fixtures").write_mtp_layer_checkpoint(tmp_path / "glm", "glm4_moe")
+    tensors = load_file(ckpt_dir / "model.safetensors")
+    embed = tensors["model.embed_tokens.weight"]
+    tensors.pop("lm_head.weight")
+    own = next(n for n in tensors if n.endswith("shared_head.head.weight"))
+    tensors[own] = torch.roll(embed, 1, dims=0).contiguous()
+    save_file(tensors, ckpt_dir / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((ckpt_dir / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (ckpt_dir / "config.json").write_text(json.dumps(config))
+    ckpt = Checkpoint(ckpt_dir)
+    x = np.random.default_rng(3).integers(0, ckpt.config.vocab_size, 26)
+    h = hidden_from_seed(0, len(x), ckpt.config.hidden_size)
+    np.save(tmp_path / "h.npy", h)
+    out = tmp_path / "acc.json"
+    result = run_cli(oracle_cli, ["accept", ckpt_dir, "--tokens", ",".join(map(str, x)), "--hidden",
+                                  tmp_path / "h.npy", "--k", "2", "--target", "greedy", "--json", out, "-q"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(out.read_text())
+    assert record["source"]["target_lm_head"] == "model.embed_tokens.weight" and record["source"]["lm_head"] == own
+    main = (h.astype(np.float64) @ ckpt.read("model.embed_tokens.weight").astype(np.float64).T).argmax(axis=1)
+    copy = (h.astype(np.float64) @ ckpt.read(own).astype(np.float64).T).argmax(axis=1)
+    chains, k = len(x) - 1 - 2, 2
+    i, j = np.meshgrid(np.arange(chains), np.arange(1, k + 1), indexing="ij")
+    targets = np.array([[c["targets"][d] for d in range(k)] for c in record["per_chain"]])
+    np.testing.assert_array_equal(targets, main[i + j])
+    assert (targets != copy[i + j]).all()
+
+
+# --- claim 4, a NEW case: a C candidate (the concat order swapped) whose buggy stage fc_in is not captured -------
+
+@pytest.fixture(scope="module")
+def concat_swap_stages(tmp_path_factory):
+    from probe.adapters.cabi import CAbiAdapter, build_library
+    from probe.run import run_and_diff
+    from probe.tolerance import tol_table
+    from tests.helpers import TINY, TINY_REF
+    from tests.probe.test_qk_parts import SOURCE
+
+    lib = build_library(SOURCE, tmp_path_factory.mktemp("concat"), ("MTP_MUTANT_CONCAT_SWAP",))
+    result = run_and_diff(TINY_REF, CAbiAdapter(lib, TINY), tol_table())
+    assert result.report.first.stage == "fc_in", result.report.first
+    return dict(result.stages)
+
+
+def test_a_c_candidates_bug_in_an_uncaptured_fc_in_is_said_to_be_at_fc_or_before_it(concat_swap_stages):
+    from tests.helpers import TINY, TINY_REF
+    from tests.probe.test_explain_claims import explained, reference
+
+    inputs, _ = reference()
+    cand = {n: a for n, a in concat_swap_stages.items() if n != "fc_in"}
+    report, ex = explained(TINY_REF, TINY, cand, inputs)
+    assert report.first.stage == "fc"
+    assert ex.bug["stage"] == "fc" and ex.bug["or_uncaptured"] == ["fc_in"], ex.bug
+    assert "the bug is at stage fc or at an uncaptured stage before it (fc_in" in ex.text()
+
+
+def test_twin_with_fc_in_captured_the_c_candidates_bug_is_named_at_fc_in_alone(concat_swap_stages):
+    from tests.helpers import TINY, TINY_REF
+    from tests.probe.test_explain_claims import explained, reference
+
+    inputs, _ = reference()
+    report, ex = explained(TINY_REF, TINY, dict(concat_swap_stages), inputs)
+    assert ex.bug["stage"] == "fc_in" and "or_uncaptured" not in ex.bug, ex.bug
+
+
+# --- claims 5 and 2, NEW cases: DeepSeek-V3 (sigmoid routing, group limit, normalised top-k) ----------------------
+
+@pytest.fixture(scope="module")
+def deepseek_ref(tmp_path_factory):
+    from oracle.cli import cli as oracle_cli
+    from tests.helpers import run_cli
+
+    ref = tmp_path_factory.mktemp("ds-explain") / "ref.h5"
+    made = run_cli(oracle_cli, ["export", FIXTURES / "deepseek_v3_tiny", "--out", ref, "--tokens",
+                                "5,17,3,99,200,7,42,11,250,64", "--hidden-seed", "0", "-q"])
+    assert made.exit_code == 0, made.output
+    return ref
+
+
+def _explained_deepseek(ref, change):
+    from tests.probe.test_explain_claims import explained, reference
+
+    inputs, stages = reference(ref)
+    cand = {n: a.copy() for n, a in stages.items()}
+    change(cand, stages)
+    return explained(ref, FIXTURES / "deepseek_v3_tiny", cand, inputs)
+
+
+def test_deepseek_weights_given_to_the_wrong_experts_fail_topk_weights_in_diff_and_explain(deepseek_ref):
+    def reverse_weights(cand, ref):
+        assert (np.abs(np.diff(ref["topk_weights"], axis=1)) > 1e-3).any()
+        cand["topk_weights"] = ref["topk_weights"][:, ::-1].copy()
+
+    report, ex = _explained_deepseek(deepseek_ref, reverse_weights)
+    assert report.first.stage == "topk_weights" and ex.bug["stage"] == "topk_weights", (report.first, ex.bug)
+    bad = [r for r in ex.local if r["stage"] == "topk_weights" and r["kind"] == "local"]
+    diverged = set(np.flatnonzero(~report.rows["topk_weights"].has_status({"ok"})).tolist())
+    assert bad and diverged, ex.local
+    assert {r["token"] for r in bad} <= diverged  # the two agree about which rows are wrong
+
+
+def test_twin_deepseek_top_k_listed_in_another_order_agrees_in_diff_and_explain(deepseek_ref):
+    def reverse_both(cand, ref):
+        cand["topk_weights"] = ref["topk_weights"][:, ::-1].copy()
+        cand["topk_ids"] = ref["topk_ids"][:, ::-1].copy()
+        cand["out"][3] *= np.float32(1.01)  # something to explain downstream
+
+    report, ex = _explained_deepseek(deepseek_ref, reverse_both)
+    assert report.first.stage == "out", report.first
+    weights = [r for r in ex.local if r["stage"] == "topk_weights"]
+    assert weights and all(r["kind"] == "ok" for r in weights)
+
+
+def test_deepseek_experts_of_diverging_routed_rows_are_not_counted_as_seen(deepseek_ref):
+    from tests.probe.test_explain_claims import _experts_of
+
+    def break_two_rows(cand, ref):
+        cand["routed"][[1, 6]] *= np.float32(1.5)
+
+    report, ex = _explained_deepseek(deepseek_ref, break_two_rows)
+    experts = ex.coverage["experts"]
+    from tests.probe.test_explain_claims import reference
+
+    ids = reference(deepseek_ref)[1]["topk_ids"]
+    passing = [t for t in range(len(ids)) if t not in (1, 6)]
+    assert set(experts["evidenced"]) == _experts_of(ids, passing)
+    assert set(experts["not_evidenced"]) == _experts_of(ids, range(len(ids))) - _experts_of(ids, passing)
+
+
+# --- claim 1, a NEW case: the saturated head away from position 0 (--start-pos 50), through the CLI ---------------
+
+def test_saturated_head_at_start_pos_50_a_rope_less_c_candidate_is_inconclusive_naming_rope(tmp_path):
+    from oracle.cli import cli as oracle_cli
+    from probe.adapters.cabi import build_library
+    from probe.cli import cli as probe_cli
+    from tests.helpers import TINY, run_cli
+    from tests.probe.test_qk_parts import SOURCE, saturated_checkpoint
+
+    tokens = "17,42,3,255,100,7,511,64"
+    libs = {m: build_library(SOURCE, tmp_path, (f"MTP_MUTANT_{m}",) if m else ()) for m in ("", "NO_ROPE")}
+    for name, ckpt in (("saturated", saturated_checkpoint(tmp_path / "sat")), ("normal", TINY)):
+        ref = tmp_path / f"{name}.h5"
+        made = run_cli(oracle_cli, ["export", ckpt, "--out", ref, "--tokens", tokens, "--hidden-seed", "0",
+                                    "--start-pos", "50", "-q"])
+        assert made.exit_code == 0, made.output
+        result = run_cli(probe_cli, ["run", ref, "--impl", f"c:{libs['NO_ROPE']}", "--checkpoint", ckpt])
+        last = result.output.rstrip().splitlines()[-1]
+        if name == "saturated":
+            assert result.exit_code == 3 and "RoPE" in last and not last.startswith("PASSED"), result.output
+            assert "q/k path, RoPE: NOT evidenced" in result.output
+        else:  # twin: where RoPE moves rows, the same candidate diverges at attn
+            assert result.exit_code == 1 and "first divergent stage: attn" in last, result.output
+
+
+# --- claim 10, a NEW case: a MoE family (qwen3_5_moe), period-3 tokens --------------------------------------------
+
+def test_moe_rows_shifted_by_one_are_named_and_a_repeating_trace_names_no_shift(tmp_path):
+    from oracle.cli import cli as oracle_cli
+    from oracle.trace import read_trace, write_trace
+    from tests.helpers import run_cli
+    from tests.probe.tracekit import copy_stages, diff_cli, last_line, load_trace
+
+    def export(tokens):
+        out = tmp_path / f"ref_{tokens.replace(',', '_')}.h5"
+        made = run_cli(oracle_cli, ["export", FIXTURES / "qwen3_5_moe_tiny", "--out", out, "--tokens", tokens,
+                                    "--hidden-seed", "0", "-q"])
+        assert made.exit_code == 0, made.output
+        return out
+
+    def candidate(ref, change, name):
+        inputs, stages = load_trace(ref)
+        stages = copy_stages(stages)
+        stages.pop("draft", None)
+        change(stages)
+        path = tmp_path / f"{name}.h5"
+        with read_trace(ref) as r:
+            stage_list, dims = r.stage_list, r.dims
+        write_trace(path, inputs, stages, {"producer": "my engine"}, stage_list=stage_list, dims=dims)
+        return path
+
+    def shifted(stages):
+        for name in stages:
+            stages[name][:-1] = stages[name][1:].copy()
+
+    varied = export("5,17,3,99,200,7,42,11,250")
+    result = diff_cli(varied, candidate(varied, shifted, "shifted"))
+    assert result.exit_code == 1 and "rows shifted by one token" in last_line(result), result.output
+    same = export("5,5,5,5,5,5,5,5,5")  # e repeats: a shift cannot show at e
+
+    def one_row(stages):
+        stages["e"][4] = -stages["e"][4]
+
+    result = diff_cli(same, candidate(same, one_row, "one_row"))
+    assert result.exit_code == 1 and "first divergent stage: e" in last_line(result), result.output
+    assert "rows shifted" not in result.output
