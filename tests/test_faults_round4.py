@@ -513,3 +513,60 @@ def test_moe_rows_shifted_by_one_are_named_and_a_repeating_trace_names_no_shift(
     result = diff_cli(same, candidate(same, one_row, "one_row"))
     assert result.exit_code == 1 and "first divergent stage: e" in last_line(result), result.output
     assert "rows shifted" not in result.output
+
+
+# --- fault 3, NEW commands interrupted at many points: the load audit with --json, and a chain export -----------
+
+def _signal_commands(tmp_path):
+    from safetensors.numpy import save_file
+
+    from tests import signal_trials as trials
+    from tests.probe.test_weights import head
+
+    dump = tmp_path / "dump.safetensors"
+    save_file({k: np.ascontiguousarray(v) for k, v in head(FIXTURES / "qwen3_5_tiny").items()}, dump)
+    tiny = str(FIXTURES / "qwen3_5_tiny")
+    return {"weights": trials.Command("weights", "probe", ["weights", tiny, str(dump), "--json", "{dir}/w.json"],
+                                      ["w.json"]),
+            "export_chain": trials.Command("export_chain", "oracle", ["export", tiny, "--tokens", trials.TOKENS,
+                                                                      "--hidden-seed", "0", "--chain", "3", "--out",
+                                                                      "{dir}/ref.h5"], ["ref.h5"])}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["weights", "export_chain"])
+def test_an_interrupt_of_the_audit_or_a_chain_export_leaves_the_previous_outputs(tmp_path, name):
+    import signal
+
+    from tests import signal_trials as trials
+
+    command = _signal_commands(tmp_path)[name]
+    whole = trials.run_trial(command, signal.SIGINT, 600, tmp_path / "whole")  # never signalled: the twin
+    assert whole.status in (0, 1) and whole.problems == [], whole
+    assert all((tmp_path / "whole" / "out" / n).read_bytes() != trials.PREVIOUS for n in command.outputs)
+    interrupted = []
+    for signum, fraction in ((signal.SIGTERM, 0.2), (signal.SIGINT, 0.6), (signal.SIGTERM, 0.9)):
+        trial = trials.run_trial(command, signum, fraction * whole.elapsed, tmp_path / f"t{fraction}")
+        assert trial.problems == [], trial
+        interrupted.append(trial.interrupted)
+    assert sum(interrupted) >= 2, f"too few trials were interrupted before {name} ended: {interrupted}"
+
+
+# --- fault 5, a NEW case: a token id of 5000 digits in a tokens file (int() of over 4300 digits raised) ----------
+
+@pytest.mark.parametrize("where", ["file", "option"])
+def test_a_token_id_of_5000_digits_is_exit_2_not_pythons_own_error(tmp_path, where):
+    from oracle.cli import cli as oracle_cli
+    from tests.helpers import run_cli
+
+    huge = "7" * 5000
+    source = ["--tokens-file", tmp_path / "t.txt"] if where == "file" else ["--tokens", f"5,{huge}"]
+    (tmp_path / "t.txt").write_text(f"5 17\n{huge}\n")
+    result = run_cli(oracle_cli, ["export", FIXTURES / "qwen3_5_tiny", *source, "--hidden-seed", "0", "--out",
+                                  tmp_path / "ref.h5", "-q"])
+    assert result.exit_code == 2 and "does not fit in int64" in result.output, result.output
+    assert "Traceback" not in result.output and not (tmp_path / "ref.h5").exists()
+    (tmp_path / "t.txt").write_text("5 17 " + "0" * 40 + "3\n")  # twin: leading zeros are no large number
+    twin = run_cli(oracle_cli, ["export", FIXTURES / "qwen3_5_tiny", "--tokens-file", tmp_path / "t.txt",
+                                "--hidden-seed", "0", "--out", tmp_path / "ref.h5", "-q"])
+    assert twin.exit_code == 0, twin.output
