@@ -570,3 +570,28 @@ def test_a_token_id_of_5000_digits_is_exit_2_not_pythons_own_error(tmp_path, whe
     twin = run_cli(oracle_cli, ["export", FIXTURES / "qwen3_5_tiny", "--tokens-file", tmp_path / "t.txt",
                                 "--hidden-seed", "0", "--out", tmp_path / "ref.h5", "-q"])
     assert twin.exit_code == 0, twin.output
+
+
+# --- fault 6, a NEW case: a C library (not a Python factory) that changes directory when loaded -----------------
+
+def test_outputs_do_not_follow_a_c_librarys_chdir(tmp_path):
+    from tests.probe.test_qk_parts import SOURCE
+
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir()
+    elsewhere.mkdir()
+    source = tmp_path / "lib.c"
+    source.write_text(SOURCE.read_text() + "\n#include <fcntl.h>\n#include <unistd.h>\n__attribute__((constructor)) "
+                      f"static void wander(void) {{ if (chdir(\"{elsewhere}\") == 0) close(open(\"here\", O_WRONLY | "
+                      f"O_CREAT, 0644)); }}\n")
+    lib = tmp_path / "lib.so"
+    subprocess.run(["gcc", "-std=gnu11", "-O2", "-shared", "-fPIC", f"-I{SOURCE.parent}", "-o", lib, source, "-lm"],
+                   check=True)
+    code = "import sys; from probe.cli import main; main(sys.argv[1:])"
+    result = subprocess.run([sys.executable, "-c", code, "run", str(FIXTURES / "qwen3_5_tiny_ref.h5"), "--impl",
+                             f"c:{lib}", "--checkpoint", str(FIXTURES / "qwen3_5_tiny"), "--json", "r.json",
+                             "--html", "r.html", "--out", "c.h5"], cwd=work, capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert sorted(p.name for p in work.iterdir()) == ["c.h5", "r.html", "r.json"]
+    assert [p.name for p in elsewhere.iterdir()] == ["here"]  # the library did change directory (its marker)
