@@ -137,3 +137,32 @@ def test_twin_a_reference_without_depth_records_says_not_measured_at_that_depth(
     assert depth_qk_lines(_depth(report, 2)) == ["depth 2: " + depth_not_measured(2)]
     assert report.verdict.name in ("pass", "inconclusive")
     assert all(": evidenced:" in line for line in depth_qk_lines(_depth(report, 2))) is False
+
+
+def test_chains_in_blocks_give_the_same_records_as_one_pass(normal):
+    """chain_part_records in blocks of 2 chains (each block: the bridge rows its chains may see, their entries)
+    equals one block of all chains, within float32 rounding: the blocking changes which rows share a pass, never
+    what a row sees."""
+    from oracle.checkpoint import Checkpoint
+    from oracle.families.registry import head_module
+    from oracle.qk_parts import DepthRows, chain_part_records
+    from oracle.trace import read_trace
+
+    ckpt = Checkpoint(TINY)
+    impl = head_module(ckpt.family)
+    head, rotary = impl.build_head(ckpt.config, impl.torch_weights(ckpt.read_head(widen=False, digest=False)))
+    with read_trace(normal) as r:
+        inputs = r.inputs()
+    with h5py.File(normal) as f:
+        depths = {j: DepthRows(*(f[f"chain/d{j}/inputs/{n}"][:] for n in ("token_ids", "positions", "recycled",
+                                                                            "embed")),
+                               f[f"chain/d{j}/stages/ah"][:], f[f"chain/d{j}/stages/attn"][:]) for j in (2, 3)}
+        ah, attn = f["stages/ah"][:], f["stages/attn"][:]
+        recorded = {j: {f"qk_{p}": f[f"chain/d{j}/evidence/qk_{p}"][:] for p in QWEN_PARTS} for j in (2, 3)}
+    whole = chain_part_records(impl, head, rotary, inputs, ah, attn, depths, QWEN_PARTS, block=64)
+    blocks = chain_part_records(impl, head, rotary, inputs, ah, attn, depths, QWEN_PARTS, block=2)
+    for j in (2, 3):
+        assert set(whole[j]) == set(blocks[j]) == set(recorded[j])
+        for name in whole[j]:
+            np.testing.assert_allclose(blocks[j][name], whole[j][name], rtol=1e-4, atol=1e-6, err_msg=name)
+            np.testing.assert_allclose(whole[j][name], recorded[j][name], rtol=1e-4, atol=1e-6, err_msg=name)
