@@ -228,6 +228,7 @@ def measure_acceptance(checkpoint_dir: Path, sequence: np.ndarray, hidden: Hidde
         source = source | {"head": f"{source['head']}, quantized: {' '.join(map(str, quantize))}"}
         result = replace(result, metrics=acceptance_metrics(q_drafts, targets), drafts=q_drafts, source=source,
                          quantize=comparison)
+    ckpt.check_unchanged()  # a shard rewritten meanwhile: the drafts may mix old and new weights (as export refuses)
     return within_positions(result, settings.positions)
 
 

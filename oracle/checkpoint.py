@@ -9,10 +9,12 @@ the safetensors headers and read with `os.pread` (a real embedding is 248320 x 5
 What is read is what is hashed. The head's dense tensors are read once with `os.pread` into private memory, and both
 the head and its digest use those bytes, so a shard rewritten in place while an export runs can never give stages
 of new weights under the digest of the old. Reading with pread also means a shard truncated meanwhile is a short
-read (CheckpointError naming the file), where a mapped page past the new end would kill the process (SIGBUS). Only
-the routed experts (read by oracle/families/moe_experts.py with pread too, hashed as read) and the lm_head's
-vocabulary chunks (`stored_rows`, for acceptance) are mapped. `check_unchanged` says whether any shard changed
-since it was opened (the export refuses to write a trace then).
+read (CheckpointError naming the file), where a mapped page past the new end would kill the process (SIGBUS). So
+is every other read here: the lm_head's vocabulary chunks and rows (`stored_rows`, `stored_rows_at`, for acceptance
+and the draft stage), expert slices (`expert_parts`), routed experts when widened. Only the routed experts of an
+unwidened head stay mapped, and only as addresses: oracle/families/moe_experts.py reads their bytes from the file
+with pread too (and hashes them as read). `check_unchanged` says whether any shard changed since it was opened
+(export and accept refuse to write a result then).
 """
 
 import hashlib
@@ -144,30 +146,50 @@ class Checkpoint:
                 self._read[entry.name] = self._pread(entry, 0, entry.shape[0] if entry.shape else None)
             return self._read[entry.name]
 
-    def _pread(self, entry: TensorEntry, start: int, stop: int | None) -> np.ndarray:
+    def _pread(self, entry: TensorEntry, start: int, stop: int | None, into: np.ndarray | None = None) -> np.ndarray:
         """Rows start..stop of a tensor as stored (all of a 0-d one: stop None), read with os.preadv into fresh
-        memory: a file cut short meanwhile is a CheckpointError naming it, never a SIGBUS."""
+        memory (or the front of `into`, a uint8 buffer that is large enough): a file cut short meanwhile is a
+        CheckpointError naming it, never a SIGBUS."""
         row_shape = entry.shape[1:] if entry.shape else ()
         rows = (stop - start) if entry.shape else 1
-        row_bytes = math.prod(row_shape) * _ITEMSIZE[entry.dtype]
+        row_bytes = self._row_bytes(entry)
+        out = np.empty(rows * row_bytes, dtype=np.uint8) if into is None else into[: rows * row_bytes]
+        self._preadv(entry, [(memoryview(out), entry.offset + start * row_bytes)])
+        return out.view(_STORED_NUMPY[entry.dtype]).reshape((rows, *row_shape) if entry.shape else ())
+
+    def _row_bytes(self, entry: TensorEntry) -> int:
+        row_bytes = math.prod(entry.shape[1:] if entry.shape else ()) * _ITEMSIZE[entry.dtype]
         if row_bytes * (entry.shape[0] if entry.shape else 1) > entry.nbytes:
             raise CheckpointError(f"{entry.file}: tensor {entry.name} is {entry.dtype} {list(entry.shape)} but its "
                                   f"data_offsets cover only {entry.nbytes} bytes; re-copy or re-save the file.")
-        out = np.empty(rows * row_bytes, dtype=np.uint8)
-        view, done, at = memoryview(out), 0, entry.offset + start * row_bytes
+        return row_bytes
+
+    @staticmethod
+    def _preadv(entry: TensorEntry, pieces: list[tuple[memoryview, int]]) -> None:
+        """Fill each (buffer, file offset) piece of `entry`'s file with os.preadv; a short read or an OSError is a
+        CheckpointError naming the file and the tensor."""
         try:
             with open(entry.file, "rb", buffering=0) as f:
-                while done < len(out):
-                    got = os.preadv(f.fileno(), [view[done:]], at + done)
-                    if got <= 0:
-                        raise CheckpointError(f"{entry.file} ended inside tensor {entry.name} (byte {at + done}): it "
-                                              f"was cut short, maybe while being read. Re-copy the shard and run "
-                                              f"again.")
-                    done += got
+                for view, at in pieces:
+                    done = 0
+                    while done < len(view):
+                        got = os.preadv(f.fileno(), [view[done:]], at + done)
+                        if got <= 0:
+                            raise CheckpointError(f"{entry.file} ended inside tensor {entry.name} (byte {at + done}): "
+                                                  f"it was cut short, maybe while being read. Re-copy the shard and "
+                                                  f"run again.")
+                        done += got
         except OSError as err:  # removed meanwhile, no permission, an I/O error
             raise CheckpointError(f"{entry.file}: reading tensor {entry.name} failed ({err.strerror or err}); check "
                                   f"the file and the disk, or re-copy the shard.") from None
-        return out.view(_STORED_NUMPY[entry.dtype]).reshape((rows, *row_shape) if entry.shape else ())
+
+    def stored_bytes(self, name: str) -> bytearray:
+        """A whole tensor's stored bytes (any dtype: integer tables, FP8, E8M0 scales), read with pread into fresh
+        memory: a shard cut short meanwhile is a CheckpointError naming it, never a SIGBUS."""
+        entry = self.entry(name)
+        out = bytearray(entry.nbytes)
+        self._preadv(entry, [(memoryview(out), entry.offset)])
+        return out
 
     def check_unchanged(self) -> None:
         """Raise CheckpointError if a shard read so far is no longer the file it was when opened (another inode,
@@ -180,24 +202,48 @@ class Checkpoint:
                                       f"weights. Run again once nothing writes to the checkpoint.")
 
     def _mapped(self, entry: TensorEntry) -> np.ndarray:
-        """The tensor as stored, a view into its shard mapped copy-on-write: no copy, pages read only when touched
-        (the routed experts, read through it only by moe_experts' pread; lm_head's vocabulary chunks)."""
+        """The tensor as stored, a view into its shard mapped copy-on-write: no copy, pages read only when touched.
+        Only an unwidened head's routed experts: moe_experts reads their bytes from the file with pread, never
+        through the mapping (a page past the end of a shard cut short is a SIGBUS)."""
         if entry.file not in self._maps:
             with open(entry.file, "rb") as f:
                 self._maps[entry.file] = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE,
                                                    prot=mmap.PROT_READ | mmap.PROT_WRITE)
         count = entry.nbytes // _ITEMSIZE[entry.dtype]
-        return np.frombuffer(self._maps[entry.file], dtype=_STORED_NUMPY[entry.dtype], count=count,
-                             offset=entry.offset).reshape(entry.shape)
+        try:
+            return np.frombuffer(self._maps[entry.file], dtype=_STORED_NUMPY[entry.dtype], count=count,
+                                 offset=entry.offset).reshape(entry.shape)
+        except ValueError:  # the file was cut short between its header read and its mapping
+            raise CheckpointError(f"{entry.file} ended inside tensor {entry.name}: it was cut short, maybe while "
+                                  f"being read. Re-copy the shard and run again.") from None
 
-    def stored_rows(self, name: str, start: int, stop: int) -> tuple[np.ndarray, str]:
-        """Rows start..stop of a 2-D tensor as stored, with its dtype ("BF16" comes as uint16 bit patterns): a
-        view of the mapped shard, so only those rows are ever read (e.g. a vocabulary chunk of lm_head)."""
+    def stored_rows(self, name: str, start: int, stop: int, into: np.ndarray | None = None) -> tuple[np.ndarray, str]:
+        """Rows start..stop of a tensor (2-D, or its first axis) as stored, with its dtype ("BF16" comes as uint16 bit patterns), read
+        with pread (only those rows: e.g. a vocabulary chunk of lm_head) into fresh memory or the front of `into`
+        (a uint8 buffer of at least that many bytes, reused by the caller). Never a view of a mapping: a shard cut
+        short while it is read is a CheckpointError, not a SIGBUS."""
         entry = self.entry(name)
         _check_shape(entry, None, self.config)
-        if len(entry.shape) != 2 or not 0 <= start <= stop <= entry.shape[0]:
+        if len(entry.shape) < 1 or not 0 <= start <= stop <= entry.shape[0]:
             raise CheckpointError(f"{name} has shape {list(entry.shape)}; rows {start}..{stop} are not in it.")
-        return self._mapped(entry)[start:stop], entry.dtype
+        return self._pread(entry, start, stop, into), entry.dtype
+
+    def stored_rows_at(self, name: str, rows: np.ndarray) -> tuple[np.ndarray, str]:
+        """Rows `rows` (any order, repeats allowed) of a 2-D tensor as stored [len(rows), width], with its dtype,
+        read with pread one distinct row at a time (scattered rows of a cold table each cost one read, where a
+        mapping would fault in a readahead window for each)."""
+        entry = self.entry(name)
+        _check_shape(entry, None, self.config)
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        if len(entry.shape) != 2 or (rows.size and not (0 <= rows.min() and rows.max() < entry.shape[0])):
+            raise CheckpointError(f"{name} has shape {list(entry.shape)}; rows {rows.min()}..{rows.max()} are not "
+                                  f"all in it.")
+        unique, inverse = np.unique(rows, return_inverse=True)
+        row_bytes = self._row_bytes(entry)
+        stored = np.empty((len(unique), entry.shape[1]), dtype=_STORED_NUMPY[entry.dtype])
+        self._preadv(entry, [(memoryview(row).cast("B"), entry.offset + int(r) * row_bytes)
+                             for row, r in zip(stored, unique)])
+        return stored[inverse.reshape(-1)], entry.dtype
 
     def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         """Rows start..stop of a 2-D tensor as float32, read with pread (a truncated file: CheckpointError)."""
@@ -218,8 +264,10 @@ class Checkpoint:
         layout = self.layout()
         routed = set(layout.experts.tensor_names()) if layout.experts else set()
         for name, entry in entries.items():
-            # routed experts: mapped, read (with pread) only where a token routes to them; the rest read now
-            stored = self._mapped(entry) if name in routed else self._stored(entry)
+            # routed experts of an unwidened head: mapped, read (by moe_experts, with pread) only where a token routes
+            # to them; widened ones are read whole anyway, so with pread now (uncached: no second copy kept)
+            stored = (self._stored(entry) if name not in routed else self._mapped(entry) if not widen
+                      else self._pread(entry, 0, entry.shape[0] if entry.shape else None))
             if name.endswith(("weight_scale_inv", ".scale")) and entry.dtype in ("F32", "BF16", "F16"):
                 _check_block_scales(self.path, name, _widen(stored, entry.dtype))
             tensors[name] = _widen(stored, entry.dtype) if widen else stored
@@ -309,13 +357,15 @@ class Checkpoint:
         return [(p, (x.file, x.offset, x.nbytes)) for p, x in entries]
 
     def expert_parts(self, layout, e: int) -> list[tuple[str, np.ndarray]]:
-        """Expert `e`'s stored arrays: (gate [I, D], up [I, D], down [D, I]), as mapped views."""
+        """Expert `e`'s stored arrays: (gate [I, D], up [I, D], down [D, I]), read with pread (its slices of a
+        fused tensor, or its own tensors)."""
         if layout.kind == "fused":
-            gate_up = self._mapped(self.entry(layout.names["gate_up"]))[e]
-            down = self._mapped(self.entry(layout.names["down"]))[e]
+            gate_up = self._pread(self.entry(layout.names["gate_up"]), e, e + 1)[0]
+            down = self._pread(self.entry(layout.names["down"]), e, e + 1)[0]
             half = gate_up.shape[0] // 2
             return [("gate", gate_up[:half]), ("up", gate_up[half:]), ("down", down)]
-        return [(p, self._mapped(self.entry(layout.names[p].format(e=e)))) for p in ("gate", "up", "down")]
+        return [(p, self._pread(entry, 0, entry.shape[0])) for p in ("gate", "up", "down")
+                for entry in [self.entry(layout.names[p].format(e=e))]]
 
     def digest(self, names: list[str]) -> str:
         """sha256 over (name, dtype, shape, stored bytes) of `names`, in the order given."""
@@ -378,15 +428,8 @@ class Checkpoint:
         entry = self.entry(name)
         _check_shape(entry, (self.config.vocab_size, self.config.hidden_size), self.config)
         check_token_ids(token_ids, self.config.vocab_size)
-        row_bytes = entry.nbytes // entry.shape[0]
-        unique, inverse = np.unique(token_ids, return_inverse=True)
-        stored = np.empty((len(unique), entry.shape[1]), dtype=_STORED_NUMPY[entry.dtype])
-        # pread, not the mapped view: scattered rows of a cold 2.5 GB table would each fault in an 8 MiB readahead
-        with open(entry.file, "rb") as f:
-            for row, tok in zip(stored, unique):
-                if os.preadv(f.fileno(), [memoryview(row).cast("B")], entry.offset + int(tok) * row_bytes) != row_bytes:
-                    raise CheckpointError(f"{entry.file} ended inside {name}; re-copy the shard.")
-        return _widen(stored, entry.dtype)[inverse.reshape(-1)]
+        stored, dtype = self.stored_rows_at(name, token_ids)
+        return _widen(stored, dtype)
 
 
 _MAIN_LAYER = re.compile(r"(?:model\.(?:language_model\.)?)?layers\.(\d+)\.")  # HF layouts; V4's release: layers.N.

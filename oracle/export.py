@@ -166,7 +166,7 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
         log(f"running depths 2..{chain.depths} of the chains ({TOKEN_MODES[chain.tokens]} tokens, recycling "
             f"{recycle})")
         chains = _chain_records(ckpt, head, rotary, inputs, bridge, stages, chain, recycle,
-                                projection if in_loop else None)
+                                projection if in_loop else None, qk_parts)
         check_finite_reference(ckpt, inputs, {f"d{j}/{n}": v for j, r in chains.items() for n, v in r.stages.items()},
                                [f"d{j}/{n}" for j in chains for n in stage_list.names],
                                {f"d{j}/{n}": v for j, r in chains.items() for n, v in r.evidence.items()})
@@ -343,7 +343,7 @@ def _draft_every_depth(projection, stages: dict, evidence: dict, chains: dict) -
 
 
 def _chain_records(ckpt: Checkpoint, head, rotary, inputs: TraceInputs, bridge, stages: dict, chain: ChainOptions,
-                   recycle: str, projection) -> dict:
+                   recycle: str, projection, qk_parts: dict[str, list[str]] | None = None) -> dict:
     """Depths 2..K through the draft loop, as the trace records them (oracle/trace.py ChainDepthRecord); with
     `projection` (argmax chain tokens) each depth's draft too, which the next depth is fed."""
     from oracle.draft_loop import ARGMAX, TEACHER, ChainSpec, chain_rows, embedding_rows, run_chains
@@ -369,7 +369,25 @@ def _chain_records(ckpt: Checkpoint, head, rotary, inputs: TraceInputs, bridge, 
                         "embed": depth.embed}
             records[depth.depth] = ChainDepthRecord(inputs_j, rows, evidence)
             bar.update()
+    _chain_qk_parts(ckpt, head, rotary, inputs, stages, records, qk_parts)
     return records
+
+
+def _chain_qk_parts(ckpt: Checkpoint, head, rotary, inputs: TraceInputs, stages: dict, records: dict,
+                    qk_parts: dict[str, list[str]]) -> None:
+    """Each depth's own q/k-part records (/chain/d{j}/evidence/qk_<part>, oracle/qk_parts.py chain_part_records)
+    for a one-layer head whose depth 1 is measured (`qk_parts`: depth 1's variants). An N-layer head's depths run
+    other layers, whose variants are not measured: the probe says so at those depths, never "evidenced"."""
+    from oracle.qk_parts import DepthRows, chain_part_records
+
+    if not records or not qk_parts or getattr(head, "num_layers", 1) > 1:
+        return
+    rows = {j: DepthRows(r.inputs["token_ids"], r.inputs["positions"], r.inputs["recycled"], r.inputs["embed"],
+                         r.stages["ah"], r.stages["attn"]) for j, r in records.items()}
+    measured = chain_part_records(head_module(ckpt.family), head, rotary, inputs, stages["ah"], stages["attn"], rows,
+                                  qk_parts)
+    for j, found in measured.items():
+        records[j].evidence.update(found)
 
 
 class _Prefetch:

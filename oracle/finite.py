@@ -67,12 +67,17 @@ def nonfinite_head_tensors(ckpt: Checkpoint) -> list[str]:
     """Names of the head's tensors (weights and block scales, as stored, widened exactly) holding NaN or Inf;
     a few at a time so that a stacked-experts tensor is never widened whole."""
     weights = ckpt.read_head(widen=False, digest=False)
+    routed = set(weights.layout.experts.tensor_names()) if weights.layout and weights.layout.experts else set()
     bad = []
     for name in sorted(weights.tensors):
         stored, dtype = weights.tensors[name], weights.dtypes[name]
         if stored.ndim == 0:
             stored = stored.reshape(1)
         step = max(1, _SCAN_ELEMENTS // max(1, int(np.prod(stored.shape[1:], dtype=np.int64))))
-        if any(not np.isfinite(_widen(stored[i:i + step], dtype)).all() for i in range(0, len(stored), step)):
+        # routed experts are mapped views: their blocks are read with pread (a shard cut short: CheckpointError,
+        # where touching a page past its new end was a SIGBUS)
+        block = ((lambda i: ckpt.stored_rows(name, i, min(i + step, len(stored)))[0]) if name in routed
+                 else (lambda i: stored[i:i + step]))
+        if any(not np.isfinite(_widen(block(i), dtype)).all() for i in range(0, len(stored), step)):
             bad.append(f"{name} ({dtype})")
     return bad

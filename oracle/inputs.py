@@ -33,6 +33,11 @@ def token_ids_from_text(text: str, source: str) -> np.ndarray:
     if bad is not None:
         ascii_hint = " (ASCII digits 0-9 only)" if re.fullmatch(r"[+-]?\d+", bad) else ""
         raise InputError(f"{source}: {bad!r} is not an integer token id{ascii_hint}.")
+    row = next((i for i, f in enumerate(fields) if len(f.lstrip("+-").lstrip("0")) > 19), None)
+    if row is not None:  # int() of over 4300 digits is Python's own ValueError; any id past 19 digits is past int64
+        shown = fields[row] if len(fields[row]) <= 40 else f"{fields[row][:24]}… ({len(fields[row])} characters)"
+        raise InputError(f"{source}: token id {shown} at row {row} does not fit in int64 (and is beyond any "
+                         f"vocabulary); token ids must be in 0..vocab_size-1.")
     values = [int(f) for f in fields]
     _check_int64(values, source)
     return np.array(values, dtype=np.int64)

@@ -9,8 +9,8 @@ GEMM agrees with them wherever the top two logits are further apart than its rou
 
 How, without paying for a float32 GEMM over the whole vocabulary (248320 x 5120 at real scale):
 
-1. Screen. Per vocabulary chunk, s = bf16(x) @ W_chunk^T with oneDNN's bf16 GEMM on the stored bf16 rows as mapped
-   (no copy, no widening; about 5x the float32 GEMM rate here). Weights stored as f16/f32 are screened with a float32
+1. Screen. Per vocabulary chunk, s = bf16(x) @ W_chunk^T with oneDNN's bf16 GEMM on the stored bf16 rows as read
+   (pread into one reused buffer, no widening; about 5x the float32 GEMM rate here). Weights stored as f16/f32 are screened with a float32
    GEMM instead (x unrounded, the chunk widened exactly).
 2. Bound. For every v of chunk c, |t_v - s_v| <= A[r, c] + rel·|s_v|, where (u = 2^-24, γ = D·u / (1 - D·u),
    M[c, i] = max_{v in c} |W[v, i]|, computed once per chunk from the stored bits and kept):
@@ -39,7 +39,8 @@ How, without paying for a float32 GEMM over the whole vocabulary (248320 x 5120 
    If the screen cannot separate anything (e.g. x = 0: every logit ties), every id is a candidate and the row is
    rescored whole: slow, never wrong.
 
-Peak memory is one chunk's screen scores (rows x chunk, bf16), the candidates and M (vocab/chunk x D float32).
+Peak memory is one chunk as stored (read with pread into one reused buffer), its screen scores (rows x chunk, bf16),
+the candidates and M (vocab/chunk x D float32).
 """
 
 import math
@@ -54,7 +55,7 @@ from oracle.checkpoint import Checkpoint
 from oracle.errors import CheckpointError, InputError
 from oracle.families.spec import MAIN_LM_HEAD as LM_HEAD
 
-CHUNK_ROWS = 8192  # lm_head rows per screen GEMM (80 MiB of the mapped bf16 shard at real scale, not copied);
+CHUNK_ROWS = 8192  # lm_head rows per screen GEMM (80 MiB of bf16 at real scale, read into one reused buffer);
 # measured idle at real scale, 32768-row chunks run the bf16 GEMM only ~3% faster
 PAIR_BLOCK = 1024  # (row, id) candidates rescored at a time: 1024 x D float64 products (40 MiB at D=5120)
 U32, BF16_REL = 2.0**-24, 2.0**-8
@@ -204,24 +205,22 @@ class LmHead:
         return self._column_max[start]
 
     def _chunks(self, skip=()):
-        """(first row, rows [n, D]) per chunk (but those whose first row is in `skip`): bf16 and f32 as stored (a
-        view of the mapped shard, no copy), f16 widened exactly into one reused float32 buffer (a fresh chunk per
-        read would pay its page faults each time)."""
-        vocab, width = self.checkpoint.entry(self.name).shape
+        """(first row, rows [n, D]) per chunk (but those whose first row is in `skip`), each valid until the next is
+        asked for: bf16 and f32 as stored, read with pread into one reused buffer (Checkpoint.stored_rows: a shard
+        cut short meanwhile is a CheckpointError, where a mapped view's page past the new end was a SIGBUS; a fresh
+        chunk per read would pay its page faults each time), f16 widened exactly into one reused float32 buffer."""
+        entry = self.checkpoint.entry(self.name)
+        vocab, width = entry.shape
+        buffer_rows = min(self.chunk_rows, vocab)
+        buffer = np.empty(buffer_rows * entry.nbytes // max(vocab, 1), dtype=np.uint8)  # one chunk's stored bytes
         vocab = min(vocab, self.vocab_rows or vocab)  # the draft logits' ids: the rows past it are padding
-        widen = self.checkpoint.entry(self.name).dtype == "F16"
-        wide = torch.empty(min(self.chunk_rows, vocab), width) if widen else None
+        wide = torch.empty(buffer_rows, width) if entry.dtype == "F16" else None
         for start in range(0, vocab, self.chunk_rows):
             if start in skip:
                 continue
-            stored = self._stored(start, min(start + self.chunk_rows, vocab))
-            yield start, wide[: len(stored)].copy_(stored) if widen else stored
-
-    def _stored(self, start: int, stop: int) -> torch.Tensor:
-        stored, dtype = self.checkpoint.stored_rows(self.name, start, stop)
-        if dtype == "BF16":
-            return torch.from_numpy(stored.view(np.int16)).view(torch.bfloat16)  # uint16 bit patterns
-        return torch.from_numpy(stored)
+            stored = _as_torch(*self.checkpoint.stored_rows(self.name, start, min(start + self.chunk_rows, vocab),
+                                                            into=buffer))
+            yield start, wide[: len(stored)].copy_(stored) if wide is not None else stored
 
     # ---- 4: rescore exactly -------------------------------------------------------------------------------------
 
@@ -232,6 +231,9 @@ class LmHead:
         logit, err = scored if scored is not None else self._float64_logits(x64, cand.rows, cand.ids)
         broken = np.abs(logit - cand.score) > (cand.slack + cand.rel * np.abs(cand.score) + err) * (1 + MARGIN)
         if broken.any():
+            # the screen and the rescoring read the table at different times: a shard rewritten in between breaks
+            # the bound too, and is the file's fault (CheckpointError naming it), not the kernel's
+            self.checkpoint.check_unchanged()
             raise RuntimeError(f"the lm_head screen's error bound failed on {int(broken.sum())} candidates (e.g. "
                                f"id {cand.ids[broken][0]}): the GEMM kernel does not accumulate as the bound "
                                f"assumes (oracle/lm_head.py docstring); the screen cannot be trusted here.")
@@ -272,8 +274,14 @@ class LmHead:
 
     def _rows64(self, ids: np.ndarray) -> np.ndarray:
         """Stored rows `ids` widened exactly to float64 [n, D]."""
-        vocab = self.checkpoint.entry(self.name).shape[0]
-        return self._stored(0, vocab)[torch.from_numpy(ids)].double().numpy()
+        return _as_torch(*self.checkpoint.stored_rows_at(self.name, ids)).double().numpy()  # pread, row by row
+
+
+def _as_torch(stored: np.ndarray, dtype: str) -> torch.Tensor:
+    """Stored rows as a torch tensor of their own dtype, no copy (bf16 comes as uint16 bit patterns)."""
+    if dtype == "BF16":
+        return torch.from_numpy(stored.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(stored)
 
 
 @dataclass(frozen=True)

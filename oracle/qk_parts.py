@@ -251,3 +251,89 @@ def kv_append_variants(run: Callable, mask: torch.Tensor) -> list[PartVariant]:
     mask: the current key missing, and only the current key (the cache never grows)."""
     return [PartVariant("kv_append", "own_key_missing", run(attention_mask=without_own_key(mask))),
             PartVariant("kv_append", "only_own_key", run(attention_mask=only_own_key(mask)))]
+
+
+# --- the same records at every chain depth (export --chain) ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class DepthRows:
+    """What depth j of the chains fed and computed: the rows its q/k-part records are measured on."""
+
+    token_ids: np.ndarray  # (n_j,)
+    positions: np.ndarray  # (n_j,) p_i + j - 1
+    recycled: np.ndarray  # (n_j, w)
+    embed: np.ndarray  # (n_j, D)
+    ah: np.ndarray  # (n_j, D)
+    attn: np.ndarray  # (n_j, D): the reference's depth-j attn rows, what each variant is measured against
+
+
+def chain_part_records(impl, head, rotary, inputs, bridge_ah: np.ndarray, bridge_attn: np.ndarray,
+                       depths: dict[int, DepthRows], names: dict[str, list[str]],
+                       block: int | None = None) -> dict[int, dict[str, np.ndarray]]:
+    """{depth j: {/chain/d{j}/evidence dataset: [n_j, V]}}: each q/k-path part's wrong variants measured on the
+    chain's own depth-j attn rows, as depth 1's are on the bridge's (one-layer heads).
+
+    The rows are the draft loop's own (oracle/draft_loop.py): the bridge steps, then every depth's chain entries,
+    stacked as one pass of the official attention module on the reference's `ah` rows, with the loop's mask (chain c
+    at depth j sees bridge rows 0..c and its own entries of depths 2..j, within the window) and its key positions
+    (bridge i at p_i, chain c's depth-d entry at p_c + d - 1). A variant then applies wherever the head attends
+    (the bridge keys a chain reads included, as an engine wrong in that part is), its inputs held at the
+    reference's, and only the depth-j rows are kept for depth j. With the same mask and no variant this pass gives
+    the loop's own attn rows (tests/probe/test_qk_parts_depths.py). Only the parts whose variants are depth 1's
+    (`names`, the root's evidence_rules.qk_parts, which the probe reads at every depth) are kept. As the loop does,
+    chains go in blocks (`block`, default draft_loop.CHAIN_BLOCK): a block's pass holds the bridge rows its chains
+    may see and their entries only, so its scores stay (T + block·(K-1))² per head, not (T·K)²."""
+    from oracle.draft_loop import CHAIN_BLOCK
+
+    order = sorted(depths)
+    sizes = [len(depths[j].token_ids) for j in order]  # n_j, non-increasing: chains 0..n_j-1 have depth j
+    block = block or CHAIN_BLOCK
+    out: dict[int, dict[str, np.ndarray]] = {j: {} for j in order}
+    for a in range(0, sizes[0], block):
+        b = min(a + block, sizes[0])  # chains a..b-1 see bridge rows 0..b-1 at most
+        counts = tuple(m for m in (max(0, min(b, n) - a) for n in sizes) if m)
+        records, measured = _block_records(impl, head, rotary, inputs, bridge_ah, bridge_attn, depths, order, a, b,
+                                           counts)
+        kept = {dataset_name(p) for p, v in measured.items() if names.get(p) == v}
+        start = b  # the bridge rows' own distances are depth 1's business
+        for j, m in zip(order, counts):
+            for name in kept:
+                rows = records[name]
+                target = out[j].setdefault(name, np.zeros((sizes[order.index(j)], rows.shape[1]), np.float32))
+                target[a:a + m] = rows[start:start + m]
+            start += m
+    return out
+
+
+def _block_records(impl, head, rotary, inputs, bridge_ah, bridge_attn, depths, order, a: int, b: int,
+                   counts: tuple[int, ...]):
+    """measure() over bridge rows 0..b-1 then chains a..a+m_j-1 of each depth (counts = m_j): one pass per variant."""
+    from oracle.draft_loop import key_positions, within_window
+    from oracle.trace import TraceInputs
+
+    bridge_positions = torch.from_numpy(np.asarray(inputs.positions[:b], dtype=np.int64))
+    keys = key_positions(a, bridge_positions, counts)  # the stacked rows' positions
+    mask = stacked_mask(b, counts, first=a)
+    part = [(depths[j], slice(a, a + m)) for j, m in zip(order, counts)]
+    stacked = TraceInputs(
+        token_ids=np.concatenate([inputs.token_ids[:b], *(d.token_ids[s] for d, s in part)]).astype(np.int64),
+        positions=keys.numpy(), hidden=np.concatenate([inputs.hidden[:b], *(d.recycled[s] for d, s in part)]),
+        embed=np.concatenate([inputs.embed[:b], *(d.embed[s] for d, s in part)]))
+    ah = np.concatenate([bridge_ah[:b], *(d.ah[s] for d, s in part)]).astype(np.float32)
+    attn = np.concatenate([bridge_attn[:b], *(d.attn[s] for d, s in part)])
+    variants = impl.qk_part_variants(head, rotary, stacked, ah, mask_of=lambda w: within_window(mask, keys, keys, w))
+    return measure(variants, attn, impl.qk_output_projection(head))
+
+
+def stacked_mask(bridge_rows: int, counts: tuple[int, ...], first: int = 0) -> torch.Tensor:
+    """Additive (1, 1, R, R) mask over the bridge rows then each depth's chain entries (`counts` per depth, chains
+    first..): bridge rows causal, the rows of depth 2 + d the draft loop's chain_mask after counts[:d + 1], keys of
+    later depths blocked. R = bridge_rows + sum(counts)."""
+    from oracle.draft_loop import chain_mask
+
+    total = bridge_rows + sum(counts)
+    blocks = [chain_mask(0, bridge_rows, ())]  # the bridge, causal
+    blocks += [chain_mask(first, bridge_rows, counts[:d]) for d in range(1, len(counts) + 1)]
+    low = torch.finfo(torch.float32).min
+    padded = [torch.nn.functional.pad(b, (0, total - b.shape[-1]), value=low) for b in blocks]
+    return torch.cat(padded, dim=-2)

@@ -876,7 +876,9 @@ def _dataset_names(f: h5py.File) -> list[str]:
 # lives in /chain/d{j} with n_j = T - j + 1 rows, row r = bridge position r (bridge i has depth j iff i + j - 1 <= T-1):
 #     inputs/{bridge, token_ids, positions, layer} int64 [n_j]; inputs/recycled float32 [n_j, w]; inputs/embed [n_j, D]
 #     stages/<name>    [n_j, width], every stage of the family, with depth 1's names, attributes and order
-#     evidence/<name>  as /evidence (attn_uniform, topk_margin, draft_margin, ...) plus h_if_<alt> [n_j, width of h]:
+#     evidence/<name>  as /evidence (attn_uniform, topk_margin, draft_margin, qk_<part> with the root's
+#                      evidence_rules.qk_parts columns, measured on this depth's own attn rows: one-layer heads) plus
+#                      h_if_<alt> [n_j, width of h]:
 #                      the `h` this depth would have had had the engine recycled <alt> ("prenorm", "main") instead
 # Root `stage_checksums` holds "d{j}/<name>" for chain stages; root `chain_digest` ("sha256:...") covers every
 # /chain/d{j}/inputs dataset, in depth then CHAIN_INPUT_NAMES order. The root `evidence_digest` covers chain evidence

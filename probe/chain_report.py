@@ -7,7 +7,7 @@ its grid, its failed self-checks and its first divergent row, so one bad depth s
 
 from probe.chain import ChainDiff, DepthDiff
 from probe.diff import DiffReport
-from probe.report import _ranges, _table, budget_text, cell_detail, coverage_text
+from probe.report import _ranges, _table, budget_text, cell_detail, coverage_text, depth_qk_lines
 
 _SHOWN_RANGES = 6  # recycle rows that are not evidential: at most this many ranges are listed per alternative
 
@@ -33,7 +33,7 @@ def chain_text(report: DiffReport, verbose: bool = False) -> str:
         r = part.report
         lines.append(f"  {depth:<6}{r.num_tokens:>8}  {r.verdict.name:<13}{_first_text(r):<28}"
                      f"{coverage_text(r.captured, r.stage_names)}")
-    lines += [f"  {line}" for part in chain.depths for line in _recycle_lines(part)]
+    lines += [f"  {line}" for part in chain.depths for line in _recycle_lines(part) + depth_qk_lines(part.report)]
     blocks = ["\n".join(lines)]
     blocks += [_depth_detail(part, verbose) for part in chain.depths if part.report.verdict.name in ("diverged",
                                                                                                     "invalid")]
@@ -111,4 +111,5 @@ def _depth_json(depth: int, report: DiffReport, verdict, part: DepthDiff | None 
         entry["recycle_evidence"] = {e.alt: {"evidencing_rows": e.evidencing.nonzero()[0].tolist(),
                                              "not_evidential_rows": e.not_evidential.tolist()} for e in part.recycle}
         entry["recycle_note"] = part.recycle_note
+        entry["qk_parts"] = depth_qk_lines(report)  # judged with this depth's own /chain/d{j}/evidence/qk_<part>
     return entry

@@ -393,7 +393,7 @@ def _part_lines(report: DiffReport) -> list[str]:
     if not report.qk.recorded:
         return []
     if report.qk.parts is None:
-        return [NOT_MEASURED]
+        return [NOT_MEASURED if report.depth == 1 else depth_not_measured(report.depth)]
     found = part_evidence(report.rows.values(), report.qk)
     lines = []
     for part, variants in found.items():
@@ -410,6 +410,18 @@ def _part_lines(report: DiffReport) -> list[str]:
             lines.append(f"q/k path, {name}: evidenced: each wrong variant fails some compared {ATTENTION} row "
                          f"(rows, per variant: {counts}; t={_ranges(tuple(rows))})")
     return lines
+
+
+def depth_not_measured(depth: int) -> str:
+    """Why a chain depth states no q/k-path part: its own records are absent (never borrowed from depth 1)."""
+    return (f"q/k path parts (RoPE, q_norm, k_norm, KV append, window, sink) not measured at depth {depth}: the "
+            f"reference records no /chain/d{depth}/evidence/qk_<part> (a depth of an N-layer head, which runs another "
+            f"layer, or a reference exported before per-depth records), so none of them is claimed evidenced there")
+
+
+def depth_qk_lines(report: DiffReport) -> list[str]:
+    """A chain depth's own q/k-path part lines (its rows are bridge positions), judged with its own records."""
+    return [f"depth {report.depth}: " + line.replace("; t=", "; bridge(s) ") for line in _part_lines(report)]
 
 
 def _evidence(report: DiffReport) -> str:

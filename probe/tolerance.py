@@ -9,6 +9,7 @@ against the reference (family, head digest, stages) and stated in the report (`T
 """
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -145,6 +146,10 @@ def profile_file_spec(text: str) -> tuple[Path, str | None] | None:
     file, sep, path = text.rpartition(":")
     if sep and file and not Path(text).exists():
         return Path(file), path
+    if os.path.lexists(text) and not Path(text).is_file():  # a FIFO, a directory: say what it is, never open it
+        from oracle.reading import check_regular_file
+
+        check_regular_file(Path(text), "--profile file", ToleranceError)
     if not Path(text).is_file():
         raise ToleranceError(f"--profile {text}: neither a named profile ({', '.join(sorted(PROFILES))}) nor an "
                              f"existing noise-profile file (FILE[:PATH]); {_REGENERATE}.")

@@ -224,8 +224,16 @@ def _safetensors_tensors(file: Path) -> dict:
 
     def loader(entry):
         def load() -> np.ndarray:
-            stored = np.fromfile(entry.file, dtype=_DUMP_DTYPES[entry.dtype], count=int(np.prod(entry.shape)),
-                                 offset=entry.offset).reshape(entry.shape)
+            count = int(np.prod(entry.shape))
+            try:  # read, never mapped: a file cut short meanwhile is a short read here, not a SIGBUS later
+                stored = np.fromfile(entry.file, dtype=_DUMP_DTYPES[entry.dtype], count=count, offset=entry.offset)
+            except OSError as err:
+                raise InputError(f"dump tensor {entry.name}: reading {entry.file} failed ({err.strerror or err}).") \
+                    from None
+            if stored.size != count:
+                raise InputError(f"dump tensor {entry.name}: {entry.file} ended inside it (cut short, maybe while "
+                                 f"being read); dump the weights again.")
+            stored = stored.reshape(entry.shape)
             return stored if entry.dtype == "F64" else _widen(stored, entry.dtype)
         return load
 
@@ -236,8 +244,9 @@ def _npy_loader(file: Path):
     def load() -> np.ndarray:
         npy_claims(file)  # a regular .npy file (not a FIFO, not a .npz saved as .npy) holding what it claims
         try:
-            array = np.load(file, mmap_mode="r", allow_pickle=False)
-        except (OSError, ValueError) as err:
+            # read whole, never mapped: a mapped page past the end of a file cut short meanwhile was a SIGBUS
+            array = np.load(file, allow_pickle=False)
+        except (OSError, ValueError, EOFError) as err:
             raise InputError(f"dump tensor {file.stem}: {file} is not a readable .npy file ({err}).") from None
         if array.dtype.kind != "f":
             raise InputError(f"dump tensor {file.stem} in {file.name} is {array.dtype}; the audit compares values: "

@@ -64,13 +64,13 @@ def build_head(cfg: HeadConfig, weights: dict[str, torch.Tensor]):
                                 DeepseekV3RotaryEmbedding, layout(cfg, set(weights)), weights)
 
 
-def qk_part_variants(head: MtpLayerHead, rotary, inputs: TraceInputs, ah: np.ndarray) -> list[PartVariant]:
+def qk_part_variants(head: MtpLayerHead, rotary, inputs: TraceInputs, ah: np.ndarray, mask_of=None) -> list[PartVariant]:
     """The wrong variants of each q/k-path part of MLA DeepseekV3Attention (oracle/qk_parts.py): RoPE (cos = 1 and
     sin = 0; the other pairing: config.rope_interleave flipped, so the module runs its other official RoPE
     function) and the KV append. MLA has no per-head q_norm/k_norm (its q_a_layernorm and kv_a_layernorm act on
     the latents, weights the --explain coverage measures), and RoPE covers exactly the qk_rope_head_dim slice by
     construction (the split comes before it), so there is no "all dims" variant."""
-    p = AttentionPass.of(head, rotary, inputs, ah)
+    p = AttentionPass.of(head, rotary, inputs, ah, mask_of)
     config = head.text_config
     other = "neox_halves" if config.rope_interleave else "interleaved"
     return [PartVariant("rope", "absent", p.run(rope=rotary_off(*p.rope))),

@@ -383,19 +383,22 @@ def qk_output_projection(head: V4MtpHead) -> nn.Module:
     return head.layer.self_attn.o_b_proj
 
 
-def qk_part_variants(head: V4MtpHead, rotary, inputs: TraceInputs, ah: np.ndarray) -> list[PartVariant]:
+def qk_part_variants(head: V4MtpHead, rotary, inputs: TraceInputs, ah: np.ndarray, mask_of=None) -> list[PartVariant]:
     """The wrong variants of each q/k-path part of the official DeepseekV4Attention (oracle/qk_parts.py), one pass
     each on the trace's own `ah` rows: RoPE (cos = 1 and sin = 0; over all head dims instead of the trailing rope
     slice; the slice as NeoX halves instead of V4's layout: the module's own RoPE function swapped, built on its own
     rotate_half, so the output's de-rotation changes with it), q_norm (the unweighted q_b_norm: skipped), k_norm
     (kv_norm, which also norms the values, K = V: skipped, or scaling by 1 + w), the KV append (own key masked out;
     only the own key), the sliding window (W - 1,
-    W + 1, none: the module attends what the mask lets through) and the sink (absent: its logit -inf)."""
+    W + 1, none: the module attends what the mask lets through) and the sink (absent: its logit -inf).
+    `mask_of(window)`: the additive mask of these rows for a window (None: none), when they are not the trace's own
+    causal steps (a chain's rows stacked on the bridge's, oracle/qk_parts.py chain_part_records)."""
     attention = head.layer.self_attn
     embed, _, positions = _step_tensors(inputs)
     config, num_tokens = head.text_config, inputs.num_tokens
     rope, window = _rope(rotary, embed, positions), config.sliding_window
-    mask, x = sliding_mask(num_tokens, window), torch.from_numpy(np.ascontiguousarray(ah))[None]
+    mask_of = mask_of or (lambda w: sliding_mask(num_tokens, num_tokens + 1 if w is None else w))
+    mask, x = mask_of(window), torch.from_numpy(np.ascontiguousarray(ah))[None]
 
     def run(position_embeddings=rope, attention_mask=mask):
         return lambda: attention(x, position_embeddings=position_embeddings, position_ids=positions,
@@ -421,9 +424,9 @@ def qk_part_variants(head: V4MtpHead, rotary, inputs: TraceInputs, ah: np.ndarra
         PartVariant("k_norm", "1_plus_w_not_w",
                     under(swapped, attention.kv_norm, "weight", other_norm_form(attention.kv_norm, False))),
     ] + kv_append_variants(run, mask)
-    windows = {"one_less": window - 1, "one_more": window + 1, "none": num_tokens + 1}
-    variants += [PartVariant("window", name, run(attention_mask=sliding_mask(num_tokens, w)))
-                 for name, w in windows.items() if w >= 1]
+    windows = {"one_less": window - 1, "one_more": window + 1, "none": None}
+    variants += [PartVariant("window", name, run(attention_mask=mask_of(w)))
+                 for name, w in windows.items() if w is None or w >= 1]
     no_sink = nn.Parameter(torch.full_like(attention.sinks, -torch.inf), requires_grad=False)
     return variants + [PartVariant("sink", "absent", under(swapped, attention, "sinks", no_sink))]
 

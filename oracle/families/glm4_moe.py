@@ -66,11 +66,11 @@ def build_head(cfg: HeadConfig, weights: dict[str, torch.Tensor]):
                                 Glm4MoeRotaryEmbedding, layout(cfg, set(weights)), weights)
 
 
-def qk_part_variants(head: MtpLayerHead, rotary, inputs: TraceInputs, ah: np.ndarray) -> list[PartVariant]:
+def qk_part_variants(head: MtpLayerHead, rotary, inputs: TraceInputs, ah: np.ndarray, mask_of=None) -> list[PartVariant]:
     """The wrong variants of each q/k-path part of Glm4MoeAttention (oracle/qk_parts.py): RoPE (cos = 1 and
     sin = 0; NeoX over all head dims instead of the partial rotary ones; interleaved pairs on the rotary slice),
     q_norm and k_norm where use_qk_norm ((w) norms: skipped, or scaling by 1 + w) and the KV append."""
-    p = AttentionPass.of(head, rotary, inputs, ah)
+    p = AttentionPass.of(head, rotary, inputs, ah, mask_of)
     theta, head_dim = head.text_config.rope_parameters["rope_theta"], p.module.head_dim
     variants = [PartVariant("rope", "absent", p.run(rope=rotary_off(*p.rope)))]
     if p.rope[0].shape[-1] < head_dim:

@@ -420,9 +420,11 @@ class AttentionPass:
     x: torch.Tensor
 
     @classmethod
-    def of(cls, head: MtpLayerHead, rotary, inputs: TraceInputs, ah: np.ndarray) -> "AttentionPass":
+    def of(cls, head: MtpLayerHead, rotary, inputs: TraceInputs, ah: np.ndarray, mask_of=None) -> "AttentionPass":
+        """`mask_of(None)`: the rows' mask where they are not the trace's own causal steps (a chain's rows)."""
         embed, _, positions = _step_tensors(inputs)
-        return cls(head.layer.mtp_block.self_attn, rotary(embed, positions), causal_mask(inputs.num_tokens),
+        mask = causal_mask(inputs.num_tokens) if mask_of is None else mask_of(None)
+        return cls(head.layer.mtp_block.self_attn, rotary(embed, positions), mask,
                    positions, torch.from_numpy(np.ascontiguousarray(ah))[None])
 
     def run(self, rope=None, mask=None):

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from safetensors import safe_open
 from torch import nn
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 from transformers.core_model_loading import WeightRenaming, rename_source_key
@@ -60,17 +59,31 @@ def checkpoint_name(layout: MainLayout, module: str) -> str:
     return guess if module_name(layout, guess, renamings) == module else module
 
 
+# safetensors dtype names -> torch dtypes (what a main model's tensors may be stored as)
+_TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+                 "F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": getattr(torch, "float8_e8m0fnu", None),
+                 "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "U8": torch.uint8,
+                 "BOOL": torch.bool}
+
+
 class _Reader:
-    """Checkpoint tensors as torch tensors through safetensors (any dtype: FP8, E8M0 scales, integer tables)."""
+    """Checkpoint tensors as torch tensors (any dtype: FP8, E8M0 scales, integer tables), read with pread
+    (Checkpoint.stored_bytes): safetensors' own reader maps the shard, and a shard cut short while the main model
+    loads was a SIGBUS."""
 
     def __init__(self, ckpt: Checkpoint):
-        self.ckpt, self.files = ckpt, {}
+        self.ckpt = ckpt
 
     def __call__(self, name: str) -> torch.Tensor:
-        path = str(self.ckpt.entry(name).file)
-        if path not in self.files:
-            self.files[path] = safe_open(path, framework="pt")
-        return self.files[path].get_tensor(name)
+        entry = self.ckpt.entry(name)
+        dtype = _TORCH_DTYPES.get(entry.dtype)
+        if dtype is None:
+            raise CheckpointError(f"{name} in {entry.file.name} is {entry.dtype}; the main model reader handles "
+                                  f"{', '.join(k for k, v in _TORCH_DTYPES.items() if v is not None)}.")
+        stored = self.ckpt.stored_bytes(name)
+        if not stored:
+            return torch.empty(entry.shape, dtype=dtype)
+        return torch.frombuffer(stored, dtype=dtype).reshape(entry.shape)
 
 
 def _value(read: _Reader, layout: MainLayout, name: str, block: tuple[int, int]) -> torch.Tensor:

@@ -340,7 +340,8 @@ def qk_output_projection(head: MtpModelHead) -> nn.Module:
 
 
 @torch.inference_mode()
-def qk_part_variants(head: MtpModelHead, rotary, inputs: TraceInputs, ah: np.ndarray) -> list[PartVariant]:
+def qk_part_variants(head: MtpModelHead, rotary, inputs: TraceInputs, ah: np.ndarray,
+                     mask_of=None) -> list[PartVariant]:
     """The wrong variants of each q/k-path part layer 0's official attention has (depth 1; oracle/qk_parts.py),
     one pass each on the trace's own `ah` rows (through a fresh cache where the layer keeps conv states, as the
     real pass): RoPE where the model has a rotary (cos = 1 and sin = 0; NeoX over all head dims where the rotary
@@ -352,7 +353,8 @@ def qk_part_variants(head: MtpModelHead, rotary, inputs: TraceInputs, ah: np.nda
     attention = head.mtp.layers[0].mtp_block.self_attn
     embed, _, positions = _step_tensors(inputs)
     x, window = torch.from_numpy(np.ascontiguousarray(ah))[None], head.window(0)
-    rope, mask = head.rope(rotary, x, positions, 0), layer_mask(positions[0], window)
+    mask_of = mask_of or (lambda w: layer_mask(positions[0], w))  # a chain's rows: oracle/qk_parts.py
+    rope, mask = head.rope(rotary, x, positions, 0), mask_of(window)
 
     def run(position_embeddings=rope, attention_mask=mask):
         return lambda: attention(hidden_states=x, position_embeddings=position_embeddings,
@@ -376,7 +378,7 @@ def qk_part_variants(head: MtpModelHead, rotary, inputs: TraceInputs, ah: np.nda
     if window is not None:
         n = inputs.num_tokens
         windows = {"one_less": window - 1, "one_more": window + 1, "none": None}
-        variants += [PartVariant("window", name, run(attention_mask=layer_mask(positions[0], w)))
+        variants += [PartVariant("window", name, run(attention_mask=mask_of(w)))
                      for name, w in windows.items() if w is None or (1 <= w < n + window)]
     return variants
 

@@ -352,15 +352,18 @@ def qk_output_projection(head: MtpHead) -> nn.Module:
     return head.layers[0].self_attn.o_proj
 
 
-def qk_part_variants(head: MtpHead, rotary, inputs: TraceInputs, ah: np.ndarray) -> list[PartVariant]:
+def qk_part_variants(head: MtpHead, rotary, inputs: TraceInputs, ah: np.ndarray, mask_of=None) -> list[PartVariant]:
     """The wrong variants of each q/k-path part of a Qwen gated-attention head (oracle/qk_parts.py), each one pass
     of the official attention module on the trace's own `ah` rows: RoPE (cos = 1 and sin = 0; NeoX over all head
     dims; interleaved pairs on the rotary slice), q_norm and k_norm ((1+w) norms: skipped, or scaling by w) and the
     KV append (each step's own key masked out; each step seeing only its own key). Any Qwen-stem family (3.5,
-    3.5-MoE, Next): RoPE's function is swapped in the attention class's own module."""
+    3.5-MoE, Next): RoPE's function is swapped in the attention class's own module.
+    `mask_of(window)`: the additive mask of these rows for a window (None: none), when they are not the trace's own
+    causal steps (a chain's rows stacked on the bridge's, oracle/qk_parts.py chain_part_records)."""
     attention = head.layers[0].self_attn
     embed, _, positions = _step_tensors(inputs)
-    rope, mask, x = rotary(embed, positions), causal_mask(inputs.num_tokens), torch.from_numpy(ah)[None]
+    mask = causal_mask(inputs.num_tokens) if mask_of is None else mask_of(None)
+    rope, x = rotary(embed, positions), torch.from_numpy(np.ascontiguousarray(ah))[None]
     config = head.text_config
 
     def run(position_embeddings=rope, attention_mask=mask):

@@ -239,8 +239,9 @@ class Hdf5DepthTrace(Hdf5Trace):
 
     def _depth_rules(self, rules):
         """The root's evidence_rules as they hold at this depth: the q/k-path parts (qk_parts) are measured where a
-        /evidence/qk_<part> dataset is recorded, which the oracle writes for depth 1 only; a part this depth lacks
-        is "not measured" here (never claimed), not a contradiction of the rules."""
+        /chain/d{j}/evidence/qk_<part> dataset is recorded (the oracle measures each depth of a one-layer head on its
+        own rows, oracle/qk_parts.py chain_part_records); a part this depth lacks is "not measured" here (never
+        claimed, never depth 1's), not a contradiction of the rules."""
         if not isinstance(rules, dict) or not isinstance(rules.get("qk_parts"), dict):
             return rules
         kept = {part: names for part, names in rules["qk_parts"].items() if self._reader.has_evidence(f"qk_{part}")}

@@ -228,9 +228,11 @@ def test_a_nan_or_inf_weight_is_refused_not_screened(tmp_path, trained_w, bad):
 
 def counted_reads(monkeypatch) -> list:
     """Every (start, stop) of lm_head rows read from the checkpoint from now on."""
-    reads, stored_rows = [], lm_head_module.LmHead._stored
-    monkeypatch.setattr(lm_head_module.LmHead, "_stored",
-                        lambda self, start, stop: reads.append((start, stop)) or stored_rows(self, start, stop))
+    from oracle.checkpoint import Checkpoint
+
+    reads, stored_rows = [], Checkpoint.stored_rows
+    monkeypatch.setattr(Checkpoint, "stored_rows", lambda self, name, start, stop, into=None:
+                        reads.append((start, stop)) or stored_rows(self, name, start, stop, into=into))
     return reads
 
 
