@@ -303,7 +303,7 @@ def _stepwise_mask(cache: DynamicCache, seen: torch.Tensor, window: int | None) 
     """The last query's row over the keys the cache will hold after this step (None without a window)."""
     if window is None:
         return None
-    kept = cache.get_seq_length(0) + 1
+    kept = min(cache.get_seq_length(0), window - 1) + 1  # a sliding layer's cache keeps W-1 (its length: all seen)
     keys = seen[-kept:]
     blocked = keys <= seen[-1] - window
     return torch.zeros(1, kept).masked_fill(blocked[None], torch.finfo(torch.float32).min)[None, None]
