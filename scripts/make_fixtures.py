@@ -659,16 +659,26 @@ def mimo_v2_flash_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return shapes | {"model.embed_tokens.weight": (v, d), "lm_head.weight": (v, d)}
 
 
-def write_mimo_v2_flash_checkpoint(out_dir: Path, overrides: dict | None = None, seed: int = 0) -> Path:
-    """A tiny MiMo-V2-Flash MTP head as released (bf16; config.json in the release's keys): every MTP layer, the
-    main embedding and lm_head. Head-only."""
+def write_mimo_v2_flash_checkpoint(out_dir: Path, overrides: dict | None = None, seed: int = 0,
+                                   fp8_block: list[int] | None = None) -> Path:
+    """A tiny MiMo-V2-Flash MTP head as released (config.json in the release's keys): every MTP layer, the main
+    embedding and lm_head; bf16, or with `fp8_block` the MTP linears FP8 e4m3 beside `weight_scale_inv` block scales
+    but o_proj (vLLM's mimo_v2.py leaves the MTP o_proj unquantized). Head-only."""
     from oracle.families.mimo_v2_flash_layout import tiny_config
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = tiny_config(**(overrides or {})) | {"_generated_by": GENERATED_BY}
-    tensors = {name: torch.from_numpy(mtp_layer_values(name, shape, seed)).to(torch.bfloat16)
-               for name, shape in sorted(mimo_v2_flash_shapes(config).items())}
+    if fp8_block:
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                         "weight_block_size": fp8_block}
+    tensors = {}
+    for name, shape in sorted(mimo_v2_flash_shapes(config).items()):
+        value = torch.from_numpy(mtp_layer_values(name, shape, seed))
+        if fp8_block and name.startswith("model.mtp.") and len(shape) == 2 and "o_proj" not in name:
+            tensors[name], tensors[name.removesuffix("weight") + "weight_scale_inv"] = fp8_quantize(value, fp8_block)
+        else:
+            tensors[name] = value.to(torch.bfloat16)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
     return out_dir

@@ -12,7 +12,9 @@ sliding layer type. Loading goes through `MtpModel.get_weight_conversions` (whic
 has no entry for, written with its own `WeightRenaming`: `pre_mlp_layernorm` -> the decoder layer's
 `post_attention_layernorm` and `final_layernorm` -> `post_norm`, as SGLang's `map_model_name_to_mtp_param_name`
 maps them. Strict, as every MtpModel family (oracle/families/mtp_model.py, whose head, hooks and runs this reuses).
-What it is not: the fused-qkv (V2.5/Pro) or FP8 releases (refused by the layout), and `--main-model`.
+FP8 linears (e4m3 beside `weight_scale_inv`, as released) are dequantized to float32 with their block scales
+before the load (oracle/fp8.py, exact), the rest widened as stored.
+What it is not: the fused-qkv (V2.5/Pro) releases (refused by the layout), and `--main-model`.
 """
 
 import importlib
@@ -21,11 +23,12 @@ import torch
 from torch import nn
 
 from oracle.errors import CheckpointError
+from oracle.families.mtp_layer import _SCALE, Fp8Weights
 from oracle.families.mtp_model import (MtpModelHead, attention_with_uniform_weights, layer_mask,  # noqa: F401
                                        load_main_model, main_model_hidden, official_layer_stepwise,
                                        qk_output_projection, qk_part_variants, run_batched, run_stepwise)
 from oracle.families.mtp_model import build_head as _build_head
-from oracle.families.mtp_model import torch_weights as _torch_weights
+from oracle.families.mtp_model import torch_weights  # noqa: F401  (stored tensors; FP8 as e4m3 bytes)
 
 MODELING = "transformers.models.mimo_v2_flash.modeling_mimo_v2_flash"
 CONFIGURATION = "transformers.models.mimo_v2_flash.configuration_mimo_v2_flash"
@@ -59,14 +62,14 @@ class MiMoMtpHead(MtpModelHead):
 
 
 def build_head(cfg, weights: dict[str, torch.Tensor]):
-    return _build_head(cfg, weights, MiMoMtpHead)
+    return _build_head(cfg, dequantized(cfg, weights), MiMoMtpHead)
 
 
-def torch_weights(weights) -> dict[str, torch.Tensor]:
-    """The stored head tensors; FP8 bit patterns (uint8) are refused: the load widens to float32 as is."""
-    out = _torch_weights(weights)
-    fp8 = sorted(n for n, t in out.items() if t.dtype == torch.uint8)
-    if fp8:
-        raise CheckpointError(f"{fp8[0]} is FP8; the MiMo MTP head reads BF16, F16 and F32 tensors only "
-                              f"(dequantize the head first).")
-    return out
+def dequantized(cfg, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """FP8 linears (e4m3 bytes, torch_weights) widened to float32 with their weight_scale_inv block scales, their
+    scales dropped; every other tensor as stored. FP8 tensors without a quantization_config are refused."""
+    fp8 = Fp8Weights(weights, cfg.weight_block_size)
+    if fp8.fp8 and cfg.weight_block_size is None:
+        raise CheckpointError(f"{sorted(fp8.fp8)[0]} is FP8 but config.json has no quantization_config (quant_method "
+                              f"fp8, weight_block_size): the block size of its scales is unknown.")
+    return {name: fp8.value(name) for name in weights if not name.endswith(_SCALE)}

@@ -25,7 +25,8 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from oracle.errors import CheckpointError
-from oracle.families.mtp_layer_layout import MtpLayerTensors, is_int, positive_int, positive_number
+from oracle.families.mtp_layer_layout import (MtpLayerTensors, is_int, positive_int, positive_number,
+                                              weight_block_size)
 from oracle.families.mtp_model_layout import VARIANTS, MtpModelSpec, _check_layers_alike, dims
 from oracle.stages import SPINE, StageList, with_draft
 
@@ -50,6 +51,7 @@ class HeadConfig:
     sliding_window: int  # keys a query sees, itself included (transformers' reading: sliding_window_size + 1)
     num_experts: int = 0  # MTP layers are dense
     num_experts_per_tok: int = 0
+    weight_block_size: tuple[int, int] | None = None  # FP8 block scales (quantization_config), None for bf16/f32
     official: dict = field(default_factory=dict)  # MiMoV2FlashConfig(**official): the MTP layers' official config
 
     @property
@@ -113,13 +115,16 @@ def official_kwargs(text: dict, source: str) -> dict:
         raise CheckpointError(f"{source}: add_swa_attention_sink_bias is {text['add_swa_attention_sink_bias']!r}; "
                               f"transformers' MiMoV2FlashAttention always has sinks on sliding layers, so an MTP "
                               f"layer without them is not representable with the official class.")
-    if "attention_value_scale" not in text:
-        raise CheckpointError(f"{source}: no attention_value_scale; engines default it differently (vLLM: none, "
-                              f"transformers: 0.707), so the MiMo MTP head needs it set (null: no scaling).")
+    scale = text.get("attention_value_scale", "absent")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0):
+        raise CheckpointError(f"{source}: attention_value_scale = {scale!r}; engines default it differently (vLLM: "
+                              f"none, transformers: 0.707), so the MiMo MTP head needs it set: a positive number, "
+                              f"or null for no scaling.")
     heads, kv = _swa_heads(text, source)
     eps = positive_number(text, _key(text, ("layernorm_epsilon", "rms_norm_eps")), source)
-    kwargs = {
-        "vocab_size": positive_int(text, "vocab_size", source), "hidden_size": positive_int(text, "hidden_size", source),
+    return {
+        "vocab_size": positive_int(text, "vocab_size", source),
+        "hidden_size": positive_int(text, "hidden_size", source),
         "intermediate_size": positive_int(text, "intermediate_size", source),
         "num_hidden_layers": positive_int(text, "num_hidden_layers", source),
         "max_position_embeddings": positive_int(text, "max_position_embeddings", source),
@@ -135,7 +140,6 @@ def official_kwargs(text: dict, source: str) -> dict:
         "layer_types": ["sliding_attention"] * text["num_hidden_layers"],
         "mlp_layer_types": ["dense"] * text["num_hidden_layers"],
     }
-    return kwargs
 
 
 def head_config_from_json(raw: dict, source: str) -> HeadConfig:
@@ -143,8 +147,9 @@ def head_config_from_json(raw: dict, source: str) -> HeadConfig:
     layers = text.get(LAYERS_KEY)
     if not is_int(layers) or layers < 1:
         raise CheckpointError(f"{source}: {LAYERS_KEY} = {layers!r}; a MiMo-V2 MTP head needs it set to its layer "
-                              f"count (>= 1). Without it no engine builds the MTP and the head's tensors are dropped: "
-                              f"set it to the number of model.mtp.layers.* the checkpoint holds.")
+                              f"count (>= 1). Without it the layer count is unknown and a loader that trusts the config "
+                              f"drops the head's tensors: set it to the number of model.mtp.layers.* the checkpoint "
+                              f"holds.")
     official = official_kwargs(text, source)
     return HeadConfig(
         family="mimo_v2_flash", hidden_size=official["hidden_size"], vocab_size=official["vocab_size"],
@@ -152,13 +157,23 @@ def head_config_from_json(raw: dict, source: str) -> HeadConfig:
         num_mtp_layers=layers, num_attention_heads=official["num_attention_heads"],
         num_key_value_heads=2 * official["num_key_value_heads"], head_dim=official["head_dim"],
         v_head_dim=official["v_head_dim"], intermediate_size=official["intermediate_size"],
-        sliding_window=official["sliding_window"], official=official)
+        sliding_window=official["sliding_window"], weight_block_size=_fp8_block(raw, source), official=official)
+
+
+def _fp8_block(raw: dict, source: str) -> tuple[int, int] | None:
+    """Block FP8 (e4m3 with weight_scale_inv) as MiMo-V2-Flash is released; a packed store format is refused."""
+    quant = raw.get("quantization_config")
+    if isinstance(quant, dict) and quant.get("store_dtype") not in (None, "fp8", "e4m3"):
+        raise CheckpointError(f"{source}: quantization_config.store_dtype {quant['store_dtype']!r} is not supported "
+                              f"(block FP8 e4m3 with weight_scale_inv, or bf16/f32, are).")
+    return weight_block_size(raw, source)
 
 
 def layout(cfg: HeadConfig, names: set[str]) -> MtpLayerTensors:
     """Every tensor of model.mtp.layers.0..N-1 (shapes are checked by the strict load against the official
-    modules). A layer count that disagrees with the layers present is refused naming both; so are a fused qkv_proj
-    and FP8 tensors (not supported), and anything under model.mtp. outside its layers."""
+    modules; FP8 weights and their weight_scale_inv by the head's dequantization). A layer count that disagrees
+    with the layers present is refused naming both; so are a fused qkv_proj (not supported) and anything under
+    model.mtp. outside its layers."""
     present = sorted({int(m.group(1)) for n in names if (m := LAYER.match(n))})
     expected = list(range(cfg.num_mtp_layers))
     if present != expected:
@@ -170,11 +185,11 @@ def layout(cfg: HeadConfig, names: set[str]) -> MtpLayerTensors:
             f"{'extra ' + str(extra) if extra else ''}. Fix {LAYERS_KEY} in config.json, or the checkpoint.")
     head = {n for n in names if LAYER.match(n)}
     stray = sorted(n for n in names if n.startswith("model.mtp.") and n not in head)
-    unsupported = sorted(n for n in head if n.endswith(("qkv_proj.weight", "weight_scale_inv")))
-    if stray or unsupported:
-        raise CheckpointError(f"the MiMo MTP head holds tensors this oracle cannot load: {', '.join((stray + unsupported)[:5])}"
-                              f" (a fused qkv_proj or FP8 weight_scale_inv are not supported: dequantize / split "
-                              f"them into q_proj, k_proj, v_proj in bf16 or f32 first).")
+    fused = sorted(n for n in head if ".qkv_proj." in n)
+    if stray or fused:
+        raise CheckpointError(f"the MiMo MTP head holds tensors this oracle cannot load: "
+                              f"{', '.join((stray + fused)[:5])} (a fused qkv_proj, MiMo-V2.5/Pro, is not supported: "
+                              f"split it into q_proj, k_proj, v_proj first; nothing else may lie under model.mtp.).")
     _check_layers_alike(cfg, head)
     return MtpLayerTensors({n: None for n in sorted(head)}, None, {})
 

@@ -14,7 +14,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from oracle.checkpoint import Checkpoint
 from oracle.cli import cli as oracle_cli
@@ -90,11 +90,22 @@ def reference_layer(t, layer, cfg, embed, hidden, positions, window, order="eh")
     return res2, _rms(res2, t[p + "final_layernorm.weight"], eps)
 
 
+def _dequantized(tensors, quant):
+    """float64 tensors; an FP8 weight times its weight_scale_inv, each scale over its (rows, cols) block."""
+    out = {k: v.double() for k, v in tensors.items() if not k.endswith("weight_scale_inv")}
+    for name, scale in tensors.items():
+        if name.endswith("weight_scale_inv"):
+            w, (r, c) = name.removesuffix("_scale_inv"), quant["weight_block_size"]
+            full = scale.double().repeat_interleave(r, 0).repeat_interleave(c, 1)
+            out[w] = out[w] * full[: out[w].shape[0], : out[w].shape[1]]
+    return out
+
+
 def reference_depths(ckpt, token_ids, hidden, positions, window=None, layer_of=lambda depth: depth - 1, **kw):
     """Teacher-forced depths 1..N: depth j, row s feeds token_ids[s + j - 1], depth j-1's out of row s (H for j = 1)
     at positions[s] + j - 1, through layer layer_of(j), one causal windowed pass."""
     cfg = json.loads((ckpt / "config.json").read_text())
-    t = {k: v.double() for k, v in load_file(ckpt / "model.safetensors").items()}
+    t = _dequantized(load_file(ckpt / "model.safetensors"), cfg.get("quantization_config"))
     window = cfg["sliding_window_size"] + 1 if window is None else window
     recycled, outs = torch.from_numpy(hidden).double(), {}
     for depth in range(1, cfg["num_nextn_predict_layers"] + 1):
@@ -211,7 +222,7 @@ def test_a_layer_count_disagreeing_with_the_tensors_exits_2_naming_both(tmp_path
         assert f"declares {count} MTP layer" in result.output and named in result.output, result.output
         assert not (tmp_path / f"{case}.h5").exists()
     result = _export(_with_config(ckpt, tmp_path / "absent", **{key: None}), tmp_path / "a.h5")  # the silent drop
-    assert result.exit_code == 2 and key in result.output and "dropped" in result.output, result.output
+    assert result.exit_code == 2 and key in result.output and "drops" in result.output, result.output
     result = _export(ckpt, tmp_path / "ok.h5")
     assert result.exit_code == 0, result.output  # twin: the count the tensors hold is accepted
 
@@ -221,7 +232,8 @@ def test_a_layer_count_disagreeing_with_the_tensors_exits_2_naming_both(tmp_path
     ({"add_swa_attention_sink_bias": False}, "always has sinks"),
     ({"swa_num_key_value_heads": 3}, "even positive integer"),
     ({"swa_rope_theta": None}, "swa_rope_theta"),
-    ({"attention_value_scale": None}, "attention_value_scale"),
+    ({"attention_value_scale": None}, "attention_value_scale"),  # absent: _with_config drops None keys
+    ({"attention_value_scale": "0.7"}, "attention_value_scale"),
 ])
 def test_configs_the_official_class_cannot_represent_exit_2_naming_the_key(change, named, tmp_path):
     ckpt = FIXTURES.write_mimo_v2_flash_checkpoint(tmp_path / "ckpt")
@@ -239,3 +251,29 @@ def test_chain_deeper_than_the_layers_exits_2_unless_modulo(tmp_path):
     assert result.exit_code == 0, result.output
     with h5py.File(tmp_path / "mod.h5") as f:
         np.testing.assert_array_equal(f[f"chain/d{n + 1}/inputs/layer"][:], 0)
+
+
+def test_an_fp8_release_is_dequantized_with_its_block_scales_at_every_depth(tmp_path):
+    """FP8 e4m3 linears beside weight_scale_inv (as MiMo-V2-Flash ships; 16x16 blocks over 48/80-wide weights, so
+    partial blocks too): every depth equals the transcription on the dequantized weights; twin: a scale removed
+    exits 2 naming the weight."""
+    ckpt = FIXTURES.write_mimo_v2_flash_checkpoint(tmp_path / "fp8", HELD_OUT, fp8_block=[16, 32])
+    out = tmp_path / "fp8.h5"
+    result = run_cli(oracle_cli, ["export", ckpt, "--out", out, "--tokens", TOKENS, "--hidden-seed", "0",
+                                  "--chain", "4", "-q"])
+    assert result.exit_code == 0, result.output
+    tensors = load_file(ckpt / "model.safetensors")
+    assert tensors["model.mtp.layers.1.mlp.up_proj.weight"].dtype == torch.float8_e4m3fn
+    inputs, rows, _ = _trace_depths(out)
+    ref, _ = reference_depths(ckpt, inputs["token_ids"], inputs["hidden"], inputs["positions"])
+    for depth, expected in ref.items():
+        np.testing.assert_allclose(rows[depth]["out"], expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+    victim = "model.mtp.layers.2.mlp.down_proj.weight"
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((ckpt / "config.json").read_text())
+    save_file({k: v for k, v in tensors.items() if k != victim.removesuffix("weight") + "weight_scale_inv"},
+              broken / "model.safetensors")
+    result = run_cli(oracle_cli, ["export", broken, "--out", tmp_path / "b.h5", "--tokens", "5,6", "--hidden-seed",
+                                  "0"])
+    assert result.exit_code == 2 and victim in result.output, result.output
