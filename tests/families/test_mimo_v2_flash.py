@@ -159,25 +159,31 @@ def test_twins_the_transcription_tells_each_wiring_change_apart(chained):
     assert not _close(narrower[1], rows[1]["out"])
 
 
+def _official_mtp_model(ckpt):
+    """The oracle's loaded head, and its MtpModel made runnable on its own: what MtpModel ties from the main model
+    (built on the meta device) replaced by the checkpoint's tables and the real rope."""
+    checkpoint = Checkpoint(ckpt)
+    impl = head_module(checkpoint.family)
+    head, rotary = impl.build_head(checkpoint.config, impl.torch_weights(checkpoint.read_head(widen=False)))
+    mtp, tensors = head.mtp, load_file(ckpt / "model.safetensors")
+    mtp.embed_tokens = torch.nn.Embedding.from_pretrained(tensors["model.embed_tokens.weight"].float())
+    mtp.shared_head = torch.nn.Linear(checkpoint.config.hidden_size, checkpoint.config.vocab_size, bias=False)
+    mtp.shared_head.weight.data = tensors["lm_head.weight"].float()
+    mtp.rotary_emb = rotary
+    return checkpoint, head, rotary
+
+
 def test_every_depth_equals_mtp_model_forward_drafting_with_its_own_cache(chained):
     """transformers' MtpModel.forward (the oracle's own loaded MtpModel, its MtpCache, its masks from the MTP
     config's layer types) drafts the same rows at every layer as the oracle's chains, and its first draft."""
     from transformers.cache_utils import MtpCache
 
     _, ckpt, trace = chained
-    checkpoint = Checkpoint(ckpt)
-    impl = head_module(checkpoint.family)
-    head, rotary = impl.build_head(checkpoint.config, impl.torch_weights(checkpoint.read_head(widen=False)))
+    _, head, _ = _official_mtp_model(ckpt)
     mtp, outs = head.mtp, {}
     hooks = [layer.register_forward_hook(lambda m, a, o, i=i: outs.__setitem__(i, o[0]))
              for i, layer in enumerate(mtp.layers)]
     inputs, rows, _ = _trace_depths(trace)
-    # what MtpModel ties from the main model (built on the meta device here): the checkpoint's tables, real rope
-    tensors = load_file(ckpt / "model.safetensors")
-    mtp.embed_tokens = torch.nn.Embedding.from_pretrained(tensors["model.embed_tokens.weight"].float())
-    mtp.shared_head = torch.nn.Linear(checkpoint.config.hidden_size, checkpoint.config.vocab_size, bias=False)
-    mtp.shared_head.weight.data = tensors["lm_head.weight"].float()
-    mtp.rotary_emb = rotary
     ids, hidden, positions = (torch.from_numpy(inputs[k])[None] for k in ("token_ids", "hidden", "positions"))
     with torch.no_grad():
         drafts, _, _ = mtp(input_ids=ids, last_hidden_states=hidden, attention_mask=None, position_ids=positions,
@@ -189,6 +195,41 @@ def test_every_depth_equals_mtp_model_forward_drafting_with_its_own_cache(chaine
         ref = rows[layer + 1]["out"]
         np.testing.assert_allclose(outs[layer][:n].numpy(), ref, rtol=0, atol=1e-5 * np.abs(ref).max())
     assert int(drafts[0, 0]) == int(rows[1]["draft"][-1, 0])
+
+
+def test_accept_drafts_equal_mtp_model_forward_on_every_prefix(chained):
+    """accept's argmax chains (alpha_j per depth): chain c's drafts are what MtpModel.forward drafts from the prefix
+    0..c through a fresh MtpCache; twin: layer 0 at every depth drafts otherwise somewhere past depth 1."""
+    import copy
+
+    from transformers.cache_utils import MtpCache
+
+    from oracle.accept import draft_chains
+
+    _, ckpt, _ = chained
+    checkpoint, head, rotary = _official_mtp_model(ckpt)
+    cfg, k = checkpoint.config, checkpoint.config.num_mtp_layers
+    rng = np.random.default_rng(3)
+    sequence = rng.integers(0, cfg.vocab_size, 12 + k)
+    hidden = rng.standard_normal((len(sequence), cfg.hidden_size)).astype(np.float32)
+    drafts, _ = draft_chains(checkpoint, head, rotary, sequence, hidden, k)
+    with torch.no_grad():
+        for c in range(len(drafts)):
+            official, _, _ = head.mtp(input_ids=torch.from_numpy(sequence[1:c + 2])[None],
+                                      last_hidden_states=torch.from_numpy(hidden[:c + 1])[None], attention_mask=None,
+                                      position_ids=torch.arange(c + 1)[None], mtp_cache=MtpCache(config=head.text_config))
+            np.testing.assert_array_equal(drafts[c], official[0].numpy(), err_msg=f"chain {c}")
+    layers = head.mtp.layers
+    reused = torch.nn.ModuleList([layers[0]] + [copy.deepcopy(layers[0]) for _ in range(1, len(layers))])
+    for index, layer in enumerate(reused):  # layer 0's weights at every depth, each copy in its own cache slot
+        layer.mtp_block.self_attn.layer_idx = index
+    head.mtp.layers = reused
+    try:
+        wrong, _ = draft_chains(checkpoint, head, rotary, sequence, hidden, k)
+    finally:
+        head.mtp.layers = layers
+    np.testing.assert_array_equal(wrong[:, 0], drafts[:, 0])
+    assert (wrong[:, 1:] != drafts[:, 1:]).any()
 
 
 def test_a_candidate_reusing_layer0_at_depth2_differs_from_the_reference_there(chained):
