@@ -52,6 +52,8 @@ class HeadConfig:
     num_experts: int = 0  # MTP layers are dense
     num_experts_per_tok: int = 0
     weight_block_size: tuple[int, int] | None = None  # FP8 block scales (quantization_config), None for bf16/f32
+    logits_divisor: float = 1.0  # MtpModelSpec.draft_logits: MiMo drafts lm_head(out) over the whole vocabulary
+    draft_vocab_size: int | None = None
     official: dict = field(default_factory=dict)  # MiMoV2FlashConfig(**official): the MTP layers' official config
 
     @property
