@@ -23,7 +23,7 @@ gcc -O2 -std=c11 -shared -fPIC -DMTP_MUTANT_CONCAT_SWAP -Ifixtures/candidates fi
     --main-model -q | tail -1
 # Every other family, on its tiny fixture (README "Exporting a reference trace"): a reference trace each; the
 # MoE Qwen heads are then run through an example numpy candidate (fixtures/candidates/numpy_moe_step.py).
-for family in qwen3_5_moe qwen3_next deepseek_v3 glm4_moe deepseek_v4 step3p7; do
+for family in qwen3_5_moe qwen3_next deepseek_v3 glm4_moe deepseek_v4 step3p7 mimo_v2_flash; do
     fixture=fixtures/${family}_tiny
     [ -d "$fixture" ] || fixture=fixtures/${family}_tiny_fused
     .venv/bin/mtp-oracle export "$fixture" --out "out/${family}.h5" --tokens 17,42,3,255,100,7,511,64 --hidden-seed 0 -q

@@ -163,6 +163,7 @@ FAMILY_FIXTURES = {
     "deepseek_v4_tiny": lambda out: write_deepseek_v4_checkpoint(out, fp8_block=[32, 32]),
     "step3p7_tiny": lambda out: write_mtp_model_checkpoint(out, "step3p7", STEP3P7_FIXTURE),  # 3 MTP layers
     "inkling_tiny": lambda out: write_mtp_model_checkpoint(out, "inkling"),
+    "mimo_v2_flash_tiny": lambda out: write_mimo_v2_flash_checkpoint(out),
 }
 
 
@@ -633,6 +634,51 @@ def write_deepseek_v4_checkpoint(out_dir: Path, dims: dict | None = None, seed: 
         else:
             tensors[name] = value.to(torch.bfloat16)
     config = deepseek_v4_config(dims, release_keys, fp8_block, scale_fmt)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    return out_dir
+
+
+# --- MiMo-V2-Flash (issue 25): `model.mtp.layers.{l}.*` as released, names transcribed from vLLM's
+# mimo_v2_mtp.py "Checkpoint weight layout" (Flash: separate q/k/v projections), not from the oracle ---
+
+def mimo_v2_flash_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """The release's MTP tensors of every layer (SWA attention with its sink bias, dense MLP) plus the main
+    embedding and lm_head the head shares."""
+    d, v, inter = config["hidden_size"], config["vocab_size"], config["intermediate_size"]
+    h, kv = config["swa_num_attention_heads"], config["swa_num_key_value_heads"]
+    hd, vd = config["swa_head_dim"], config["swa_v_head_dim"]
+    layer = {"enorm.weight": (d,), "hnorm.weight": (d,), "eh_proj.weight": (d, 2 * d),
+             "input_layernorm.weight": (d,), "self_attn.q_proj.weight": (h * hd, d),
+             "self_attn.k_proj.weight": (kv * hd, d), "self_attn.v_proj.weight": (kv * vd, d),
+             "self_attn.o_proj.weight": (d, h * vd), "self_attn.attention_sink_bias": (h,),
+             "pre_mlp_layernorm.weight": (d,), "mlp.gate_proj.weight": (inter, d), "mlp.up_proj.weight": (inter, d),
+             "mlp.down_proj.weight": (d, inter), "final_layernorm.weight": (d,)}
+    shapes = {f"model.mtp.layers.{i}.{n}": s for i in range(config["num_nextn_predict_layers"])
+              for n, s in layer.items()}
+    return shapes | {"model.embed_tokens.weight": (v, d), "lm_head.weight": (v, d)}
+
+
+def write_mimo_v2_flash_checkpoint(out_dir: Path, overrides: dict | None = None, seed: int = 0,
+                                   fp8_block: list[int] | None = None) -> Path:
+    """A tiny MiMo-V2-Flash MTP head as released (config.json in the release's keys): every MTP layer, the main
+    embedding and lm_head; bf16, or with `fp8_block` the MTP linears FP8 e4m3 beside `weight_scale_inv` block scales
+    but o_proj (vLLM's mimo_v2.py leaves the MTP o_proj unquantized). Head-only."""
+    from oracle.families.mimo_v2_flash_layout import tiny_config
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = tiny_config(**(overrides or {})) | {"_generated_by": GENERATED_BY}
+    if fp8_block:
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                         "weight_block_size": fp8_block}
+    tensors = {}
+    for name, shape in sorted(mimo_v2_flash_shapes(config).items()):
+        value = torch.from_numpy(mtp_layer_values(name, shape, seed))
+        if fp8_block and name.startswith("model.mtp.") and len(shape) == 2 and "o_proj" not in name:
+            tensors[name], tensors[name.removesuffix("weight") + "weight_scale_inv"] = fp8_quantize(value, fp8_block)
+        else:
+            tensors[name] = value.to(torch.bfloat16)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
     return out_dir

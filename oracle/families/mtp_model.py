@@ -63,10 +63,8 @@ class MtpModelHead(nn.Module):
         super().__init__()
         from transformers.modeling_layers import MtpModel
 
-        module, main_class, _, _ = MODELS[cfg.family]
-        config = official_config(cfg)
         with torch.device("meta"):
-            self.main = getattr(importlib.import_module(module), main_class)(config)
+            self.main = self.main_model(cfg)
             self.mtp = MtpModel(self.main, cfg.num_mtp_layers)
         self.text_config = self.mtp.config
         self.text_config._attn_implementation = "eager"  # eager is not causal without our mask
@@ -96,6 +94,16 @@ class MtpModelHead(nn.Module):
         """The cache of a pass that needs none but where the layer reads its state or positions from one."""
         return self.new_cache() if self.conv_states else None
 
+    def main_model(self, cfg) -> nn.Module:
+        """The official main model class of the declared model type over its official config (a family whose
+        config transformers does not read as is, e.g. mimo_v2_flash, builds its own)."""
+        module, main_class, _, _ = MODELS[cfg.family]
+        return getattr(importlib.import_module(module), main_class)(official_config(cfg))
+
+    def weight_conversions(self) -> list:
+        """MtpModel's own conversions of the checkpoint's MTP tensors (a family may add renamings it lacks)."""
+        return self.mtp.get_weight_conversions(self.main)
+
     def load(self, weights: dict[str, torch.Tensor]) -> None:
         """The checkpoint's MTP tensors through MtpModel's own weight conversions, strictly."""
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
@@ -104,7 +112,7 @@ class MtpModelHead(nn.Module):
         state = {name: t.float() for name, t in weights.items()}  # the converters stack and concatenate
         from transformers.utils import logging as hf_logging
 
-        conversions = self.mtp.get_weight_conversions(self.main)
+        conversions = self.weight_conversions()
         hf_logging.disable_progress_bar()  # its loading bar on stderr; the oracle reports progress itself
         try:
             info, _ = convert_and_load_state_dict_in_model(
@@ -206,8 +214,8 @@ class MtpModelHead(nn.Module):
                 position_ids=positions, cache=cache)[0]
 
 
-def build_head(cfg, weights: dict[str, torch.Tensor]):
-    head = MtpModelHead(cfg)
+def build_head(cfg, weights: dict[str, torch.Tensor], head_class: type[MtpModelHead] = MtpModelHead):
+    head = head_class(cfg)
     head.load(weights)
     head.install_hooks()
     official = getattr(head.main.get_decoder(), "rotary_emb", None)
@@ -295,7 +303,7 @@ def _stepwise_mask(cache: DynamicCache, seen: torch.Tensor, window: int | None) 
     """The last query's row over the keys the cache will hold after this step (None without a window)."""
     if window is None:
         return None
-    kept = cache.get_seq_length(0) + 1
+    kept = min(cache.get_seq_length(0), window - 1) + 1  # a sliding layer's cache keeps W-1 (its length: all seen)
     keys = seen[-kept:]
     blocked = keys <= seen[-1] - window
     return torch.zeros(1, kept).masked_fill(blocked[None], torch.finfo(torch.float32).min)[None, None]

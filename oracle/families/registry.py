@@ -2,13 +2,13 @@
 `text_config`, else `architectures`). Imports no torch: the probe and `inspect` use it."""
 
 from oracle.errors import CheckpointError
-from oracle.families import (deepseek_v3_layout, deepseek_v4_layout, glm4_moe_layout, mtp_model_layout, qwen3_5_layout,
-                              qwen3_5_moe_layout, qwen3_next_layout)
+from oracle.families import (deepseek_v3_layout, deepseek_v4_layout, glm4_moe_layout, mimo_v2_flash_layout,
+                              mtp_model_layout, qwen3_5_layout, qwen3_5_moe_layout, qwen3_next_layout)
 from oracle.families.spec import FamilySpec
 
 FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
     qwen3_5_layout.SPEC, qwen3_5_moe_layout.SPEC, qwen3_next_layout.SPEC, deepseek_v3_layout.SPEC,
-    glm4_moe_layout.SPEC, deepseek_v4_layout.SPEC, *mtp_model_layout.SPECS)}
+    glm4_moe_layout.SPEC, deepseek_v4_layout.SPEC, *mtp_model_layout.SPECS, mimo_v2_flash_layout.SPEC)}
 
 
 def supported() -> str:

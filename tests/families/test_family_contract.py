@@ -44,6 +44,7 @@ WRITERS = {
     "deepseek_v4": lambda path: FIXTURES.write_deepseek_v4_checkpoint(path),
     "step3p7": lambda path: FIXTURES.write_mtp_model_checkpoint(path, "step3p7"),
     "inkling": lambda path: FIXTURES.write_mtp_model_checkpoint(path, "inkling"),
+    "mimo_v2_flash": lambda path: FIXTURES.write_mimo_v2_flash_checkpoint(path),
 }
 FAMILY_NAMES = sorted(FAMILIES)
 
@@ -90,6 +91,7 @@ QK_PARTS = {  # the q/k-path parts each family's head has (oracle/families/*.py 
     "deepseek_v4": {"rope", "q_norm", "k_norm", "kv_append", "window", "sink"},
     "step3p7": {"rope", "q_norm", "k_norm", "kv_append"},  # its fixture's layer 0 is full attention
     "inkling": {"q_norm", "k_norm", "kv_append"},  # no rotary (relative position logits): rope is never claimed
+    "mimo_v2_flash": {"rope", "kv_append", "window"},  # every MTP layer is sliding-window attention, no q/k norms
 }
 
 

@@ -30,6 +30,7 @@ WRITERS = {
     "glm4_moe": lambda path: FIXTURES.write_mtp_layer_checkpoint(path, "glm4_moe"),
     "deepseek_v4": lambda path: FIXTURES.write_deepseek_v4_checkpoint(path),
     "step3p7": lambda path: FIXTURES.write_mtp_model_checkpoint(path, "step3p7"),
+    "mimo_v2_flash": lambda path: FIXTURES.write_mimo_v2_flash_checkpoint(path),
 }
 TOKENS = np.array([5, 17, 3, 99, 200, 7, 42, 5])
 
