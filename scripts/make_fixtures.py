@@ -172,9 +172,6 @@ def write_family_fixtures(fixtures: Path) -> None:
         write(fixtures / name)
 
 
-if __name__ == "__main__":
-    main()
-
 
 # --- MoE families (Qwen3.5-MoE, Qwen3-Next): the head's MoE names transcribed from the release layouts in
 # shared/reference/mtp_wiring.md §3.1-3.2 (not from the oracle), the main model from the official classes. ---
@@ -682,3 +679,7 @@ def write_mimo_v2_flash_checkpoint(out_dir: Path, overrides: dict | None = None,
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
     return out_dir
+
+
+if __name__ == "__main__":
+    main()

@@ -31,6 +31,7 @@ WRITERS = {
     "deepseek_v4": lambda path: FIXTURES.write_deepseek_v4_checkpoint(path),
     "step3p7": lambda path: FIXTURES.write_mtp_model_checkpoint(path, "step3p7"),
     "mimo_v2_flash": lambda path: FIXTURES.write_mimo_v2_flash_checkpoint(path),
+    "inkling": lambda path: FIXTURES.write_mtp_model_checkpoint(path, "inkling"),
 }
 TOKENS = np.array([5, 17, 3, 99, 200, 7, 42, 5])
 
