@@ -1,0 +1,200 @@
+"""`--explain` names the draft loop's variants (issue 24; layer0_reused: issue 25), for engine-shaped candidates.
+
+Each buggy candidate here is written by an engine loop of the test's own (`engine_loop`), never by the oracle's
+draft loop or its variants: the head's official modules (the oracle's build_head) driven one token at a time in the
+engine's order (bridge i, its chain, bridge i+1) through a transformers DynamicCache, the chain's rows cropped
+after it, drafts as float64 argmax over the projection read from the checkpoint, as an engine port would. One
+switch per bug. The candidate is a raw dump (d{j}/ per depth) diffed with `mtp-probe diff --explain`: it must be
+caught at the right (depth, stage) and DIAGNOSIS must name the variant. Twins: the same loop without the bug
+passes and gets no DIAGNOSIS of any variant.
+"""
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache
+
+from oracle.checkpoint import Checkpoint
+from oracle.draft_loop import draft_projection
+from oracle.export import ChainOptions, HiddenSource, export_trace
+from oracle.families.registry import head_module
+from oracle.loop_variants import NAMES
+from tests.helpers import FIXTURES, TINY
+from tests.probe.tracekit import diff_cli, last_line, load_trace, write_chain_raw
+
+K = 4
+GLM = FIXTURES / "glm4_moe_tiny"
+
+
+def _swapped(weights: dict) -> dict:
+    """The engine loaded its embedding-norm and hidden-norm weights into each other's slot."""
+    out = dict(weights)
+    for name in weights:
+        for e, h in (("pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight"), ("enorm.weight", "hnorm.weight")):
+            if name.endswith(e):
+                out[name], out[name[:-len(e)] + h] = weights[name[:-len(e)] + h], weights[name]
+    return out
+
+
+@torch.inference_mode()
+def engine_loop(ckpt_dir, inputs, depths: int, *, recycle: str | None = None, recycle_main: bool = False,
+                frozen: bool = False, keep_kv: bool = False, embed_draft: bool = False, swap_norms: bool = False):
+    """(depth-1 stages, {j: depth-j stages}) of a one-layer head run as an engine does (module docstring)."""
+    ckpt = Checkpoint(ckpt_dir)
+    impl = head_module(ckpt.family)
+    weights = impl.torch_weights(ckpt.read_head(widen=False))
+    head, rotary = impl.build_head(ckpt.config, _swapped(weights) if swap_norms else weights)
+    recycle = recycle or ckpt.family.recycled
+    table = (ckpt.main_model_prefix() + "embed_tokens.weight") if embed_draft else draft_projection(ckpt).name
+    projection = ckpt.read(table).astype(np.float64)  # (V, D)
+    cache = DynamicCache(config=head.text_config)
+    total = inputs.num_tokens
+
+    def step(t: int, hidden, position: int) -> dict:
+        e = torch.from_numpy(inputs.embed[t:t + 1])[None]  # step token t's embedding row (chain: x_{i+j})
+        rows = head.steps(rotary, e, torch.as_tensor(hidden).reshape(1, 1, -1), torch.tensor([[position]]), None,
+                          cache)
+        return {n: v[0, 0].numpy().copy() for n, v in rows.items()}
+
+    bridge, chains = [], {j: [] for j in range(2, depths + 1)}
+    for i in range(total):
+        row = step(i, inputs.hidden[i], int(inputs.positions[i]))
+        bridge.append(row)
+        added = 0
+        for j in range(2, depths + 1):
+            if i + j - 1 > total - 1:
+                break
+            hidden = inputs.hidden[i] if recycle_main else row[recycle]
+            row = step(i + j - 1, hidden, int(inputs.positions[i]) + (0 if frozen else j - 1))
+            chains[j].append(row)
+            added += 1
+        if added and not keep_kv:
+            cache.crop(-added)  # the chain's entries dropped: bridge i+1 sees bridge rows only
+
+    def stacked(rows):
+        out = {n: np.stack([r[n] for r in rows]).reshape(len(rows), -1) for n in rows[0]}
+        out = {n: r.astype(np.int64 if r.dtype.kind in "iu" else np.float32) for n, r in out.items()}  # ids: int64
+        out["draft"] = (out["out"].astype(np.float64) @ projection.T).argmax(axis=1)[:, None].astype(np.int64)
+        return out
+
+    return stacked(bridge), {j: stacked(rows) for j, rows in chains.items() if rows}
+
+
+def candidate(ref, tmp_path, ckpt_dir=TINY, depths=K, name="c", **bug):
+    """The engine's raw dump, holding only the stages the reference has."""
+    inputs, stages = load_trace(ref)
+    one, chains = engine_loop(ckpt_dir, inputs, depths, **bug)
+    keep = set(stages)
+    return write_chain_raw(tmp_path / name, {n: r for n, r in one.items() if n in keep},
+                           {j: {n: r for n, r in part.items() if n in keep} for j, part in chains.items()})
+
+
+def diagnosis(result) -> str:
+    return next(line for line in result.output.splitlines() if line.startswith("DIAGNOSIS"))
+
+
+def explained(ref, cand, tmp_path):
+    result = diff_cli(ref, cand, "--explain", "--json", tmp_path / "r.json")
+    return result, json.loads((tmp_path / "r.json").read_text())["explain"]
+
+
+def named(report: dict) -> list[str]:
+    return [d["variant"] for d in report["diagnosis"]]
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    """A real `export --chain 4` of the tiny Qwen3.5 fixture, T = 10."""
+    root = tmp_path_factory.mktemp("qwen-loop")
+    tokens = np.array([17, 3, 99, 250, 41, 7, 300, 12, 5, 88])
+    return export_trace(TINY, root / "ref.h5", tokens, HiddenSource(seed=0), chain=ChainOptions(K))
+
+
+# (bug switch, the (depth, stage) the diff must name first, the variant DIAGNOSIS must name)
+QWEN_BUGS = [
+    ({"recycle": "res2"}, "h at depth 2 bridge 0", "recycle_prenorm"),
+    ({"recycle_main": True}, "h at depth 2 bridge 0", "recycle_main_hidden"),
+    ({"frozen": True}, "attn at depth 2 bridge 0", "position_frozen"),
+    ({"keep_kv": True}, "attn at token 1", "chain_kv_kept"),
+    ({"embed_draft": True}, "draft at token 0", "draft_embed_tokens"),
+    ({"swap_norms": True}, "e at token 0", "enorm_hnorm_swap"),
+]
+
+
+@pytest.mark.parametrize("bug, where, variant", QWEN_BUGS, ids=[v for _, _, v in QWEN_BUGS])
+def test_each_loop_bug_is_caught_where_it_shows_and_named(qwen, tmp_path, bug, where, variant):
+    result, report = explained(qwen, candidate(qwen, tmp_path, **bug), tmp_path)
+    assert result.exit_code == 1, result.output
+    assert f"first divergent stage: {where}" in last_line(result), result.output
+    assert named(report)[:1] == [variant], diagnosis(result)
+    assert diagnosis(result).startswith(f"DIAGNOSIS | {variant} reproduces the candidate"), diagnosis(result)
+
+
+def test_twin_the_correct_engine_loop_passes_with_no_diagnosis(qwen, tmp_path):
+    result, report = explained(qwen, candidate(qwen, tmp_path), tmp_path)
+    assert result.exit_code == 0, result.output
+    assert report["diagnosis"] == [] and "nothing to diagnose" in diagnosis(result)
+
+
+def test_twin_a_bug_no_variant_explains_names_none(qwen, tmp_path):
+    """A chain whose depth-3 out is off (no variant does that): caught at depth 3, and no loop variant is named,
+    although every one was checked against the captured depths."""
+    inputs, stages = load_trace(qwen)
+    one, chains = engine_loop(TINY, inputs, K)
+    chains[3]["out"][2] += 0.5
+    cand = write_chain_raw(tmp_path / "c", {n: one[n] for n in stages},
+                           {j: {n: p[n] for n in stages} for j, p in chains.items()})
+    result, report = explained(qwen, cand, tmp_path)
+    assert result.exit_code == 1 and "out at depth 3 bridge 2" in last_line(result), result.output
+    assert report["diagnosis"] == []
+    assert diagnosis(result).startswith("DIAGNOSIS | no known variant reproduces the candidate: depth 3")
+    checked = {v["variant"]: v["status"] for v in report["variants"]}
+    assert {checked[n] for n in ("recycle_prenorm", "recycle_main_hidden", "position_frozen", "chain_kv_kept")} \
+        == {"differs"}
+    assert checked["layer0_reused"] == "not applicable"  # a one-layer head
+
+
+def test_twin_loop_variants_need_the_depths_they_show_at(qwen, tmp_path):
+    """The recycle bug's candidate without its chain depths: depth 1 matches, so it cannot be diagnosed (and the
+    diff says the loop was not checked), never named from rows it does not hold."""
+    inputs, stages = load_trace(qwen)
+    one, _ = engine_loop(TINY, inputs, K, recycle="res2")
+    result, report = explained(qwen, write_chain_raw(tmp_path / "c", {n: one[n] for n in stages}, {}), tmp_path)
+    assert result.exit_code == 3, result.output
+    assert report["diagnosis"] == []
+
+
+def test_variant_names_are_the_agreed_ones():
+    assert NAMES == ("recycle_prenorm", "recycle_main_hidden", "position_frozen", "chain_kv_kept", "layer0_reused",
+                     "draft_embed_tokens", "enorm_hnorm_swap")
+
+
+# --- GLM-4.5: vLLM 0.33.0's MTP head recycles its un-normed residual --------------------------------------------
+
+@pytest.fixture(scope="module")
+def glm(tmp_path_factory):
+    root = tmp_path_factory.mktemp("glm-loop")
+    tokens = np.random.default_rng(5).integers(0, Checkpoint(GLM).config.vocab_size, 8)
+    return export_trace(GLM, root / "ref.h5", tokens, HiddenSource(seed=1), chain=ChainOptions(3))
+
+
+def test_glm_head_recycling_its_unnormed_residual_is_caught_at_depth_2_as_recycle_prenorm(glm, tmp_path):
+    result, report = explained(glm, candidate(glm, tmp_path, GLM, 3, recycle="res2"), tmp_path)
+    assert result.exit_code == 1, result.output
+    assert "first divergent stage: h at depth 2 bridge 0" in last_line(result), result.output
+    assert named(report)[:1] == ["recycle_prenorm"], diagnosis(result)
+
+
+def test_glm_enorm_hnorm_swap_is_named(glm, tmp_path):
+    result, report = explained(glm, candidate(glm, tmp_path, GLM, 3, swap_norms=True), tmp_path)
+    assert result.exit_code == 1 and "first divergent stage: e at token 0" in last_line(result), result.output
+    assert named(report)[:1] == ["enorm_hnorm_swap"], diagnosis(result)
+
+
+def test_twin_glm_correct_engine_passes(glm, tmp_path):
+    result, report = explained(glm, candidate(glm, tmp_path, GLM, 3), tmp_path)
+    assert result.exit_code == 0, result.output
+    assert report["diagnosis"] == []
