@@ -198,3 +198,115 @@ def test_twin_glm_correct_engine_passes(glm, tmp_path):
     result, report = explained(glm, candidate(glm, tmp_path, GLM, 3), tmp_path)
     assert result.exit_code == 0, result.output
     assert report["diagnosis"] == []
+
+
+# --- N-layer heads (issue 25): layer 0 at every depth, as vLLM's proposer without spec_step_idx -----------------
+
+@torch.inference_mode()
+def layered_engine(ckpt_dir, inputs, depths: int, layer_of, swap_norms: bool = False):
+    """(depth-1 stages, {j: stages}) of an N-layer head as a teacher-forced engine runs it: depth j is layer
+    `layer_of(j)` over its n_j rows (token x_{i+j}, the previous depth's out, position p_i + j - 1) as one causal
+    pass of that layer, the bridge step layer 0's."""
+    from oracle.families import mtp_model
+
+    ckpt = Checkpoint(ckpt_dir)
+    impl = head_module(ckpt.family)
+    weights = impl.torch_weights(ckpt.read_head(widen=False))
+    head, rotary = impl.build_head(ckpt.config, _swapped(weights) if swap_norms else weights)
+    projection = ckpt.read(draft_projection(ckpt).name).astype(np.float64)
+    positions = torch.from_numpy(np.asarray(inputs.positions, dtype=np.int64))
+
+    def run(layer, embed, hidden, p):
+        rows = head.steps(rotary, torch.from_numpy(embed)[None], torch.as_tensor(hidden)[None], p[None],
+                          mtp_model.layer_mask(p, head.window(layer)), None, layer=layer)
+        out = {n: v[0].reshape(len(p), -1).numpy().copy() for n, v in rows.items()}
+        out = {n: r.astype(np.int64 if r.dtype.kind in "iu" else np.float32) for n, r in out.items()}
+        out["draft"] = (out["out"].astype(np.float64) @ projection.T).argmax(axis=1)[:, None].astype(np.int64)
+        return out
+
+    one = run(0, inputs.embed, inputs.hidden, positions)
+    previous, chains = one, {}
+    for j in range(2, depths + 1):
+        n = inputs.num_tokens - j + 1
+        previous = chains[j] = run(layer_of(j), inputs.embed[j - 1:j - 1 + n], previous["out"][:n],
+                                   positions[:n] + j - 1)
+    return one, chains
+
+
+@pytest.fixture(scope="module")
+def step3p7(tmp_path_factory):
+    """A tiny 3-layer step3p7 checkpoint and its `export --chain 3` (depth j on layer j-1)."""
+    from tests.helpers import load_script
+
+    root = tmp_path_factory.mktemp("step3p7-loop")
+    ckpt = load_script("make_fixtures").write_mtp_model_checkpoint(root / "ckpt", "step3p7")
+    tokens = np.array([5, 17, 3, 99, 200, 7, 42, 5, 61, 9])
+    return ckpt, export_trace(ckpt, root / "ref.h5", tokens, HiddenSource(seed=0), chain=ChainOptions(3))
+
+
+def layered_candidate(ckpt, ref, tmp_path, layer_of, name="c", **bug):
+    inputs, stages = load_trace(ref)
+    one, chains = layered_engine(ckpt, inputs, 3, layer_of, **bug)
+    return write_chain_raw(tmp_path / name, {n: one[n] for n in stages},
+                           {j: {n: p[n] for n in stages} for j, p in chains.items()})
+
+
+def test_layer0_reused_is_caught_at_depth_2_and_named(step3p7, tmp_path):
+    ckpt, ref = step3p7
+    result, report = explained(ref, layered_candidate(ckpt, ref, tmp_path, lambda j: 0), tmp_path)
+    assert result.exit_code == 1, result.output
+    assert "first divergent stage: e at depth 2 bridge 0" in last_line(result), result.output  # enorm is per layer
+    assert named(report)[:1] == ["layer0_reused"], diagnosis(result)
+    assert diagnosis(result).startswith("DIAGNOSIS | layer0_reused reproduces the candidate"), diagnosis(result)
+    statuses = {v["variant"]: v["status"] for v in report["variants"]}
+    assert statuses["chain_kv_kept"] == "not applicable"  # each layer keeps its own cache
+
+
+def test_twin_each_layer_at_its_own_depth_passes(step3p7, tmp_path):
+    ckpt, ref = step3p7
+    result, report = explained(ref, layered_candidate(ckpt, ref, tmp_path, lambda j: j - 1), tmp_path)
+    assert result.exit_code == 0, result.output
+    assert report["diagnosis"] == []
+
+
+def test_twin_a_layer_swap_no_variant_makes_is_not_called_layer0_reused(step3p7, tmp_path):
+    """Depth 2 on layer 2 (and depth 3 on layer 1): caught at depth 2, and layer0_reused is not named."""
+    ckpt, ref = step3p7
+    result, report = explained(ref, layered_candidate(ckpt, ref, tmp_path, lambda j: 4 - j), tmp_path)
+    assert result.exit_code == 1 and "at depth 2 bridge 0" in last_line(result), result.output
+    assert "layer0_reused" not in named(report), diagnosis(result)
+
+
+def test_step3p7_enorm_hnorm_swap_is_named(step3p7, tmp_path):
+    ckpt, ref = step3p7
+    cand = layered_candidate(ckpt, ref, tmp_path, lambda j: j - 1, swap_norms=True)
+    result, report = explained(ref, cand, tmp_path)
+    assert result.exit_code == 1 and "first divergent stage: e at token 0" in last_line(result), result.output
+    assert named(report)[:1] == ["enorm_hnorm_swap"], diagnosis(result)
+
+
+# --- layer per depth in the report (issue 25) --------------------------------------------------------------------
+
+def test_report_says_which_layer_each_depth_ran_and_the_modulo_convention(step3p7, tmp_path):
+    """--chain 4 --chain-layers modulo on a 3-layer head: depth 4 ran layer 0, and the report says the % N
+    convention was used; a correct engine running that convention passes. Twin: the per-depth reference's report
+    names layers 0..2 and no % convention."""
+    ckpt, per_depth = step3p7
+    tokens = load_trace(per_depth)[0].token_ids
+    modulo = export_trace(ckpt, tmp_path / "mod.h5", tokens, HiddenSource(seed=0),
+                          chain=ChainOptions(4, layers="modulo"))
+    inputs, stages = load_trace(modulo)
+    one, chains = layered_engine(ckpt, inputs, 4, lambda j: (j - 1) % 3)
+    cand = write_chain_raw(tmp_path / "c", {n: one[n] for n in stages},
+                           {j: {n: p[n] for n in stages} for j, p in chains.items()})
+    result = diff_cli(modulo, cand, "--json", tmp_path / "r.json")
+    assert result.exit_code == 0, result.output
+    assert ("layer per depth (the reference's physical MTP layer of 3): depth 1 layer 0, depth 2 layer 1, depth 3 "
+            "layer 2, depth 4 layer 0; convention: depth j runs layer (j-1) % N (vLLM's spec_step_idx % N); depths "
+            "past 3 reuse layers by the % 3 convention") in result.output
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [d["layer"] for d in report["depths"]] == [0, 1, 2, 0]
+    assert "spec_step_idx % N" in report["chain"]["layer_convention"]
+    twin = diff_cli(per_depth, layered_candidate(ckpt, per_depth, tmp_path, lambda j: j - 1, name="twin"))
+    assert "depth 2 layer 1, depth 3 layer 2; convention: depth j runs layer j-1" in twin.output, twin.output
+    assert "% 3 convention" not in twin.output
