@@ -183,7 +183,13 @@ def observer_effect(adapter, ref_path: Path, full_out: np.ndarray | None,
         return None, (), ""
     with read_trace(ref_path) as reader:
         inputs = reader.inputs()
-    first, second = (_out_only(adapter, inputs) for _ in range(2))
+    chain = None
+    if getattr(adapter, "supports_chains", False):  # its loop runs as in the captured run: bridge i+1 after chain i
+        from probe.run import chain_inputs
+
+        with open_reference(ref_path) as ref:
+            chain = chain_inputs(ref)
+    first, second = (_out_only(adapter, inputs, chain) for _ in range(2))
     differ, rel = _out_rows_differ(second, first, tol)
     if differ:
         return (f"the candidate is not reproducible: two runs capturing only out differ beyond out's tolerance at "
@@ -198,11 +204,13 @@ def observer_effect(adapter, ref_path: Path, full_out: np.ndarray | None,
     return None, (), ""
 
 
-def _out_only(adapter, inputs) -> np.ndarray:
+def _out_only(adapter, inputs, chain=None) -> np.ndarray:
+    """Depth 1's out of a run capturing only out; a driven loop runs its chains as in the captured run (an engine
+    whose bridge steps see its chains, e.g. one that keeps their KV rows, gives another out without them)."""
     saved = adapter.capture_only
     adapter.capture_only = ()
     try:
-        return adapter.run(inputs)["out"]
+        return (adapter.run(inputs) if chain is None else adapter.run(inputs, chain))["out"]
     finally:
         adapter.capture_only = saved
 
