@@ -145,9 +145,9 @@ def chain_mask(first: int, bridge_keys: int, counts: tuple[int, ...]) -> torch.T
     return torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
 
 
-def key_positions(first: int, bridge: torch.Tensor, counts: tuple[int, ...], step: int = 1) -> torch.Tensor:
-    """Positions of chain_mask's keys: bridge row i at p_i; chain c's entry of depth d at p_c + (d - 1)·step."""
-    entries = [bridge[first:first + count] + (d - 1) * step for d, count in enumerate(counts, start=2)]
+def key_positions(first: int, bridge: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
+    """Positions of chain_mask's keys: bridge row i at p_i; chain c's entry of depth d at p_c + d - 1."""
+    entries = [bridge[first:first + count] + (d - 1) for d, count in enumerate(counts, start=2)]
     return torch.cat([bridge, *entries])
 
 
@@ -367,9 +367,11 @@ def _chain_step(head, rotary: Rotary, cache: DynamicCache, bridge_positions: tor
     """One depth of chains first..first+m-1 (m = counts[-1]; chain c's query at p_c + depth - 1) through the
     block's cache: its stages (m, w), and `attn` under uniform weights over the same keys when asked."""
     m = counts[-1]
-    positions = bridge_positions[first:first + m] + spec.offset(depth)  # (m,)
-    keys = key_positions(first, bridge_positions, counts, spec.position_step)
-    mask = within_window(chain_mask(first, len(bridge_positions), counts), positions, keys, spec.window)
+    positions = bridge_positions[first:first + m] + spec.offset(depth)  # (m,) what RoPE sees
+    # The window counts cache slots (a window cache keeps the last W-1 entries): slot positions advance even where
+    # a loop variant freezes the position RoPE sees (position_frozen).
+    slots, keys = bridge_positions[first:first + m] + (depth - 1), key_positions(first, bridge_positions, counts)
+    mask = within_window(chain_mask(first, len(bridge_positions), counts), slots, keys, spec.window)
     if not spec.uniform:
         stages = head.steps(rotary, embed[None], recycled[None], positions[None], mask, cache)
         return {k: v[0] for k, v in stages.items()}, None

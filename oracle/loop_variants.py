@@ -170,8 +170,10 @@ class LoopVariants:
 
         def step(embed: np.ndarray, hidden: torch.Tensor, position: int) -> dict[str, torch.Tensor]:
             keys.append(position)
-            p = torch.tensor([position])
-            mask = within_window(torch.zeros(1, 1, 1, len(keys)), p, torch.tensor(keys), self.window)
+            p, slot = torch.tensor([position]), len(keys) - 1
+            # a window counts cache slots (the last W-1 entries are kept), as the loop's does (oracle/draft_loop.py)
+            mask = within_window(torch.zeros(1, 1, 1, len(keys)), torch.tensor([slot]), torch.arange(len(keys)),
+                                 self.window)
             e = torch.from_numpy(np.ascontiguousarray(embed, dtype=np.float32))[None, None]
             rows = head.steps(self.rotary, e, hidden.reshape(1, 1, -1), p[None], mask, cache)
             return {name: t[0, 0] for name, t in rows.items()}
@@ -215,7 +217,16 @@ class LoopVariants:
         """argmax(out @ embed_tokens^T): the draft through the main embedding table (same screened exact argmax)."""
         from oracle.lm_head import LmHead
 
-        return LmHead(self.ckpt, self.ckpt.main_model_prefix() + "embed_tokens.weight").argmax_margin
+        return LmHead(self.ckpt, self._embedding_table()).argmax_margin
+
+    def _embedding_table(self) -> str:
+        """The main model's embedding table as the family names it (V4 release: embed.weight), the one an engine
+        confusing it with the lm_head would read (not the MTP layer's own copy)."""
+        if hasattr(self.impl, "embedding_rows"):
+            info = self.impl.embedding_rows(self.ckpt, np.zeros(1, dtype=np.int64))[1] or {}
+            if info.get("main") or info.get("tensor"):
+                return info.get("main") or info["tensor"]
+        return self.ckpt.main_model_prefix() + "embed_tokens.weight"
 
     def _swapped_head(self):
         weights = dict(self.weights)

@@ -48,30 +48,33 @@ def engine_loop(ckpt_dir, inputs, depths: int, *, recycle: str | None = None, re
     weights = impl.torch_weights(ckpt.read_head(widen=False))
     head, rotary = impl.build_head(ckpt.config, _swapped(weights) if swap_norms else weights)
     recycle = recycle or ckpt.family.recycled
-    table = (ckpt.main_model_prefix() + "embed_tokens.weight") if embed_draft else draft_projection(ckpt).name
+    tables = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "embed.weight")  # V4: embed
+    table = next(t for t in tables if t in ckpt.names()) if embed_draft else draft_projection(ckpt).name
     projection = ckpt.read(table).astype(np.float64)  # (V, D)
-    cache = DynamicCache(config=head.text_config)
+    cache = DynamicCache(config=head.text_config)  # a sliding-window cache where the head has a window (V4)
+    sliding = ckpt.family.attention_window(ckpt.config) is not None
     total = inputs.num_tokens
 
-    def step(t: int, hidden, position: int) -> dict:
+    def step(where, t: int, hidden, position: int) -> dict:
         e = torch.from_numpy(inputs.embed[t:t + 1])[None]  # step token t's embedding row (chain: x_{i+j})
         rows = head.steps(rotary, e, torch.as_tensor(hidden).reshape(1, 1, -1), torch.tensor([[position]]), None,
-                          cache)
+                          where)
         return {n: v[0, 0].numpy().copy() for n, v in rows.items()}
 
     bridge, chains = [], {j: [] for j in range(2, depths + 1)}
     for i in range(total):
-        row = step(i, inputs.hidden[i], int(inputs.positions[i]))
+        row = step(cache, i, inputs.hidden[i], int(inputs.positions[i]))
         bridge.append(row)
+        work = copy.deepcopy(cache) if sliding and not keep_kv else cache  # a window cache cannot be cropped back
         added = 0
         for j in range(2, depths + 1):
             if i + j - 1 > total - 1:
                 break
             hidden = inputs.hidden[i] if recycle_main else row[recycle]
-            row = step(i + j - 1, hidden, int(inputs.positions[i]) + (0 if frozen else j - 1))
+            row = step(work, i + j - 1, hidden, int(inputs.positions[i]) + (0 if frozen else j - 1))
             chains[j].append(row)
             added += 1
-        if added and not keep_kv:
+        if added and not keep_kv and not sliding:
             cache.crop(-added)  # the chain's entries dropped: bridge i+1 sees bridge rows only
 
     def stacked(rows):
@@ -310,3 +313,38 @@ def test_report_says_which_layer_each_depth_ran_and_the_modulo_convention(step3p
     twin = diff_cli(per_depth, layered_candidate(ckpt, per_depth, tmp_path, lambda j: j - 1, name="twin"))
     assert "depth 2 layer 1, depth 3 layer 2; convention: depth j runs layer j-1" in twin.output, twin.output
     assert "% 3 convention" not in twin.output
+
+
+# --- DeepSeek-V3 and DeepSeek-V4: the same variants through the same family-neutral module ------------------------
+
+@pytest.fixture(scope="module", params=["deepseek_v3", "deepseek_v4"])
+def deepseek(request, tmp_path_factory):
+    ckpt = FIXTURES / f"{request.param}_tiny"
+    root = tmp_path_factory.mktemp(request.param)
+    tokens = np.random.default_rng(7).integers(0, Checkpoint(ckpt).config.vocab_size, 8)
+    return request.param, ckpt, export_trace(ckpt, root / "ref.h5", tokens, HiddenSource(seed=2),
+                                             chain=ChainOptions(3))
+
+
+DEEPSEEK_BUGS = [
+    ({"recycle_main": True}, "h at depth 2 bridge 0", "recycle_main_hidden"),
+    ({"frozen": True}, "attn at depth 2 bridge 0", "position_frozen"),
+    ({"swap_norms": True}, "e at token 0", "enorm_hnorm_swap"),
+    ({"embed_draft": True}, "draft at token 0", "draft_embed_tokens"),
+]
+
+
+@pytest.mark.parametrize("bug, where, variant", DEEPSEEK_BUGS, ids=[v for _, _, v in DEEPSEEK_BUGS])
+def test_deepseek_loop_bugs_are_named(deepseek, tmp_path, bug, where, variant):
+    name, ckpt, ref = deepseek
+    result, report = explained(ref, candidate(ref, tmp_path, ckpt, 3, **bug), tmp_path)
+    assert result.exit_code == 1, result.output
+    assert f"first divergent stage: {where}" in last_line(result), result.output
+    assert named(report)[:1] == [variant], diagnosis(result)
+
+
+def test_twin_deepseek_correct_engine_passes(deepseek, tmp_path):
+    name, ckpt, ref = deepseek
+    result, report = explained(ref, candidate(ref, tmp_path, ckpt, 3), tmp_path)
+    assert result.exit_code == 0, result.output
+    assert report["diagnosis"] == []
