@@ -23,8 +23,8 @@ the bridge step, with its `draft`), which the probe compares with a candidate's 
                         is never cropped: bridge i, its chain, bridge i+1, with the same head.steps, positions,
                         tokens, recycling and window as the loop.
 
-A variant that cannot apply to a reference (no chain recorded, a one-layer head for layer0_reused, ...) is a
-string saying why, never a silent pass. Nothing here judges a tolerance: the probe passes its own row rule in.
+A variant that cannot apply to a reference (no chain recorded, a one-layer head for layer0_reused, chain tokens
+that are the reference's own drafts, ...) is a string saying why, never a silent pass. Nothing here judges a tolerance: the probe passes its own row rule in.
 """
 
 from collections.abc import Callable
@@ -76,8 +76,6 @@ class LoopVariants:
 
     def rows(self, name: str) -> "Rows | str":
         """Every depth's stages under variant `name`, or why it does not apply to this reference."""
-        from oracle.draft_loop import ARGMAX
-
         why = self._not_applicable(name)
         if why:
             return why
@@ -96,14 +94,17 @@ class LoopVariants:
             spec = _replace(spec, position_step=0)
         elif name == "layer0_reused":
             spec = _replace(spec, layers=lambda depth: 0)
-        if self.multi_layer and spec.tokens == ARGMAX and name in ("recycle_main_hidden", "position_frozen"):
-            return "checked on teacher-forced chains of an N-layer head only (export --chain-tokens teacher)"
         return self.loop(spec=spec)
 
     def _not_applicable(self, name: str) -> str | None:
         info, family = self.info, self.family
         if name in NEEDS_CHAIN and info is None:
             return "the reference records the bridge step only; export it with --chain K to check the loop"
+        if info is not None and info.tokens != "teacher_forced":
+            # A candidate is fed the reference's chain tokens (its drafts); a variant drafting its own would be
+            # compared on other tokens. Teacher-forced tokens are the same whatever the loop computes.
+            return ("the reference's chain tokens are its own drafts (--chain-tokens argmax); export it teacher-"
+                    "forced (the default) to diagnose the loop")
         if name == "recycle_prenorm":
             if family.recycle_prenorm is None:
                 return f"the {family.name} head has no pre-norm tensor of the recycled width"
@@ -125,15 +126,16 @@ class LoopVariants:
     # ---- the reference's loop, parametrized ---------------------------------------------------------------------
 
     def spec(self):
-        """The ChainSpec the reference recorded (oracle/export.py _chain_records), without its evidence."""
-        from oracle.draft_loop import ARGMAX, TEACHER, ChainSpec, chain_rows
+        """The ChainSpec the reference recorded (oracle/export.py _chain_records; teacher-forced tokens), without
+        its evidence."""
+        from oracle.draft_loop import TEACHER, ChainSpec, chain_rows
 
         info, total = self.info, self.inputs.num_tokens
         if info is None:
             return None
-        return ChainSpec(depths=info.depths, rows=lambda j: chain_rows(total, j),
-                         tokens=ARGMAX if info.tokens == "argmax" else TEACHER, token_ids=self.inputs.token_ids,
-                         recycle=info.recycle, window=self.window, layers=lambda j: info.layers[j - 2])
+        return ChainSpec(depths=info.depths, rows=lambda j: chain_rows(total, j), tokens=TEACHER,
+                         token_ids=self.inputs.token_ids, recycle=info.recycle, window=self.window,
+                         layers=lambda j: info.layers[j - 2])
 
     def loop(self, spec=None, head=None, draft=None) -> Rows:
         """The oracle's own loop (oracle/draft_loop.py) under `spec` (default: the reference's) with `head` and the
@@ -161,12 +163,11 @@ class LoopVariants:
     def kept_kv_loop(self) -> Rows:
         """chain_kv_kept: the engine's order (bridge i, its chain, bridge i+1) one step at a time through one cache
         that keeps every entry (see the module docstring); tokens, positions and recycling as the reference's."""
-        from oracle.draft_loop import ARGMAX, embedding_rows, within_window
+        from oracle.draft_loop import embedding_rows, within_window
 
         spec, inputs, draft, head = self.spec(), self.inputs, self._draft(), self.head
         cache, keys = DynamicCache(), []
         steps: dict[int, list[dict[str, torch.Tensor]]] = {j: [] for j in range(1, spec.depths + 1)}
-        drafts: dict[int, list[int]] = {j: [] for j in steps}
 
         def step(embed: np.ndarray, hidden: torch.Tensor, position: int) -> dict[str, torch.Tensor]:
             keys.append(position)
@@ -181,17 +182,13 @@ class LoopVariants:
         for i in range(inputs.num_tokens):
             s = step(inputs.embed[i], torch.from_numpy(inputs.hidden[i]), int(inputs.positions[i]))
             steps[1].append(s)
-            if spec.tokens == ARGMAX:
-                drafts[1].append(int(draft(s["out"][None].numpy())[0][0]))
             for j in range(2, spec.depths + 1):
                 if i >= spec.rows(j):
                     break
-                token = int(spec.token_ids[i + j - 1]) if spec.tokens != ARGMAX else drafts[j - 1][-1]
+                token = int(spec.token_ids[i + j - 1])  # teacher-forced: x_{i+j}
                 embed = embedding_rows(self.ckpt, np.array([token], dtype=np.int64))[0]
                 s = step(embed, s[spec.recycle], int(inputs.positions[i]) + j - 1)
                 steps[j].append(s)
-                if spec.tokens == ARGMAX:
-                    drafts[j].append(int(draft(s["out"][None].numpy())[0][0]))
         rows = {j: {name: torch.stack([r[name] for r in found]).reshape(len(found), -1).numpy()
                     for name in found[0]} for j, found in steps.items() if found}
         if draft is not None:
@@ -202,7 +199,7 @@ class LoopVariants:
     # ---- the tables a variant changes ---------------------------------------------------------------------------
 
     def _draft(self) -> Callable | None:
-        """The family's draft projection's exact argmax (and margin) of `out` rows; None where the checkpoint has none."""
+        """The family's draft projection's exact argmax (and margin) of `out` rows; None where it has none."""
         from oracle.draft_loop import draft_projection
         from oracle.errors import CheckpointError
 

@@ -371,3 +371,19 @@ def test_v4_recycle_prenorm_does_not_apply(family, tmp_path):
     statuses = {v["variant"]: (v["status"], v.get("reason", "")) for v in report["variants"]}
     assert statuses["recycle_prenorm"] == ("not applicable", "the deepseek_v4 head has no pre-norm tensor of the "
                                                              "recycled width")
+
+
+def test_twin_argmax_chain_references_are_not_diagnosed_by_loop_variants(tmp_path):
+    """A reference whose chain tokens are its own drafts: the candidate is fed those tokens, which a variant would
+    draw differently, so no loop variant is checked (said, with the reason), and none is named."""
+    tokens = np.array([17, 3, 99, 250, 41, 7, 300, 12, 5, 88])
+    ref = export_trace(TINY, tmp_path / "argmax.h5", tokens, HiddenSource(seed=0),
+                       chain=ChainOptions(3, tokens="argmax"))
+    inputs, stages = load_trace(ref)
+    one, _ = engine_loop(TINY, inputs, 3, swap_norms=True)
+    result, report = explained(ref, write_chain_raw(tmp_path / "c", {n: one[n] for n in stages}, {}), tmp_path)
+    assert result.exit_code == 1 and "first divergent stage: e at token 0" in last_line(result), result.output
+    statuses = {v["variant"]: (v["status"], v.get("reason", "")) for v in report["variants"]}
+    assert all(statuses[n][0] in ("not applicable", "not checkable") for n in NAMES), statuses
+    assert "its own drafts (--chain-tokens argmax)" in statuses["enorm_hnorm_swap"][1]
+    assert not set(named(report)) & set(NAMES)
