@@ -251,6 +251,10 @@ def explain_stages(report: DiffReport, ref_path: Path, cand: dict[str, np.ndarra
         explanation.first_depth = first[0]
         loop = _loop_variants(explainer.loop_variants(info), _captured_depths(report, cand, depths), order,
                               row_ok, max_rel)
+        if info is not None and info.tokens != "teacher_forced":
+            explanation.notes.append("the draft loop's variants are not checked: the reference's chain tokens are "
+                                     "its own drafts (--chain-tokens argmax); export it teacher-forced to diagnose "
+                                     "the loop")
     if not explainer.supported:
         explanation.variants = loop
         explanation.diagnosis = sorted((v for v in loop if v["status"] == "reproduces"), key=lambda v: v["max_rel"])

@@ -387,3 +387,5 @@ def test_twin_argmax_chain_references_are_not_diagnosed_by_loop_variants(tmp_pat
     assert all(statuses[n][0] in ("not applicable", "not checkable") for n in NAMES), statuses
     assert "its own drafts (--chain-tokens argmax)" in statuses["enorm_hnorm_swap"][1]
     assert not set(named(report)) & set(NAMES)
+    assert "the draft loop's variants are not checked: the reference's chain tokens are its own drafts" \
+        in result.output
