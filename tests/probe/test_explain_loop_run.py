@@ -111,3 +111,27 @@ def test_c_frozen_chain_position_is_named(chained, tmp_path):
     result, named = _explained(chained[0], f"c:{library}", tmp_path)
     assert result.exit_code == 1 and "attn at depth 2 bridge 0" in last_line(result), result.output
     assert named[:1] == ["position_frozen"], _diagnosis(result)
+
+
+# --- the selftest's loop mutants (fixtures/candidates/numpy_loop_mutants.py, mtp_step_v2.c -DMTP_MUTANT_<NAME>) ----
+
+# draft_embed_tokens is left out: these driven runs capture no `draft` stage (the report says so), so the mutant has
+# nothing to show and passes the float stages, rightly; its diagnosis is tested on dumps that capture the draft
+# (tests/probe/test_explain_loop.py).
+LANDED = ("recycle_prenorm", "recycle_main_hidden", "position_frozen", "chain_kv_kept")
+
+
+@pytest.mark.parametrize("variant", LANDED)
+def test_landed_python_loop_mutants_are_named(chained, tmp_path, monkeypatch, variant):
+    monkeypatch.syspath_prepend(str(FIXTURES / "candidates"))
+    result, named = _explained(chained[0], f"python:numpy_loop_mutants:{variant}", tmp_path)
+    assert result.exit_code == 1, result.output
+    assert named[:1] == [variant], _diagnosis(result)
+
+
+@pytest.mark.parametrize("variant", LANDED)
+def test_landed_c_loop_mutants_are_named(chained, tmp_path, variant):
+    library = build_library(FIXTURES / "candidates" / "mtp_step_v2.c", tmp_path, (f"MTP_MUTANT_{variant.upper()}",))
+    result, named = _explained(chained[0], f"c:{library}", tmp_path)
+    assert result.exit_code == 1, result.output
+    assert named[:1] == [variant], _diagnosis(result)
