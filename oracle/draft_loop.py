@@ -176,6 +176,17 @@ class ChainSpec:
     uniform: bool = False  # attn_uniform per depth
     chain_block: int = CHAIN_BLOCK
     layers: Callable[[int], int] | None = None  # depth j -> the physical layer (None: 0, N-layer heads j-1)
+    # Loop variants (oracle/loop_variants.py, `--explain`): an engine's wrong loop, run by this same loop.
+    recycle_main: bool = False  # every depth recycles the main model's H_i (recycle_main_hidden)
+    position_step: int = 1  # depth j at p_i + (j-1)·step; 0: the chain position never advances (position_frozen)
+
+    def offset(self, depth: int) -> int:
+        """Depth j's position minus its bridge's: j - 1 (0 for a frozen chain position)."""
+        return (depth - 1) * self.position_step
+
+    def recycled(self, stages: Stages, bridge: "Bridge", n: int) -> torch.Tensor:
+        """The hidden the first n rows of the next depth read: `stages[recycle]`, or H_i (recycle_main)."""
+        return bridge.hidden[:n] if self.recycle_main else stages[self.recycle][:n]
 
 
 @torch.inference_mode()
@@ -202,7 +213,7 @@ def run_chains(head: Head, rotary: Rotary, bridge: Bridge, spec: ChainSpec,
             return
         tokens = (spec.token_ids[depth - 1:depth - 1 + n] if spec.tokens == TEACHER else drafts[:n]).astype(np.int64)
         embed = np.ascontiguousarray(embedding_rows(tokens), dtype=np.float32)
-        recycled = previous[spec.recycle][:n]
+        recycled = spec.recycled(previous, bridge, n)
         steps, uniform = [], []
         for index, (a, b) in enumerate(blocks):
             m = min(b, n) - a
@@ -214,7 +225,7 @@ def run_chains(head: Head, rotary: Rotary, bridge: Bridge, spec: ChainSpec,
             steps.append(stages)
             uniform.append(attn)
         stages = {name: torch.cat([s[name] for s in steps]) for name in steps[0]}
-        positions = (bridge.positions[:n] + depth - 1).numpy()
+        positions = (bridge.positions[:n] + spec.offset(depth)).numpy()
         result = Depth(depth, tokens, positions, recycled, embed, stages)
         if spec.uniform:
             result.evidence["attn_uniform"] = torch.cat(uniform).numpy()
@@ -254,9 +265,12 @@ def _layer_chains(head, rotary: Rotary, bridge: Bridge, spec: ChainSpec,
                              f"(depth j runs layer j-1): use at most {head.num_layers} depths (accept --k, export "
                              f"--chain), or export --chain-layers modulo (vLLM's spec_step_idx % N).")
         n_tf = n if spec.tokens == TEACHER else max(n - d, 0)
-        positions = bridge.positions[:n_tf] + d
+        if spec.tokens != TEACHER and (spec.recycle_main or spec.position_step != 1):
+            raise ValueError("recycle_main / position_step are teacher-forced loop variants on N-layer heads")
+        positions = bridge.positions[:n_tf] + spec.offset(depth)
         tokens = spec.token_ids[d:d + n_tf].astype(np.int64)
-        tf = _layer_pass(head, rotary, layer, positions, tokens, teacher[spec.recycle][:n_tf], embedding_rows, spec)
+        tf = _layer_pass(head, rotary, layer, positions, tokens, spec.recycled(teacher, bridge, n_tf), embedding_rows,
+                         spec)
         if spec.tokens == TEACHER:
             result, previous = tf, teacher
         else:
@@ -353,9 +367,11 @@ def _chain_step(head, rotary: Rotary, cache: DynamicCache, bridge_positions: tor
     """One depth of chains first..first+m-1 (m = counts[-1]; chain c's query at p_c + depth - 1) through the
     block's cache: its stages (m, w), and `attn` under uniform weights over the same keys when asked."""
     m = counts[-1]
-    positions = bridge_positions[first:first + m] + (depth - 1)  # (m,)
-    keys = key_positions(first, bridge_positions, counts)
-    mask = within_window(chain_mask(first, len(bridge_positions), counts), positions, keys, spec.window)
+    positions = bridge_positions[first:first + m] + spec.offset(depth)  # (m,) what RoPE sees
+    # The window counts cache slots (a window cache keeps the last W-1 entries): slot positions advance even where
+    # a loop variant freezes the position RoPE sees (position_frozen).
+    slots, keys = bridge_positions[first:first + m] + (depth - 1), key_positions(first, bridge_positions, counts)
+    mask = within_window(chain_mask(first, len(bridge_positions), counts), slots, keys, spec.window)
     if not spec.uniform:
         stages = head.steps(rotary, embed[None], recycled[None], positions[None], mask, cache)
         return {k: v[0] for k, v in stages.items()}, None

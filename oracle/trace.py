@@ -899,6 +899,7 @@ class ChainInfo:
     layers: tuple[int, ...]  # physical layer at depths 2..K
     num_layers: int
     kv: str
+    layer_convention: str | None = None  # N-layer heads: how depth j picks its layer (e.g. vLLM's spec_step_idx % N)
 
     @property
     def chain_depths(self) -> tuple[int, ...]:
@@ -930,7 +931,9 @@ def chain_info(reader: "TraceReader") -> ChainInfo | None:
                                f"2 <= depths <= T={reader.num_tokens}, tokens one of {', '.join(CHAIN_TOKENS)}, one "
                                f"layer per depth 2..K and a stage name as recycle. Write it again: "
                                f"{export_hint(reader.path)}")
-    return ChainInfo(depths, record["tokens"], record["recycle"], tuple(layers), record["num_layers"], record["kv"])
+    convention = record.get("layer_convention")
+    return ChainInfo(depths, record["tokens"], record["recycle"], tuple(layers), record["num_layers"], record["kv"],
+                     convention if isinstance(convention, str) else None)
 
 
 def chain_groups(reader: "TraceReader") -> tuple[int, ...]:

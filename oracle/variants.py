@@ -332,9 +332,11 @@ class Explainer:
         self.family = ckpt.family
         self.cfg = cfg
         impl = head_module(ckpt.family)
-        self.head, self.rotary = impl.build_head(cfg, impl.torch_weights(weights))
+        self._impl, self._weights = impl, impl.torch_weights(weights)  # the loop variants rebuild the head from them
+        self.head, self.rotary = impl.build_head(cfg, self._weights)
         self.inputs = inputs
         self.reference = reference  # the trace's own stages: the shared pass, already computed by the oracle
+        self._checkpoint = ckpt  # the draft projection is read only where a candidate's draft is compared
         self.supported = hasattr(impl, "explain_ops") or ckpt.family.head_module in QWEN_HEAD_MODULES
         if not self.supported:
             self.ops, self.patches = None, {}
@@ -345,7 +347,14 @@ class Explainer:
             self.ops.checkpoint = ckpt
         self.patches = getattr(impl, "EXPLAIN_VARIANTS", QWEN_PATCHES)
         self._base: dict[str, Tensor] | None = None
-        self._checkpoint = ckpt  # the draft projection is read only where a candidate's draft is compared
+
+    def loop_variants(self, info):
+        """The draft loop's variants (oracle/loop_variants.py) over the reference's inputs and chain record `info`
+        (None: depth 1 only): every family, with or without the per-stage operators above."""
+        from oracle.loop_variants import LoopVariants
+
+        return LoopVariants(self._checkpoint, self.cfg, self._impl, self._weights, self.head, self.rotary,
+                            self.inputs, info)
 
     def draft(self, out: Tensor) -> np.ndarray | None:
         """The `draft` stage [n, 1] of these `out` rows: the exact argmax of the family's draft projection

@@ -20,24 +20,40 @@ def chain_text(report: DiffReport, verbose: bool = False) -> str:
     info = chain.info
     lines = [f"draft loop: the reference records depths 2..{info.depths} (tokens {info.tokens}, recycle "
              f"{info.recycle}, layers {', '.join(map(str, info.layers))}, kv {info.kv})",
-             f"  {'depth':<6}{'bridges':>8}  {'verdict':<13}{'first divergence':<28}captured",
-             f"  {1:<6}{report.num_tokens:>8}  {chain.bridge_verdict.name:<13}{_first_text(report):<28}"
+             f"  {layer_text(info)}",
+             f"  {'depth':<6}{'layer':>5}{'bridges':>8}  {'verdict':<13}{'first divergence':<28}captured",
+             f"  {1:<6}{0:>5}{report.num_tokens:>8}  {chain.bridge_verdict.name:<13}{_first_text(report):<28}"
              f"{coverage_text(report.captured, report.stage_names)}"]
     parts = {d.depth: d for d in chain.depths}
     for depth in info.chain_depths:
         part = parts.get(depth)
+        layer = info.layers[depth - 2]
         if part is None:
             why = "not captured (never counted as passed)" if depth in chain.not_captured else chain.not_compared
-            lines.append(f"  {depth:<6}{'-':>8}  {why}")
+            lines.append(f"  {depth:<6}{layer:>5}{'-':>8}  {why}")
             continue
         r = part.report
-        lines.append(f"  {depth:<6}{r.num_tokens:>8}  {r.verdict.name:<13}{_first_text(r):<28}"
+        lines.append(f"  {depth:<6}{layer:>5}{r.num_tokens:>8}  {r.verdict.name:<13}{_first_text(r):<28}"
                      f"{coverage_text(r.captured, r.stage_names)}")
     lines += [f"  {line}" for part in chain.depths for line in _recycle_lines(part) + depth_qk_lines(part.report)]
     blocks = ["\n".join(lines)]
     blocks += [_depth_detail(part, verbose) for part in chain.depths if part.report.verdict.name in ("diverged",
                                                                                                     "invalid")]
     return "\n\n".join(blocks)
+
+
+def layer_text(info) -> str:
+    """Which physical MTP layer each depth ran in the reference, and by which convention (issue 25)."""
+    ran = ", ".join(f"depth {j} layer {layer}" for j, layer in zip(info.chain_depths, info.layers))
+    if info.num_layers <= 1:
+        return "layer per depth: one MTP layer, layer 0 at every depth (depth 1 included)"
+    line = f"layer per depth (the reference's physical MTP layer of {info.num_layers}): depth 1 layer 0, {ran}"
+    if info.layer_convention:
+        line += f"; convention: {info.layer_convention}"
+    if any(layer != j - 1 for j, layer in zip(info.chain_depths, info.layers)):
+        line += (f"; depths past {info.num_layers} reuse layers by the % {info.num_layers} convention (vLLM's "
+                 f"spec_step_idx % N), not transformers' MtpModel, which has one layer per depth")
+    return line
 
 
 def _first_text(report: DiffReport) -> str:
@@ -87,15 +103,17 @@ def chain_json(report: DiffReport) -> dict:
     if chain is None:
         return {"chain": None, "depths": [_depth_json(1, report, None)]}
     info = chain.info
-    entries = [_depth_json(1, report, chain.bridge_verdict)]
+    entries = [_depth_json(1, report, chain.bridge_verdict) | {"layer": 0}]
     parts = {d.depth: d for d in chain.depths}
     for depth in info.chain_depths:
         part = parts.get(depth)
-        entries.append(_depth_json(depth, part.report, part.report.verdict, part) if part else
-                       {"depth": depth, "captured": depth not in chain.not_captured, "verdict": None,
-                        "reason": "not captured" if depth in chain.not_captured else chain.not_compared})
+        entries.append((_depth_json(depth, part.report, part.report.verdict, part) if part else
+                        {"depth": depth, "captured": depth not in chain.not_captured, "verdict": None,
+                         "reason": "not captured" if depth in chain.not_captured else chain.not_compared})
+                       | {"layer": info.layers[depth - 2]})
     return {"chain": {"depths": info.depths, "tokens": info.tokens, "recycle": info.recycle,
-                      "layers": list(info.layers), "num_layers": info.num_layers, "kv": info.kv},
+                      "layers": list(info.layers), "num_layers": info.num_layers, "kv": info.kv,
+                      "layer_convention": info.layer_convention},
             "depths": entries}
 
 

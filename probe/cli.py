@@ -220,7 +220,7 @@ def run(ctx, ref, spec, checkpoint, out, profile, rtol, atol, stage_tol, json_pa
         _loading_note(quiet)
         from probe.explain import explain_run  # torch and transformers load only here
 
-        report, explanation = explain_run(report, ref, result.stages, checkpoint, tols, adapter)
+        report, explanation = explain_run(report, ref, result.stages, checkpoint, tols, adapter, result.depths)
     ctx.exit(_render(report, json_path, plot_path, verbose, html_path, explanation))
 
 

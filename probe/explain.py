@@ -16,7 +16,10 @@ records it used, `experts`):
 2. Diagnosis by fingerprint. Each wiring variant of the family's catalogue (oracle/families/*_layout.py
    `variants`) runs through the oracle's operators with one wiring change (oracle/variants.py); a variant is
    reported only when it reproduces the candidate at every captured stage and every compared token within
-   tolerance, best (smallest max rel) first.
+   tolerance, best (smallest max rel) first. The draft loop's variants (oracle/loop_variants.py: recycle_prenorm,
+   recycle_main_hidden, position_frozen, chain_kv_kept, layer0_reused, draft_embed_tokens, enorm_hnorm_swap) run
+   the oracle's own loop with one change, for every family, and are judged the same way at every captured depth
+   (depth 1 and each chain depth the diff compared): whichever depth diverged first.
 3. Weight coverage. Each head tensor perturbed by 1% of its RMS (oracle/variants.py PERTURBATION), the head rerun
    from the stage that reads it: "evidenced" where one of the compared rows (captured stages, compared tokens)
    would then fail its tolerance. MoE: the routed experts these tokens never route to are listed.
@@ -40,7 +43,7 @@ import numpy as np
 from oracle.families.registry import FAMILIES
 from oracle.families.spec import CONVENTIONS
 from oracle.stages import INDEX_SET, LEGACY_FAMILY
-from oracle.trace import read_trace
+from oracle.trace import chain_info, read_trace
 from probe.adapters.trace_file import open_candidate, open_reference
 from probe.compare import ALIGNED_BY_IDS, INDEX_STAGE, compare_stage_rows
 from probe.diff import DiffReport
@@ -64,10 +67,11 @@ class Explanation:
     not_run: str | None = None  # why no diagnosis was attempted (no divergent row, family not supported)
     descriptions: dict = field(default_factory=dict)
     num_stages: int = 0
+    first_depth: int = 1  # the depth of the first divergence (1: the bridge step)
 
     def to_json(self) -> dict:
         return {"diagnosis": [{k: _num(v) if isinstance(v, float) else v for k, v in d.items()
-                               if k in ("variant", "max_rel", "stages_matched", "description")}
+                               if k in ("variant", "max_rel", "stages_matched", "depths", "description")}
                               for d in self.diagnosis],
                 "variants": [{k: _num(v) if isinstance(v, float) else v for k, v in d.items()} for d in self.variants],
                 "local": [{k: _num(v) if isinstance(v, float) else v for k, v in row.items()} for row in self.local],
@@ -78,11 +82,17 @@ class Explanation:
         if self.not_run:
             return f"DIAGNOSIS | {self.not_run}"
         if not self.diagnosis:
-            return "DIAGNOSIS | no known variant reproduces the candidate"
+            line = "DIAGNOSIS | no known variant reproduces the candidate"
+            if self.first_depth > 1:
+                line += (f": depth {self.first_depth} of the draft loop diverges; the loop variants were checked at "
+                         f"every captured depth, the bridge step's wiring variants at depth 1 only")
+            return line
         best, rest = self.diagnosis[0], self.diagnosis[1:]
         matched = len(best["stages_matched"])
         where = f"all {matched} stages" if matched == self.num_stages else \
             f"all {matched} captured stage{'s' if matched != 1 else ''}"
+        if best.get("depths"):
+            where += f" at depth{'s' if len(best['depths']) > 1 else ''} {_depth_list(best['depths'])}"
         line = (f"DIAGNOSIS | {best['variant']} reproduces the candidate at {where} (max rel {best['max_rel']:.1g}): "
                 f"{self.descriptions.get(best['variant'], '')}")
         if rest:
@@ -140,17 +150,19 @@ def _bug_place(bug: dict) -> str:
 
 def explain_diff(report: DiffReport, ref_path: Path, cand_path: Path, checkpoint: Path,
                  tols: dict[str, Tol]) -> Explanation:
-    """--explain for `diff`: the candidate's stages read from its trace file or raw directory."""
+    """--explain for `diff`: the candidate's stages (and chain depths) read from its trace file or raw directory."""
     with open_reference(ref_path) as ref, open_candidate(cand_path, ref) as cand:
         stages = _candidate_stages(ref, cand, report)
-    return explain_stages(report, ref_path, stages, checkpoint, tols)
+        depths = {part.depth: _candidate_stages(ref.depth(part.depth), cand.depth(part.depth), part.report)
+                  for part in (report.chain.depths if report.chain is not None else ())}
+    return explain_stages(report, ref_path, stages, checkpoint, tols, depths)
 
 
 def explain_run(report: DiffReport, ref_path: Path, stages: dict[str, np.ndarray], checkpoint: Path,
-                tols: dict[str, Tol], adapter) -> tuple[DiffReport, Explanation]:
+                tols: dict[str, Tol], adapter, depths: dict | None = None) -> tuple[DiffReport, Explanation]:
     """--explain for `run`: the four measurements; an observer effect or an irreproducible out makes the verdict
-    invalid."""
-    explanation = explain_stages(report, ref_path, stages, checkpoint, tols)
+    invalid. `depths`: the candidate's chain depths {j: {stage: rows}} (a driven draft loop)."""
+    explanation = explain_stages(report, ref_path, stages, checkpoint, tols, depths)
     message, tokens, kind = observer_effect(adapter, ref_path, stages.get("out"), tols["out"])
     explanation.coverage["observer_checked"] = True
     if message:
@@ -171,7 +183,13 @@ def observer_effect(adapter, ref_path: Path, full_out: np.ndarray | None,
         return None, (), ""
     with read_trace(ref_path) as reader:
         inputs = reader.inputs()
-    first, second = (_out_only(adapter, inputs) for _ in range(2))
+    chain = None
+    if getattr(adapter, "supports_chains", False):  # its loop runs as in the captured run: bridge i+1 after chain i
+        from probe.run import chain_inputs
+
+        with open_reference(ref_path) as ref:
+            chain = chain_inputs(ref)
+    first, second = (_out_only(adapter, inputs, chain) for _ in range(2))
     differ, rel = _out_rows_differ(second, first, tol)
     if differ:
         return (f"the candidate is not reproducible: two runs capturing only out differ beyond out's tolerance at "
@@ -186,11 +204,13 @@ def observer_effect(adapter, ref_path: Path, full_out: np.ndarray | None,
     return None, (), ""
 
 
-def _out_only(adapter, inputs) -> np.ndarray:
+def _out_only(adapter, inputs, chain=None) -> np.ndarray:
+    """Depth 1's out of a run capturing only out; a driven loop runs its chains as in the captured run (an engine
+    whose bridge steps see its chains, e.g. one that keeps their KV rows, gives another out without them)."""
     saved = adapter.capture_only
     adapter.capture_only = ()
     try:
-        return adapter.run(inputs)["out"]
+        return (adapter.run(inputs) if chain is None else adapter.run(inputs, chain))["out"]
     finally:
         adapter.capture_only = saved
 
@@ -204,13 +224,15 @@ def _out_rows_differ(actual: np.ndarray, expected: np.ndarray, tol: Tol) -> tupl
 
 
 def explain_stages(report: DiffReport, ref_path: Path, cand: dict[str, np.ndarray], checkpoint: Path,
-                   tols: dict[str, Tol]) -> Explanation:
+                   tols: dict[str, Tol], depths: dict[int, dict[str, np.ndarray]] | None = None) -> Explanation:
+    from oracle.loop_variants import DESCRIPTIONS as LOOP_DESCRIPTIONS
     from oracle.variants import Explainer  # torch and transformers: only under --explain
 
     with read_trace(ref_path) as reader:
         inputs, attrs = reader.inputs(), reader.attrs
         ref = {n: reader.stage_rows(n) for n in reader.stages}
         kinds = {s.name: s.kind for s in reader.stage_list}
+        info = chain_info(reader)
     family = FAMILIES.get(attrs.get("family", LEGACY_FAMILY))
     conventions = {k: v for k, v in (attrs.get("config") or {}).items() if k in CONVENTIONS}
     explainer = Explainer(checkpoint, inputs, conventions, attrs.get("checkpoint_digest"), reference=ref)
@@ -220,13 +242,29 @@ def explain_stages(report: DiffReport, ref_path: Path, cand: dict[str, np.ndarra
     explanation = Explanation([], [], [], None, {}, descriptions={v.name: v.description for v in family.variants}
                               if family else {}, num_stages=len(order))
     explanation._order = order
-    if not explainer.supported:
-        explanation.not_run = (f"not available: local error and diagnosis are not implemented for the "
-                               f"{explainer.family.name} family yet (oracle/variants.py: explain_ops, EXPLAIN_VARIANTS)")
-        explanation.coverage = {"tensors": [], "lines": ["not measured for this family"]}
-        return explanation
+    explanation.descriptions |= LOOP_DESCRIPTIONS
     row_ok, max_rel = _row_rule(tols, kinds)
     tokens = report.compared_tokens
+    first = report.first_at
+    loop = []
+    if first is not None:  # the loop variants, on every depth the diff compared (any family)
+        explanation.first_depth = first[0]
+        loop = _loop_variants(explainer.loop_variants(info), _captured_depths(report, cand, depths), order,
+                              row_ok, max_rel)
+        if info is not None and info.tokens != "teacher_forced":
+            explanation.notes.append("the draft loop's variants are not checked: the reference's chain tokens are "
+                                     "its own drafts (--chain-tokens argmax); export it teacher-forced to diagnose "
+                                     "the loop")
+    if not explainer.supported:
+        explanation.variants = loop
+        explanation.diagnosis = sorted((v for v in loop if v["status"] == "reproduces"), key=lambda v: v["max_rel"])
+        if not explanation.diagnosis:
+            explanation.not_run = (f"not available: local error and diagnosis are not implemented for the "
+                                   f"{explainer.family.name} family yet (oracle/variants.py: explain_ops, "
+                                   f"EXPLAIN_VARIANTS)" + (f"; no loop variant ({', '.join(_checked(loop))}) "
+                                                            f"reproduces the candidate" if _checked(loop) else ""))
+        explanation.coverage = {"tensors": [], "lines": ["not measured for this family"]}
+        return explanation
     cand = {n: a[:tokens] for n, a in cand.items() if n in explainer.ops.order or n == "draft"}
     divergent = sorted(report.first_per_token)
     if divergent:
@@ -234,20 +272,91 @@ def explain_stages(report: DiffReport, ref_path: Path, cand: dict[str, np.ndarra
         names = tuple(v.name for v in family.variants) if family else ()
         compared = {n: a for n, a in cand.items()}
         truncated = _truncate(explainer, tokens)
-        explanation.variants = truncated.variants(names, compared, row_ok, max_rel)
-        explanation.diagnosis = sorted((v for v in explanation.variants if v["status"] == "reproduces"),
-                                       key=lambda v: v["max_rel"])
-        unchecked = [v for v in explanation.variants if v["status"] in ("not checkable", "not implemented")]
-        if unchecked:
-            explanation.notes.append("variants not checked on this trace: " + "; ".join(
-                f"{v['variant']} ({v['reason']})" for v in unchecked))
-    elif report.first_at is not None:  # a chain depth diverged: the variants here are depth 1's (the bridge step)
-        explanation.not_run = (f"depth {report.first_at[0]} of the draft loop diverges, and --explain diagnoses the "
-                               f"bridge step (depth 1) only: no loop variant is checked")
+        explanation.variants = truncated.variants(names, compared, row_ok, max_rel) + loop
+    elif first is not None:  # a chain depth diverged: the bridge step's wiring variants do not apply there
+        explanation.variants = loop
+        explanation.notes.append(f"depth {first[0]} of the draft loop diverges first: the loop variants were checked "
+                                 f"at every captured depth; local error and the bridge step's wiring variants are "
+                                 f"measured at depth 1, which passed")
     else:
         explanation.not_run = "nothing to diagnose: no row diverges"
+    explanation.diagnosis = sorted((v for v in explanation.variants if v["status"] == "reproduces"),
+                                   key=lambda v: v["max_rel"])
+    unchecked = [v for v in explanation.variants if v["status"] in ("not checkable", "not implemented")]
+    if unchecked:
+        explanation.notes.append("variants not checked on this trace: " + "; ".join(
+            f"{v['variant']} ({v['reason']})" for v in unchecked))
     explanation.coverage = _coverage(explainer, report, tokens, row_ok, ref, cand)
     return explanation
+
+
+def _captured_depths(report: DiffReport, cand: dict[str, np.ndarray],
+                     depths: dict[int, dict[str, np.ndarray]] | None) -> dict[int, dict[str, np.ndarray]]:
+    """The candidate's compared rows per depth: depth 1's first `compared_tokens`, each chain depth's likewise."""
+    out = {1: {n: a[:report.compared_tokens] for n, a in cand.items()}}
+    for part in report.chain.depths if report.chain is not None else ():
+        rows = (depths or {}).get(part.depth)
+        if rows:
+            out[part.depth] = {n: a[:part.report.compared_tokens] for n, a in rows.items()
+                               if n in part.report.captured}
+    return out
+
+
+def _loop_variants(runner, captured: dict[int, dict[str, np.ndarray]], order: tuple[str, ...], row_ok,
+                   max_rel) -> list[dict]:
+    """Each loop variant (oracle/loop_variants.py) against every captured stage of every captured depth: it
+    reproduces the candidate only where every compared row of every depth is within tolerance of it."""
+    from oracle.loop_variants import NAMES
+
+    results = []
+    for name in NAMES:
+        if name == "draft_embed_tokens" and not any("draft" in rows for rows in captured.values()):
+            results.append({"variant": name, "status": "not checkable", "reason": "the candidate captures no draft "
+                            "stage (it shows only there)"})
+            continue
+        rows = runner.rows(name)
+        if isinstance(rows, str):
+            results.append({"variant": name, "status": "not applicable", "reason": rows})
+            continue
+        results.append(_loop_match(name, rows, captured, order, row_ok, max_rel))
+    return results
+
+
+def _loop_match(name: str, rows: dict, captured: dict, order: tuple[str, ...], row_ok, max_rel) -> dict:
+    matched, worst, depths = [], 0.0, []
+    for depth in sorted(captured):
+        want = rows.get(depth)
+        stages = [s for s in order if s in captured[depth] and want is not None and s in want]
+        for stage in stages:
+            got = captured[depth][stage]
+            n = min(len(got), len(want[stage]))
+            expected = {k: v[:n] for k, v in want.items()}
+            actual = {k: v[:n] for k, v in captured[depth].items()}
+            ids = _ids(stage, actual, expected, slice(None))
+            ok = row_ok(stage, actual[stage], expected[stage], ids)
+            if not ok.all():
+                return {"variant": name, "status": "differs", "first_mismatch": stage, "depth": depth,
+                        "token": int(np.flatnonzero(~ok)[0]), "max_rel": max_rel(stage, actual[stage],
+                                                                                expected[stage], ids),
+                        "stages_matched": matched}
+            worst = max(worst, max_rel(stage, actual[stage], expected[stage], ids))
+            if stage not in matched:
+                matched.append(stage)
+        if stages:
+            depths.append(depth)
+    if not matched:
+        return {"variant": name, "status": "not checkable", "reason": "no captured stage to compare"}
+    return {"variant": name, "status": "reproduces", "max_rel": worst, "stages_matched": matched, "depths": depths}
+
+
+def _checked(results: list[dict]) -> list[str]:
+    return [r["variant"] for r in results if r["status"] in ("reproduces", "differs")]
+
+
+def _depth_list(depths: list[int]) -> str:
+    if len(depths) > 2 and depths == list(range(depths[0], depths[-1] + 1)):
+        return f"{depths[0]}-{depths[-1]}"
+    return ", ".join(map(str, depths))
 
 
 def _truncate(explainer, tokens: int):

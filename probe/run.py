@@ -283,6 +283,7 @@ class RunResult:
     report: DiffReport
     written: Path | None  # the candidate trace, when --out was given and its layout allowed writing it
     stages: dict | None = None  # the candidate's rows, by stage (for --explain)
+    depths: dict | None = None  # a driven draft loop's rows {depth j >= 2: {stage: rows}} (for --explain)
 
 
 def run_and_diff(ref_path: Path, adapter: Adapter, tols: dict[str, Tol], out: Path | None = None,
@@ -306,7 +307,7 @@ def run_and_diff(ref_path: Path, adapter: Adapter, tols: dict[str, Tol], out: Pa
         if getattr(adapter, "weights_unverified", None):  # e.g. llama.cpp on its GGUF: said, never claimed
             source.kind = "adapter, own weights"
         report = diff_sources(ref, source, tols, fail_fast)
-    return RunResult(adapter.name, adapter.deterministic, report, written, stages)
+    return RunResult(adapter.name, adapter.deterministic, report, written, stages, depths)
 
 
 def chain_inputs(ref) -> dict[int, dict[str, np.ndarray]] | None:

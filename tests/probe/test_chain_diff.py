@@ -372,14 +372,16 @@ def test_html_has_a_depth_table(long_chain, tmp_path):
     assert "DIVERGED" not in calm and '<section id="depths">' in calm
 
 
-def test_explain_says_it_does_not_diagnose_a_chain_divergence(chained, tmp_path):
+def test_explain_checks_the_loop_variants_on_a_chain_divergence_no_variant_explains(chained, tmp_path):
+    """A depth-3 error no loop variant makes: no variant is named, and the line says which depth diverged and what
+    was checked there (tests/probe/test_explain_loop.py: the loop variants named on engine-shaped candidates)."""
     ref, stages, depths, _ = chained
     bad = copies(depths)
     bad[3]["out"][5] += 0.5
     result = diff_cli(ref, write_chain_raw(tmp_path / "c", stages, bad), "--explain")
     assert result.exit_code == 1, result.output
-    assert ("DIAGNOSIS | depth 3 of the draft loop diverges, and --explain diagnoses the bridge step (depth 1) "
-            "only") in result.output  # never "nothing to diagnose: no row diverges"
+    assert ("DIAGNOSIS | no known variant reproduces the candidate: depth 3 of the draft loop diverges; the loop "
+            "variants were checked at every captured depth") in result.output  # never "nothing to diagnose"
 
 
 def test_fail_fast_stops_at_the_first_failing_depth(chained, tmp_path):
