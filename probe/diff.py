@@ -246,6 +246,9 @@ def _read_and_sum(ref: TraceSource, cand: TraceSource, blocks: list[tuple[str, i
     only until the next block is asked for; fresh arrays for every read would fault in new pages each time
     (measured: a fifth of the diff's time)."""
     index_sets = {s.name for s in ref.stage_list if s.kind == INDEX_SET}
+    # topk_weights are put in the reference's topk_ids order only where the candidate's topk_ids are comparable
+    # (their layout passed): a wrongly shaped topk_ids file is reported as such, never read to align another stage
+    align = INDEX_STAGE in {name for name, _, _ in blocks}
     widest = max(widths[name] for name, _, _ in blocks)
     rows = max(stop - start for _, start, stop in blocks)
     pairs = [[np.empty(rows * widest, dtype=np.float32) for _ in range(2)] for _ in range(2)]
@@ -263,7 +266,7 @@ def _read_and_sum(ref: TraceSource, cand: TraceSource, blocks: list[tuple[str, i
             shape = (stop - start, widths[name])
             into = [buffer[:shape[0] * shape[1]].reshape(shape) for buffer in pairs[k % 2]]
             actual, expected = cand.stage_rows(name, start, stop, into[0]), ref.stage_rows(name, start, stop, into[1])
-            if name == ALIGNED_BY_IDS and INDEX_STAGE in cand.stages:
+            if name == ALIGNED_BY_IDS and align:
                 actual = _aligned_to_reference_ids(ref, cand, start, stop, actual)
             current = ((name, start, stop), actual, expected, pool.submit(RULE.sums, actual, expected, tols[name]))
             if pending is not None:

@@ -212,3 +212,33 @@ def test_twin_a_stage_exact_at_every_depth_is_no_sign_of_copying(chained, tmp_pa
     only_e = {j: {"e": rows["e"]} for j, rows in depths.items()}  # e alone, exact at every depth: not a copy either
     result = diff_cli(ref, write_chain_raw(tmp_path / "d", own, only_e))
     assert "copied, not computed" not in result.output, result.output
+
+
+# --- a wrongly typed index set at a chain depth ----------------------------------------------------------------
+
+@pytest.mark.parametrize("ids_dtype", [np.float32, np.int64], ids=["float32_ids", "int64_ids"])
+def test_a_chain_depth_with_topk_ids_written_as_float32_is_a_wrong_shape(tmp_path, ids_dtype):
+    """d2/topk_ids.bin holding float32 (half the bytes int64 needs) is reported as a wrong shape (exit 2), as at
+    depth 1; it was read to align topk_weights and crashed (exit 4). Twin: the same dump with int64 ids passes."""
+    from oracle.cli import cli as oracle_cli
+
+    ref = tmp_path / "moe.h5"
+    exported = run_cli(oracle_cli, ["export", FIXTURES / "qwen3_5_moe_tiny", "--out", ref, "--tokens",
+                                    "17,42,3,255,100,7,511,64", "--hidden-seed", "0", "--chain", "2", "-q"])
+    assert exported.exit_code == 0, exported.output
+    dump = tmp_path / "dump"
+    with h5py.File(ref) as f:
+        stages = {n: f["stages"][n][()] for n in f["stages"]}
+        depth2 = {n: f["chain/d2/stages"][n][()] for n in f["chain/d2/stages"]}
+    depth2["topk_ids"] = depth2["topk_ids"].astype(ids_dtype)
+    dump.mkdir()
+    for folder, part in ((dump, stages), (dump / "d2", depth2)):
+        folder.mkdir(exist_ok=True)
+        for name, rows in part.items():
+            rows.tofile(folder / f"{name}.bin")  # what an engine's dump writes: the rows' bytes as they are
+    result = diff_cli(ref, dump)
+    if ids_dtype is np.int64:
+        assert result.exit_code == 0, result.output
+    else:
+        assert result.exit_code == 2, result.output
+        assert "depth 2: wrong shape: topk_ids" in last_line(result)
