@@ -274,8 +274,10 @@ def _checked_chain(ckpt: Checkpoint, chain: "ChainOptions | None", num_tokens: i
         raise InputError(f"--chain {k}: depth 1 (the bridge step) is what every trace records; pass --chain 2 or "
                          f"more to record depths 2..K as well, or leave --chain out.")
     if k > num_tokens:
+        fix = (f"Pass --chain {num_tokens} or less, or more tokens." if num_tokens >= 2 else
+               "With one step there is no chain: leave --chain out, or give two tokens or more.")
         raise InputError(f"--chain {k} is past the tokens available: depth K of bridge step 0 feeds the step token "
-                         f"t_K, and there are T={num_tokens}. Pass --chain {num_tokens} or less, or more tokens.")
+                         f"t_K, and there are T={num_tokens}. {fix}")
     if mode != "batched":
         raise InputError("--chain runs the bridge steps as one causal pass through the head's cache, then the chains "
                          "from it; --mode stepwise is not supported with it. Drop --mode stepwise.")

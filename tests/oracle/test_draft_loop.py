@@ -158,6 +158,13 @@ def test_bad_chain_requests_exit_2_saying_what_to_pass_and_write_nothing(tmp_pat
     assert not (tmp_path / "x.h5").exists()
 
 
+def test_one_step_has_no_chain_and_is_told_to_leave_chain_out(tmp_path):
+    """T=1: the advice is not "--chain 1 or less" (refused itself), but to leave --chain out."""
+    result = export(TINY, "--out", tmp_path / "x.h5", "--tokens", "17", "--hidden-seed", "0", "--chain", "2")
+    assert result.exit_code == 2 and "leave --chain out" in result.output, result.output
+    assert "--chain 1 or less" not in result.output and not (tmp_path / "x.h5").exists()
+
+
 def test_twin_the_longest_chain_the_tokens_allow_is_accepted(tmp_path):
     path = tmp_path / "k8.h5"
     assert export(TINY, "--out", path, "--tokens", TOKENS, "--hidden-seed", "0", "--chain", "8", "-q").exit_code == 0
