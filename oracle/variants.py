@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from oracle.families.qwen3_5 import UpcastLinear, causal_mask
+from oracle.families.torch_parts import UpcastLinear, causal_mask
 from oracle.trace import TraceInputs
 
 Tensor = torch.Tensor

@@ -104,7 +104,8 @@ def child_naive(ckpt: str, t: int) -> None:
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
 
     from oracle.checkpoint import Checkpoint
-    from oracle.families.qwen3_5 import causal_mask, head_text_config
+    from oracle.families.qwen3_5 import head_text_config
+    from oracle.families.torch_parts import causal_mask
     from oracle.inputs import hidden_from_seed
 
     start = time.perf_counter()

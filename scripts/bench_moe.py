@@ -331,7 +331,7 @@ def bench_fp8_linear(rows: list, tokens: tuple[int, ...] = (1, 32, 169)) -> None
     import torch.nn.functional as F
 
     from oracle import fp8
-    from oracle.families.mtp_layer import Fp8Linear
+    from oracle.families.torch_parts import Fp8Linear
 
     block, rng = (128, 128), np.random.default_rng(0)
     for name, shape in DS_DENSE_FP8.items():

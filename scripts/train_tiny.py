@@ -31,7 +31,7 @@ from torch.nn import functional as F
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel, Qwen3_5TextRotaryEmbedding
 
-from oracle.families import qwen3_5
+from oracle.families import qwen3_5, torch_parts
 from oracle.families.qwen3_5_layout import head_config_from_json
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,7 +108,7 @@ class Trained(nn.Module):
         embed = self.main.embed_tokens(x[:, 1:-1])  # step i reads x_{i+1}: (B, T-2, D)
         positions = torch.arange(t - 2)[None].expand(b, -1)  # (B, T-2)
         rope = self.head_rotary(embed, positions)
-        out = self.head(embed, hidden[:, :-2].detach(), rope, qwen3_5.causal_mask(t - 2))["out"]
+        out = self.head(embed, hidden[:, :-2].detach(), rope, torch_parts.causal_mask(t - 2))["out"]
         head_loss = F.cross_entropy(self.lm_head(out).reshape(-1, vocab), x[:, 2:].reshape(-1))
         return main_loss, head_loss
 

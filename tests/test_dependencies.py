@@ -60,8 +60,9 @@ def test_cli_paths_that_run_no_head_load_neither_torch_nor_transformers(args, st
     ("qwen3_5_tiny", {"qwen3_5"}),
     # the Qwen stem (oracle/families/qwen3_5.py) is shared, so the MoE families also load qwen3_5's classes
     ("qwen3_5_moe_tiny", {"qwen3_5", "qwen3_5_moe"}), ("qwen3_next_tiny_fused", {"qwen3_5", "qwen3_next"}),
-    # the MtpModel families' torch half (oracle/families/mtp_model.py) imports the same stem's step helpers
-    ("mimo_v2_flash_tiny", {"qwen3_5", "mimo_v2_flash"}),
+    # the shared torch parts (oracle/families/torch_parts.py) are no family's: the others load only their own
+    ("mimo_v2_flash_tiny", {"mimo_v2_flash"}), ("step3p7_tiny", {"step3p7"}), ("deepseek_v3_tiny", {"deepseek_v3"}),
+    ("glm4_moe_tiny", {"glm4_moe"}),
 ])
 def test_an_export_loads_only_its_familys_transformers_models(fixture, models, tmp_path):
     code, loaded, stderr = _modules_after_cli("oracle", "export", FIXTURES / fixture, "--out", tmp_path / "ref.h5",

@@ -19,8 +19,8 @@ checkpoint's main layers (oracle/families/mtp_layer_main_model.py). The head kee
 
 Weights: the release's `mtp.0.*` names are mapped onto the official modules as transformers' conversion mapping
 renames the main layers' (`NATIVE_TO_MODULE`). bf16 linears stay bf16 (widened block-wise in use,
-qwen3_5.UpcastLinear); FP8 e4m3 linears are dequantized with their `.scale` block scales (oracle/fp8.py; F32 or UE8M0
-scales) — the routed experts only where a token routes to them, one expert at a time.
+torch_parts.UpcastLinear); FP8 e4m3 linears are dequantized with their `.scale` block scales (oracle/fp8.py; F32 or
+UE8M0 scales) — the routed experts only where a token routes to them, one expert at a time.
 """
 
 import sys
@@ -42,7 +42,7 @@ from oracle.families.deepseek_v4_layout import ALIASES, EMBED, HEAD_PREFIX, LM_H
 from oracle.families.moe_experts import RoutedExperts
 from oracle.families.mtp_layer_main_model import MainLayout, run_main_model
 from oracle.families.mtp_layer_main_model import load_main_model as load_main
-from oracle.families.qwen3_5 import UpcastLinear, selection_margin
+from oracle.families.torch_parts import UpcastLinear, selection_margin
 from oracle.families.routing_evidence import topk_flip_distances
 from oracle.fp8 import E4M3, dequantize
 from oracle.qk_parts import (PartVariant, angles, neox_on_trailing_slice, other_norm_form, rotary_off, skipped,
@@ -324,7 +324,7 @@ def sliding_mask(num_steps: int, window: int) -> torch.Tensor:
     return torch.zeros(num_steps, num_steps).masked_fill(blocked, torch.finfo(torch.float32).min)[None, None]
 
 
-def _step_tensors(inputs: TraceInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def step_tensors(inputs: TraceInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     embed = torch.from_numpy(np.ascontiguousarray(inputs.embed))[None]  # (T, D) -> (1, T, D)
     hidden = torch.from_numpy(np.ascontiguousarray(inputs.hidden))[None]  # (T, hc·D) -> (1, T, hc·D)
     positions = torch.from_numpy(inputs.positions)[None]  # (T,) -> (1, T)
@@ -335,23 +335,23 @@ def _rope(rotary: DeepseekV4RotaryEmbedding, x: torch.Tensor, positions: torch.T
     return {"main": rotary(x, positions, layer_type="main")}  # sliding-window layers use the "main" RoPE
 
 
-def _to_numpy(stages: Stages) -> dict[str, np.ndarray]:
+def to_numpy(stages: Stages) -> dict[str, np.ndarray]:
     return {name: rows[0].numpy() for name, rows in stages.items()}  # (1, T, w) -> (T, w)
 
 
 @torch.inference_mode()
 def run_batched(head: V4MtpHead, rotary, inputs: TraceInputs) -> dict[str, np.ndarray]:
     """All T steps as one pass under the sliding-window causal mask (teacher forcing)."""
-    embed, hidden, positions = _step_tensors(inputs)
+    embed, hidden, positions = step_tensors(inputs)
     mask = sliding_mask(inputs.num_tokens, head.text_config.sliding_window)
-    return _to_numpy(head(embed, hidden, _rope(rotary, embed, positions), positions, mask))
+    return to_numpy(head(embed, hidden, _rope(rotary, embed, positions), positions, mask))
 
 
 @torch.inference_mode()
 def run_stepwise(head: V4MtpHead, rotary, inputs: TraceInputs,
                  on_step: Callable[[int], None] | None = None) -> dict[str, np.ndarray]:
     """One step at a time through the head's own sliding-window cache (keeps W-1 keys), as an engine runs it."""
-    embed, hidden, positions = _step_tensors(inputs)
+    embed, hidden, positions = step_tensors(inputs)
     cache = DynamicCache(config=head.text_config)
     steps = []
     for t in range(inputs.num_tokens):
@@ -360,7 +360,7 @@ def run_stepwise(head: V4MtpHead, rotary, inputs: TraceInputs,
                           positions[:, sl], None, cache))
         if on_step:
             on_step(t)
-    return _to_numpy({name: torch.cat([s[name] for s in steps], dim=1) for name in steps[0]})
+    return to_numpy({name: torch.cat([s[name] for s in steps], dim=1) for name in steps[0]})
 
 
 @torch.inference_mode()
@@ -368,7 +368,7 @@ def attention_with_uniform_weights(head: V4MtpHead, rotary, inputs: TraceInputs,
     """`attn` [T, D] recomputed from the trace's own `ah` rows by the official attention module with softmax(q·k)
     replaced by uniform weights over the visible keys AND the sink (oracle/attention_evidence.py): each of the n
     keys inside the window gets 1/(n+1)."""
-    embed, _, positions = _step_tensors(inputs)
+    embed, _, positions = step_tensors(inputs)
     mask = sliding_mask(inputs.num_tokens, head.text_config.sliding_window)
     with uniform_weights(head.text_config):
         attn = head.layer.self_attn(torch.from_numpy(np.ascontiguousarray(ah))[None],
@@ -394,7 +394,7 @@ def qk_part_variants(head: V4MtpHead, rotary, inputs: TraceInputs, ah: np.ndarra
     `mask_of(window)`: the additive mask of these rows for a window (None: none), when they are not the trace's own
     causal steps (a chain's rows stacked on the bridge's, oracle/qk_parts.py chain_part_records)."""
     attention = head.layer.self_attn
-    embed, _, positions = _step_tensors(inputs)
+    embed, _, positions = step_tensors(inputs)
     config, num_tokens = head.text_config, inputs.num_tokens
     rope, window = _rope(rotary, embed, positions), config.sliding_window
     mask_of = mask_of or (lambda w: sliding_mask(num_tokens, num_tokens + 1 if w is None else w))
@@ -436,7 +436,7 @@ def official_layer_stepwise(head: V4MtpHead, rotary, inputs: TraceInputs, x_in: 
     """block_out [T, hc·D] as the official DeepseekV4DecoderLayer's own forward computes it from the `x_in` rows,
     one step at a time through its sliding-window cache (the family contract test holds the transcribed block equal
     to it)."""
-    embed, _, positions = _step_tensors(inputs)
+    embed, _, positions = step_tensors(inputs)
     d = head.text_config.hidden_size
     x = torch.from_numpy(np.ascontiguousarray(x_in)).view(1, -1, head.hc, d)
     cache = DynamicCache(config=head.text_config)

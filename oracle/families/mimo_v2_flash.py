@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from oracle.errors import CheckpointError
-from oracle.families.mtp_layer import _SCALE, Fp8Weights
+from oracle.families.torch_parts import FP8_SCALE, Fp8Weights
 from oracle.families.mtp_model import (MtpModelHead, attention_with_uniform_weights, layer_mask,  # noqa: F401
                                        load_main_model, main_model_hidden, official_layer_stepwise,
                                        qk_output_projection, qk_part_variants, run_batched, run_stepwise)
@@ -72,4 +72,4 @@ def dequantized(cfg, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     if fp8.fp8 and cfg.weight_block_size is None:
         raise CheckpointError(f"{sorted(fp8.fp8)[0]} is FP8 but config.json has no quantization_config (quant_method "
                               f"fp8, weight_block_size): the block size of its scales is unknown.")
-    return {name: fp8.value(name) for name in weights if not name.endswith(_SCALE)}
+    return {name: fp8.value(name) for name in weights if not name.endswith(FP8_SCALE)}

@@ -10,12 +10,11 @@ convention, off by default as in transformers).
 What it is not: `MtpModel` (which ties the main model's embedding and lm_head and drafts tokens); the head here
 runs T teacher-forced steps in float32 with its own one-layer KV cache.
 
-Weights: bf16 linears stay bf16 and are widened block-wise in use (qwen3_5.UpcastLinear); FP8 linears stay FP8 and
+Weights: bf16 linears stay bf16 and are widened block-wise in use (torch_parts.UpcastLinear); FP8 linears stay FP8 and
 are dequantized with their block scales (oracle/fp8.py) in use: the dense ones a block of rows at a time
 (Fp8Linear), the routed experts only where a token routes to them, one expert at a time.
 """
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,14 +27,14 @@ from transformers import DynamicCache
 from oracle.attention_evidence import uniform_weights
 from oracle.checkpoint import Checkpoint, HeadWeights
 from oracle.errors import CheckpointError
-from oracle.families.moe_experts import ALIGN, RoutedExperts, output_row_blocks
 from oracle.families.mtp_layer_main_model import MainLayout, run_main_model
 from oracle.families.mtp_layer_main_model import load_main_model as load_main
 from oracle.families.mtp_layer_layout import MtpLayerConfig, MtpLayerTensors
 from oracle.families.routing_evidence import grouped_flip_distances
-from oracle.families.qwen3_5 import (UpcastLinear, _is_linear_weight, _step_tensors, _to_numpy,
-                                     _widen_non_linear_parameters, causal_mask)
-from oracle.fp8 import E4M3, check_scale_shape, dequantize
+from oracle.families.torch_parts import (FP8_SCALE, Fp8Weights, RoutedFp8Experts, UpcastLinear,
+                                         causal_mask, is_linear_weight, step_tensors, to_numpy,
+                                         widen_non_linear_parameters)
+from oracle.fp8 import E4M3
 from oracle.qk_parts import PartVariant, kv_append_variants
 from oracle.trace import TraceInputs
 
@@ -45,7 +44,6 @@ except ImportError:  # transformers before MtpLayer: refuse, never fall back to 
     MtpLayer = None
 
 Stages = dict[str, torch.Tensor]
-_SCALE = "weight_scale_inv"
 
 
 def require_mtp_layer() -> type:
@@ -215,103 +213,10 @@ def torch_weights(weights: HeadWeights) -> dict[str, torch.Tensor]:
     return out
 
 
-class Fp8Weights:
-    """Dequantizes FP8 linears with their block scales; checks every FP8 weight has a scale and every scale an FP8
-    weight."""
-
-    def __init__(self, weights: dict[str, torch.Tensor], block: tuple[int, int] | None):
-        self.weights, self.block = weights, tuple(block or (128, 128))
-        fp8 = {n for n, t in weights.items() if t.dtype == torch.uint8}  # F8_E4M3 bit patterns (torch_weights)
-        scales = {n for n in weights if n.endswith(_SCALE)}
-        unscaled = sorted(n for n in fp8 if n.removesuffix("weight") + _SCALE not in scales)
-        orphan = sorted(s for s in scales if s.removesuffix(_SCALE) + "weight" not in fp8)
-        if unscaled or orphan:
-            raise CheckpointError(f"FP8 weights without weight_scale_inv {unscaled[:3]}, or weight_scale_inv beside a "
-                                  f"weight that is not F8_E4M3 {orphan[:3]}: the checkpoint is inconsistent.")
-        self.fp8 = fp8
-
-    def scale(self, name: str) -> np.ndarray:
-        """The float32 block scales of the FP8 weight `name`."""
-        return np.ascontiguousarray(self.weights[name.removesuffix("weight") + _SCALE].float().numpy())
-
-    def value(self, name: str) -> torch.Tensor:
-        """The weight the model means: FP8 dequantized to float32, anything else as stored."""
-        t = self.weights[name]
-        if name not in self.fp8:
-            return t
-        scale = self.weights[name.removesuffix("weight") + _SCALE]
-        return torch.from_numpy(dequantize(t.numpy(), scale.numpy(), self.block, name))
-
-    def linear(self, name: str, bias: torch.Tensor | None = None) -> "Fp8Linear":
-        """The FP8 weight `name` as a linear that dequantizes it in row blocks in use (never whole)."""
-        return Fp8Linear(self.weights[name], self.weights[name.removesuffix("weight") + _SCALE], self.block, bias,
-                         name)
 
 
-class Fp8Linear(nn.Module):
-    """A linear whose weight stays FP8 as stored (e4m3 bytes, mapped) beside its block scales, dequantized a block
-    of output rows at a time (whole scale blocks, about ROWS rows) into one reused float32 buffer right before the
-    matmul, as UpcastLinear widens bf16.
-
-    It computes F.linear(x, dequantize(weight, scale_inv), bias) without ever holding the float32 weight, with the
-    same bits: each output column reduces over the same K in the same order (tests/families/test_fp8_linear.py,
-    and at DeepSeek-V3's shapes in scripts/bench_moe.py --fp8-linear). Why: dequantizing the head's dense FP8
-    linears whole into fresh float32 arrays cost ~1.7 s of a 6.5 s DeepSeek-V3-scale export, nearly all first-touch
-    page faults (o_proj: 1.08 s into a fresh array, 25 ms into an already-written one), and held ~750 MB.
-    """
-
-    ROWS = 1024
-    # Every chunk starts on a multiple of ALIGN output rows and is at least ALIGN wide (a narrower tail joins the
-    # chunk before it), because the CPU GEMM is bit-stable under an output-row split only then: measured on this
-    # torch, a chunk 1-11 rows wide, or (one token) starting off a multiple of 4, reduces in another order.
-    ALIGN = ALIGN
-
-    def __init__(self, stored: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-                 bias: torch.Tensor | None = None, name: str = "weight"):
-        super().__init__()
-        if stored.dim() != 2 or stored.dtype != torch.uint8:
-            raise CheckpointError(f"{name}: an FP8 weight must be 2-D e4m3 bytes, found {stored.dtype} "
-                                  f"{tuple(stored.shape)}.")
-        check_scale_shape(tuple(stored.shape), tuple(scale_inv.shape), block, name)
-        self.weight = nn.Parameter(stored, requires_grad=False)  # uint8: head.to(dtype) leaves it as stored
-        self.bias = None if bias is None else nn.Parameter(bias.data.float(), requires_grad=False)
-        # plain attributes, not buffers: head.to(dtype) (oracle/noise.py) must not round the scales or the buffer
-        self.scale_inv = np.ascontiguousarray(scale_inv.numpy(), dtype=np.float32)
-        self.fp8_block, self.name = tuple(block), name
-        step = math.lcm(block[0], self.ALIGN)  # chunks start on a scale block's first row, and aligned
-        self.rows = max(step, self.ROWS // step * step)
-        self.chunks = self._chunks(stored.shape[0])
-        # Allocated once: a fresh buffer per call would pay its page faults on every matmul.
-        self.buffer = torch.empty(max(stop - start for start, stop in self.chunks), stored.shape[1],
-                                  dtype=torch.float32)
-
-    def _chunks(self, out_features: int) -> list[tuple[int, int]]:
-        return output_row_blocks(out_features, self.rows)  # the routed experts' blocks: the same alignment rule
-
-    def value(self) -> torch.Tensor:
-        """The whole float32 weight the model means (for a variant that rewrites it; never in the forward)."""
-        return torch.from_numpy(dequantize(self.weight.numpy(), self.scale_inv, self.fp8_block, self.name))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        stored, bo = self.weight.numpy(), self.fp8_block[0]
-        out = x.new_empty(*x.shape[:-1], stored.shape[0])
-        for start, stop in self.chunks:
-            rows = self.buffer[: stop - start]
-            dequantize(stored[start:stop], self.scale_inv[start // bo: -(-stop // bo)], self.fp8_block, self.name,
-                       out=rows.numpy())
-            # the weight follows activations of another dtype (oracle/noise.py runs the head in float64, bf16, fp16)
-            weight = rows if x.dtype == rows.dtype else rows.to(x.dtype)
-            bias = None if self.bias is None else self.bias[start:stop].to(x.dtype)
-            out[..., start:stop] = F.linear(x, weight, bias)
-        return out
 
 
-class RoutedFp8Experts(RoutedExperts):
-    """Routed experts widened (bf16) or dequantized (FP8, with their weight_scale_inv), one expert at a time, only
-    where tokens route (oracle/families/moe_experts.py)."""
-
-    def __init__(self, layout, weights: dict, fp8: Fp8Weights):
-        super().__init__(layout, weights, fp8)
 
 
 def state_name(name: str, prefix: str) -> str:
@@ -337,10 +242,10 @@ def build_mtp_layer_head(cfg: MtpLayerConfig, text, decoder_layer: type, rms_nor
     head.requires_grad_(False)  # FP8 bytes (uint8) are loaded into nn.Linear weights until _swap_linears
     state, fp8_linears = {}, {}
     for name, t in weights.items():
-        if name in layout.copies or name.endswith(_SCALE) or experts.owns(name):
+        if name in layout.copies or name.endswith(FP8_SCALE) or experts.owns(name):
             continue
         key = state_name(name, cfg.head_prefix)
-        if name in fp8.fp8 and _is_linear_weight(head, key):
+        if name in fp8.fp8 and is_linear_weight(head, key):
             state[key], fp8_linears[key] = t, name  # stays FP8: an Fp8Linear dequantizes it in row blocks in use
             continue
         value = fp8.value(name)
@@ -355,7 +260,7 @@ def build_mtp_layer_head(cfg: MtpLayerConfig, text, decoder_layer: type, rms_nor
     left = [n for n, t in [*head.named_parameters(), *head.named_buffers()] if t.is_meta and n not in lazy]
     if left:
         raise RuntimeError(f"parameters never loaded: {left}")  # a bug: strict loading should prevent it
-    _widen_non_linear_parameters(head)
+    widen_non_linear_parameters(head)
     _swap_linears(head, fp8, fp8_linears)
     experts.attach(head.layer.mtp_block.mlp.experts)
     head.install_hooks()
@@ -369,16 +274,16 @@ def build_mtp_layer_head(cfg: MtpLayerConfig, text, decoder_layer: type, rms_nor
 @torch.inference_mode()
 def run_batched(head: MtpLayerHead, rotary, inputs: TraceInputs) -> dict[str, np.ndarray]:
     """All T steps as one causal pass (teacher forcing: every step's inputs are known up front)."""
-    embed, hidden, positions = _step_tensors(inputs)
+    embed, hidden, positions = step_tensors(inputs)
     rope = rotary(embed, positions)
-    return _to_numpy(head(embed, hidden, rope, causal_mask(inputs.num_tokens), None, positions))
+    return to_numpy(head(embed, hidden, rope, causal_mask(inputs.num_tokens), None, positions))
 
 
 @torch.inference_mode()
 def run_stepwise(head: MtpLayerHead, rotary, inputs: TraceInputs,
                  on_step: Callable[[int], None] | None = None) -> dict[str, np.ndarray]:
     """One step at a time through the head's own KV cache (MLA: the compressed latent), as an engine runs it."""
-    embed, hidden, positions = _step_tensors(inputs)
+    embed, hidden, positions = step_tensors(inputs)
     cache = DynamicCache(config=head.text_config)  # the head's own cache, never a main model's
     steps = []
     for t in range(inputs.num_tokens):
@@ -387,7 +292,7 @@ def run_stepwise(head: MtpLayerHead, rotary, inputs: TraceInputs,
         steps.append(head(embed[:, sl], hidden[:, sl], rope, None, cache, positions[:, sl]))
         if on_step:
             on_step(t)
-    return _to_numpy({name: torch.cat([s[name] for s in steps], dim=1) for name in steps[0]})
+    return to_numpy({name: torch.cat([s[name] for s in steps], dim=1) for name in steps[0]})
 
 
 @torch.inference_mode()
@@ -395,7 +300,7 @@ def attention_with_uniform_weights(head: MtpLayerHead, rotary, inputs: TraceInpu
     """`attn` [T, D] recomputed from the trace's own `ah` rows by the official attention module with only
     softmax(q·k) replaced by uniform weights over the visible keys (MLA included: k and v still come from the
     latent; oracle/attention_evidence.py)."""
-    embed, _, positions = _step_tensors(inputs)
+    embed, _, positions = step_tensors(inputs)
     rope = rotary(embed, positions)
     with uniform_weights(head.text_config):
         attn = head.layer.mtp_block.self_attn(hidden_states=torch.from_numpy(ah)[None], position_embeddings=rope,
@@ -422,7 +327,7 @@ class AttentionPass:
     @classmethod
     def of(cls, head: MtpLayerHead, rotary, inputs: TraceInputs, ah: np.ndarray, mask_of=None) -> "AttentionPass":
         """`mask_of(None)`: the rows' mask where they are not the trace's own causal steps (a chain's rows)."""
-        embed, _, positions = _step_tensors(inputs)
+        embed, _, positions = step_tensors(inputs)
         mask = causal_mask(inputs.num_tokens) if mask_of is None else mask_of(None)
         return cls(head.layer.mtp_block.self_attn, rotary(embed, positions), mask,
                    positions, torch.from_numpy(np.ascontiguousarray(ah))[None])
@@ -448,7 +353,7 @@ class AttentionPass:
 def official_layer_stepwise(head: MtpLayerHead, rotary, inputs: TraceInputs, fc: np.ndarray) -> np.ndarray:
     """res2 [T, D] as the official decoder layer (MtpLayer.mtp_block) computes it from the `fc` rows, one step at a
     time through a DynamicCache, outside the hooks' head forward (the family contract test)."""
-    embed, _, positions = _step_tensors(inputs)
+    embed, _, positions = step_tensors(inputs)
     x = torch.from_numpy(np.ascontiguousarray(fc))[None]
     cache = DynamicCache(config=head.text_config)
     rows = []
@@ -482,7 +387,7 @@ def main_layout(cfg: MtpLayerConfig) -> MainLayout:
     head = cfg.head_prefix
     return MainLayout(
         model_type=cfg.family, is_main=lambda n: n.startswith("model.") and not n.startswith(head), strip="model.",
-        scale_of=lambda n: n.removesuffix("weight") + _SCALE,
+        scale_of=lambda n: n.removesuffix("weight") + FP8_SCALE,
         expert_name=lambda stem, e, part: f"model.{stem}.{e}.{part}_proj.weight")
 
 

@@ -21,8 +21,7 @@ import torch
 from torch import nn
 
 from oracle.families.moe_experts import _Widened, routed_experts_of
-from oracle.families.mtp_layer import Fp8Linear, Fp8Weights, RoutedFp8Experts
-from oracle.families.qwen3_5 import UpcastLinear, _step_tensors, causal_mask
+from oracle.families.torch_parts import Fp8Linear, Fp8Weights, RoutedFp8Experts, UpcastLinear, causal_mask, step_tensors
 from oracle.trace import TraceInputs
 from oracle.variants import _identity_router, _set
 
@@ -58,7 +57,7 @@ class MtpLayerOps:
         layer = head.layer
         block = layer.mtp_block
         self.head, self.rotary, self.cfg, self.text_config = head, rotary, cfg, head.text_config
-        embed, hidden, positions = _step_tensors(inputs)
+        embed, hidden, positions = step_tensors(inputs)
         self.token_ids = np.asarray(inputs.token_ids)
         self.embed, self.hidden, self.positions = embed[0], hidden[0], positions
         self.num_tokens = inputs.num_tokens

@@ -34,7 +34,7 @@ from oracle.attention_evidence import uniform_weights
 from oracle.checkpoint import HeadWeights
 from oracle.errors import CheckpointError
 from oracle.families.mtp_layer import torch_weights as _stored_torch_weights
-from oracle.families.qwen3_5 import _step_tensors, _to_numpy, causal_mask
+from oracle.families.torch_parts import causal_mask, step_tensors, to_numpy
 from oracle.qk_parts import PartVariant, swapped
 from oracle.trace import TraceInputs
 
@@ -278,8 +278,8 @@ def layer_mask(positions: torch.Tensor, window: int | None) -> torch.Tensor:
 @torch.inference_mode()
 def run_batched(head: MtpModelHead, rotary, inputs: TraceInputs) -> dict[str, np.ndarray]:
     """Depth 1 (layer 0) over all T steps as one causal pass."""
-    embed, hidden, positions = _step_tensors(inputs)
-    return _to_numpy(head.steps(rotary, embed, hidden, positions, layer_mask(positions[0], head.window(0)),
+    embed, hidden, positions = step_tensors(inputs)
+    return to_numpy(head.steps(rotary, embed, hidden, positions, layer_mask(positions[0], head.window(0)),
                                 head.pass_cache()))
 
 
@@ -287,7 +287,7 @@ def run_batched(head: MtpModelHead, rotary, inputs: TraceInputs) -> dict[str, np
 def run_stepwise(head: MtpModelHead, rotary, inputs: TraceInputs,
                  on_step: Callable[[int], None] | None = None) -> dict[str, np.ndarray]:
     """Depth 1 one step at a time through layer 0's own cache (a sliding window: the official window cache)."""
-    embed, hidden, positions = _step_tensors(inputs)
+    embed, hidden, positions = step_tensors(inputs)
     cache = head.new_cache(windowed=True)
     steps = []
     for t in range(inputs.num_tokens):
@@ -296,7 +296,7 @@ def run_stepwise(head: MtpModelHead, rotary, inputs: TraceInputs,
         steps.append(head.steps(rotary, embed[:, sl], hidden[:, sl], positions[:, sl], mask, cache))
         if on_step:
             on_step(t)
-    return _to_numpy({name: torch.cat([s[name] for s in steps], dim=1) for name in steps[0]})
+    return to_numpy({name: torch.cat([s[name] for s in steps], dim=1) for name in steps[0]})
 
 
 def _stepwise_mask(cache: DynamicCache, seen: torch.Tensor, window: int | None) -> torch.Tensor | None:
@@ -311,7 +311,7 @@ def _stepwise_mask(cache: DynamicCache, seen: torch.Tensor, window: int | None) 
 
 @torch.inference_mode()
 def attention_with_uniform_weights(head: MtpModelHead, rotary, inputs: TraceInputs, ah: np.ndarray) -> np.ndarray:
-    embed, _, positions = _step_tensors(inputs)
+    embed, _, positions = step_tensors(inputs)
     attn = head.uniform_attention(rotary, torch.from_numpy(ah)[None], positions,
                                   layer_mask(positions[0], head.window(0)), None)
     return attn[0].numpy()
@@ -320,7 +320,7 @@ def attention_with_uniform_weights(head: MtpModelHead, rotary, inputs: TraceInpu
 @torch.inference_mode()
 def official_layer_stepwise(head: MtpModelHead, rotary, inputs: TraceInputs, fc: np.ndarray) -> np.ndarray:
     """res2 [T, D] as layer 0's official decoder layer computes it from the `fc` rows, one step at a time."""
-    embed, _, positions = _step_tensors(inputs)
+    embed, _, positions = step_tensors(inputs)
     x = torch.from_numpy(np.ascontiguousarray(fc))[None]
     cache = head.new_cache(windowed=True)
     rows = []
@@ -359,7 +359,7 @@ def qk_part_variants(head: MtpModelHead, rotary, inputs: TraceInputs, ah: np.nda
     from oracle.qk_parts import kv_append_variants, other_norm_form, skipped
 
     attention = head.mtp.layers[0].mtp_block.self_attn
-    embed, _, positions = _step_tensors(inputs)
+    embed, _, positions = step_tensors(inputs)
     x, window = torch.from_numpy(np.ascontiguousarray(ah))[None], head.window(0)
     mask_of = mask_of or (lambda w: layer_mask(positions[0], w))  # a chain's rows: oracle/qk_parts.py
     rope, mask = head.rope(rotary, x, positions, 0), mask_of(window)

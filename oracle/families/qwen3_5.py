@@ -12,7 +12,6 @@ so `run_batched` runs all T steps as one causal pass; `run_stepwise` feeds one s
 """
 
 import sys
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,6 +32,8 @@ from oracle.errors import CheckpointError
 from oracle.families.moe_experts import RoutedExperts
 from oracle.families.qwen3_5_layout import HeadConfig
 from oracle.families.routing_evidence import topk_flip_distances
+from oracle.families.torch_parts import (Fp8Weights, RoutedFp8Experts, causal_mask, is_linear_weight, selection_margin,
+                                        step_tensors, to_numpy, upcast_linears, widen_non_linear_parameters)
 from oracle.fp8 import E4M3, dequantize
 from oracle.text import clipped
 from oracle.trace import TraceInputs
@@ -140,88 +141,16 @@ class MtpHead(nn.Module):
                                             cache=cache)[0]
 
 
-class UpcastLinear(nn.Module):
-    """A bias-free linear whose weight stays in the checkpoint's dtype (bf16: half the memory of float32) and is
-    widened to float32 exactly, a block of output rows at a time into a reused buffer, right before the matmul.
-
-    It computes F.linear(x, weight.float()) without ever holding the float32 weight; the output is bit-identical
-    to it (tests/oracle/test_head.py), because each output column reduces over the same K as before. Blocks are
-    whole multiples of UNIT rows: the BLAS then lays every column out as for the whole weight (a block of 819 rows
-    changed the low bits). UNIT rows per block below LARGE_FROM rows of x; from there, blocks of about LARGE_BLOCK
-    weights: a compute-bound matmul re-packs x on every call, so fewer, larger calls (Qwen3.5-27B-shaped head,
-    T=1024: 4.37 s against 4.59 s; at T=169 the large blocks were 8% slower). Each block's product is copied into
-    its columns (an `out=` view with the full row stride made MKL 5-10% slower at T=32 and T=169).
-    """
-
-    UNIT = 256
-    LARGE_BLOCK = 1 << 24  # elements: 64 MB of float32
-    LARGE_FROM = 512  # rows of x
-
-    def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-
-    def block_rows(self, x_rows: int) -> int:
-        """Output rows widened per matmul: a multiple of UNIT, the whole weight at most."""
-        out_features, in_features = self.weight.shape
-        units = max(1, self.LARGE_BLOCK // (self.UNIT * max(in_features, 1))) if x_rows >= self.LARGE_FROM else 1
-        return min(out_features, self.UNIT * units)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out_features, in_features = self.weight.shape
-        out = x.new_empty(*x.shape[:-1], out_features)
-        step = self.block_rows(x.numel() // max(in_features, 1))
-        block = _widening_buffer(step * in_features)[: step * in_features].view(step, in_features)
-        for start in range(0, out_features, step):
-            stop = min(start + step, out_features)
-            rows = block[: stop - start]
-            rows.copy_(self.weight[start:stop])  # exact widening: bf16 is the top half of a float32
-            # the weight follows activations of another dtype (oracle/noise.py runs the head in float64, bf16, fp16)
-            out[..., start:stop] = F.linear(x, rows if x.dtype == rows.dtype else rows.to(x.dtype))
-        return out
 
 
-_WIDENING = threading.local()
 
 
-def _widening_buffer(elements: int) -> torch.Tensor:
-    """One float32 buffer per thread, shared by every UpcastLinear and grown to the largest block asked for:
-    allocated once (a fresh one per call would pay its page faults on every matmul), not one per linear."""
-    buffer = getattr(_WIDENING, "buffer", None)
-    if buffer is None or buffer.numel() < elements:
-        with torch.inference_mode(False):  # a normal tensor: an inference one could not be written outside the mode
-            buffer = _WIDENING.buffer = torch.empty(elements, dtype=torch.float32)
-    return buffer
 
 
-def _widen_non_linear_parameters(module: nn.Module) -> None:
-    """Parameters outside an nn.Linear (e.g. a MoE router's [E, D] weight) become float32 (exact from bf16);
-    nn.Linear weights stay stored and are widened block-wise by UpcastLinear."""
-    for child in module.modules():
-        if isinstance(child, nn.Linear):
-            continue
-        for name, param in child.named_parameters(recurse=False):
-            if not param.is_meta and param.dtype != torch.float32:
-                setattr(child, name, nn.Parameter(param.float(), requires_grad=False))
 
 
-def _upcast_linears(module: nn.Module, fp8: dict[str, nn.Module] | None = None, prefix: str = "") -> None:
-    """Replace every nn.Linear under `module` (official modules included) by an UpcastLinear on its weight, or by
-    the Fp8Linear in `fp8` under its weight's name (FP8 bytes stay FP8: dequantized in row blocks in use)."""
-    for name, child in module.named_children():
-        if isinstance(child, nn.Linear):
-            setattr(module, name, (fp8 or {}).get(f"{prefix}{name}.weight") or UpcastLinear(child.weight.data))
-        else:
-            _upcast_linears(child, fp8, f"{prefix}{name}.")
 
 
-def _is_linear_weight(module: nn.Module, key: str) -> bool:
-    """`key` (a parameter name) is the weight of an nn.Linear under `module` (built on meta: nothing loaded)."""
-    path, _, leaf = key.rpartition(".")
-    try:
-        return leaf == "weight" and isinstance(module.get_submodule(path), nn.Linear)
-    except AttributeError:  # no such module: load_state_dict reports the name as unexpected
-        return False
 
 
 FP8_SCALE = "weight_scale_inv"  # X.weight_scale_inv: the block scale beside an FP8 X.weight
@@ -253,8 +182,6 @@ def dequantize_fp8(cfg: HeadConfig, weights: dict[str, torch.Tensor], lazy: froz
     a scale beside a weight that is not FP8, is refused by name (oracle/families/mtp_layer.py Fp8Weights)."""
     if cfg.weight_block_size is None and not any(t.dtype == torch.uint8 for t in weights.values()):
         return weights, None  # bf16: nothing to dequantize, nothing more imported
-    from oracle.families.mtp_layer import Fp8Weights  # here, not at the top: mtp_layer imports this module
-
     fp8 = Fp8Weights(weights, cfg.weight_block_size)
     return {n: fp8.linear(n) if n in fp8.fp8 and n not in lazy else t for n, t in weights.items()
             if not n.endswith(FP8_SCALE)}, fp8
@@ -267,8 +194,6 @@ def routed_experts(cfg: HeadConfig, layout, weights: dict[str, torch.Tensor]) ->
     dense, fp8 = dequantize_fp8(cfg, weights, frozenset(layout.tensor_names()))
     if fp8 is None or layout.kind == "fused":
         return RoutedExperts(layout, weights), dense
-    from oracle.families.mtp_layer import RoutedFp8Experts  # here: mtp_layer imports this module
-
     return RoutedFp8Experts(layout, weights, fp8), dense
 
 
@@ -286,11 +211,11 @@ def build_qwen_head(text, classes: QwenClasses, weights: dict[str, torch.Tensor]
     for the experts a forward pass routes to; every other parameter must come from `weights`."""
     with torch.device("meta"):  # no default init of full-size modules: every parameter must come from `weights`
         head = MtpHead(text, classes)
-    head.requires_grad_(False)  # FP8 bytes (uint8) load into nn.Linear weights until _upcast_linears
+    head.requires_grad_(False)  # FP8 bytes (uint8) load into nn.Linear weights until upcast_linears
     fp8 = {name.removeprefix("mtp."): t for name, t in weights.items() if isinstance(t, nn.Module)}  # Fp8Linear
     state = {name.removeprefix("mtp."): t if t.dim() >= 2 else t.float() for name, t in weights.items()
              if not isinstance(t, nn.Module)}
-    state |= {key: linear.weight if _is_linear_weight(head, key) else linear.value() for key, linear in fp8.items()}
+    state |= {key: linear.weight if is_linear_weight(head, key) else linear.value() for key, linear in fp8.items()}
     lazy = experts.parameter_names("layers.0.mlp.experts.") if experts is not None else set()
     state = {k: v for k, v in state.items() if not (experts is not None and experts.owns("mtp." + k))}
     result = head.load_state_dict(state, strict=False, assign=True)
@@ -301,37 +226,26 @@ def build_qwen_head(text, classes: QwenClasses, weights: dict[str, torch.Tensor]
     left_on_meta = [n for n, t in [*head.named_parameters(), *head.named_buffers()] if t.is_meta and n not in lazy]
     if left_on_meta:
         raise RuntimeError(f"parameters never loaded: {left_on_meta}")  # a bug: strict loading should prevent it
-    _widen_non_linear_parameters(head)
-    _upcast_linears(head, {key: linear for key, linear in fp8.items() if _is_linear_weight(head, key)})
+    widen_non_linear_parameters(head)
+    upcast_linears(head, {key: linear for key, linear in fp8.items() if is_linear_weight(head, key)})
     if experts is not None:
         experts.attach(head.layers[0].mlp.experts)
     rotary = classes.rotary(text)  # built for real: its inv_freq buffer is computed, not loaded
     return head.eval(), rotary
 
 
-def causal_mask(num_steps: int) -> torch.Tensor:
-    """Additive mask (1, 1, T, T): step i attends to steps 0..i of the head's own KV."""
-    blocked = torch.triu(torch.ones(num_steps, num_steps, dtype=torch.bool), diagonal=1)
-    return torch.zeros(num_steps, num_steps).masked_fill(blocked, torch.finfo(torch.float32).min)[None, None]
 
 
-def _step_tensors(inputs: TraceInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    embed = torch.from_numpy(inputs.embed)[None]  # (T, D) -> (1, T, D)
-    hidden = torch.from_numpy(inputs.hidden)[None]  # (T, D) -> (1, T, D)
-    positions = torch.from_numpy(inputs.positions)[None]  # (T,) -> (1, T)
-    return embed, hidden, positions
 
 
-def _to_numpy(stages: Stages) -> dict[str, np.ndarray]:
-    return {name: rows[0].numpy() for name, rows in stages.items()}  # (1, T, w) -> (T, w)
 
 
 @torch.inference_mode()
 def run_batched(head: MtpHead, rotary: Qwen3_5TextRotaryEmbedding, inputs: TraceInputs) -> dict[str, np.ndarray]:
     """All T steps as one causal pass (teacher forcing: every step's inputs are known up front)."""
-    embed, hidden, positions = _step_tensors(inputs)
+    embed, hidden, positions = step_tensors(inputs)
     rope = rotary(embed, positions)
-    return _to_numpy(head(embed, hidden, rope, causal_mask(inputs.num_tokens)))
+    return to_numpy(head(embed, hidden, rope, causal_mask(inputs.num_tokens)))
 
 
 @torch.inference_mode()
@@ -339,7 +253,7 @@ def attention_with_uniform_weights(head: MtpHead, rotary: Qwen3_5TextRotaryEmbed
                                    ah: np.ndarray) -> np.ndarray:
     """`attn` [T, D] recomputed from the trace's own `ah` rows with uniform weights over the visible keys (the
     official attention module, only softmax(q·k) replaced: oracle/attention_evidence.py)."""
-    embed, _, positions = _step_tensors(inputs)
+    embed, _, positions = step_tensors(inputs)
     rope = rotary(embed, positions)
     with uniform_weights(head.text_config):
         attn = head.layers[0].self_attn(torch.from_numpy(ah)[None], position_embeddings=rope,
@@ -361,7 +275,7 @@ def qk_part_variants(head: MtpHead, rotary, inputs: TraceInputs, ah: np.ndarray,
     `mask_of(window)`: the additive mask of these rows for a window (None: none), when they are not the trace's own
     causal steps (a chain's rows stacked on the bridge's, oracle/qk_parts.py chain_part_records)."""
     attention = head.layers[0].self_attn
-    embed, _, positions = _step_tensors(inputs)
+    embed, _, positions = step_tensors(inputs)
     mask = causal_mask(inputs.num_tokens) if mask_of is None else mask_of(None)
     rope, x = rotary(embed, positions), torch.from_numpy(np.ascontiguousarray(ah))[None]
     config = head.text_config
@@ -394,7 +308,7 @@ def qk_part_variants(head: MtpHead, rotary, inputs: TraceInputs, ah: np.ndarray,
 def run_stepwise(head: MtpHead, rotary: Qwen3_5TextRotaryEmbedding, inputs: TraceInputs,
                  on_step: Callable[[int], None] | None = None) -> dict[str, np.ndarray]:
     """One step at a time through the head's own KV cache, as an engine runs it."""
-    embed, hidden, positions = _step_tensors(inputs)
+    embed, hidden, positions = step_tensors(inputs)
     cache = DynamicCache(config=head.text_config)  # the head's own cache, never a main model's
     steps = []
     for t in range(inputs.num_tokens):
@@ -403,7 +317,7 @@ def run_stepwise(head: MtpHead, rotary: Qwen3_5TextRotaryEmbedding, inputs: Trac
         steps.append(head(embed[:, sl], hidden[:, sl], rope, mask=None, cache=cache))  # one query: sees all keys
         if on_step:
             on_step(t)
-    return _to_numpy({name: torch.cat([s[name] for s in steps], dim=1) for name in steps[0]})
+    return to_numpy({name: torch.cat([s[name] for s in steps], dim=1) for name in steps[0]})
 
 
 def load_main_model(checkpoint: Checkpoint, classes: QwenClasses = CLASSES) -> Qwen3_5TextModel:
@@ -460,14 +374,6 @@ def main_model_hidden(model: Qwen3_5TextModel, sequence: np.ndarray) -> np.ndarr
     return model(input_ids=ids, use_cache=False).last_hidden_state[0].float().numpy()
 
 
-def selection_margin(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Per token, how far the k-th selected expert's score lies above the best unselected one ((N, 1); inf when
-    every expert is selected). Softmax is monotone, so for a softmax top-k router this is in router-logit units;
-    the probe calls a topk_ids flip a near-tie where it is within the router_logits tolerance."""
-    if k >= scores.shape[-1]:
-        return torch.full((scores.shape[0], 1), float("inf"))
-    top = torch.topk(scores.float(), k + 1, dim=-1).values
-    return (top[:, k - 1] - top[:, k])[:, None]
 
 
 class moe_capture:
@@ -513,7 +419,7 @@ class moe_capture:
 def official_layer_stepwise(head: MtpHead, rotary, inputs: TraceInputs, fc: np.ndarray) -> np.ndarray:
     """res2 [T, D] as the official decoder layer's own forward computes it from the `fc` rows, one step at a time
     through a DynamicCache (the family contract test holds the head's transcribed tail equal to it)."""
-    embed, _, positions = _step_tensors(inputs)
+    embed, _, positions = step_tensors(inputs)
     x = torch.from_numpy(np.ascontiguousarray(fc))[None]
     cache = DynamicCache(config=head.text_config)
     rows = []

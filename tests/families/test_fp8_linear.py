@@ -16,7 +16,7 @@ from torch import nn
 
 from oracle.checkpoint import Checkpoint
 from oracle.errors import CheckpointError
-from oracle.families.mtp_layer import Fp8Linear
+from oracle.families.torch_parts import Fp8Linear
 from oracle.families.registry import head_module
 from oracle.fp8 import dequantize
 from oracle.trace import TraceInputs

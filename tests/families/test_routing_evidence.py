@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import torch
 
 from oracle.families.mtp_layer import routing_evidence
-from oracle.families.qwen3_5 import selection_margin
+from oracle.families.torch_parts import selection_margin
 from oracle.families.routing_evidence import grouped_flip_distances, topk_flip_distances
 
 

@@ -9,7 +9,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
 
 from oracle.checkpoint import Checkpoint
 from oracle.errors import CheckpointError
-from oracle.families import qwen3_5
+from oracle.families import qwen3_5, torch_parts
 from oracle.inputs import hidden_from_seed
 from oracle.stages import STAGE_BY_NAME, STAGE_NAMES
 from oracle.trace import TraceInputs
@@ -236,18 +236,18 @@ def test_upcast_linear_equals_a_float32_linear_bit_for_bit(rows, out_features, i
     weight = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
     x = torch.randn(2, rows, in_features, generator=gen)
     expected = torch.nn.functional.linear(x, weight.float())
-    assert torch.equal(qwen3_5.UpcastLinear(weight)(x), expected)
+    assert torch.equal(torch_parts.UpcastLinear(weight)(x), expected)
 
 
 @pytest.mark.parametrize("x_rows", [3, 70])  # below and above LARGE_FROM: one unit, or the large block budget
 def test_upcast_linear_blocks_of_several_units_write_their_own_columns_bit_for_bit(monkeypatch, x_rows):
     # Tiny sizes: blocks of 1 and 3 UNITs of 8 rows and a short last block, as a real head's 256-row units
-    monkeypatch.setattr(qwen3_5.UpcastLinear, "UNIT", 8)
-    monkeypatch.setattr(qwen3_5.UpcastLinear, "LARGE_BLOCK", 24 * 40)
-    monkeypatch.setattr(qwen3_5.UpcastLinear, "LARGE_FROM", 64)
+    monkeypatch.setattr(torch_parts.UpcastLinear, "UNIT", 8)
+    monkeypatch.setattr(torch_parts.UpcastLinear, "LARGE_BLOCK", 24 * 40)
+    monkeypatch.setattr(torch_parts.UpcastLinear, "LARGE_FROM", 64)
     gen = torch.Generator().manual_seed(1)
     weight = torch.randn(61, 40, generator=gen).to(torch.bfloat16)
-    linear = qwen3_5.UpcastLinear(weight)
+    linear = torch_parts.UpcastLinear(weight)
     assert linear.block_rows(x_rows) == (8 if x_rows < linear.LARGE_FROM else 24)
     x = torch.randn(1, x_rows, 40, generator=gen)
     assert torch.equal(linear(x), torch.nn.functional.linear(x, weight.float()))
@@ -256,15 +256,15 @@ def test_upcast_linear_blocks_of_several_units_write_their_own_columns_bit_for_b
 
 def test_upcast_linear_block_comparison_sees_a_change_in_the_last_block(monkeypatch):
     # the twin: the comparison above reaches every block (a weight changed in the short last one is seen)
-    monkeypatch.setattr(qwen3_5.UpcastLinear, "UNIT", 8)
-    monkeypatch.setattr(qwen3_5.UpcastLinear, "LARGE_BLOCK", 24 * 40)
-    monkeypatch.setattr(qwen3_5.UpcastLinear, "LARGE_FROM", 2)
+    monkeypatch.setattr(torch_parts.UpcastLinear, "UNIT", 8)
+    monkeypatch.setattr(torch_parts.UpcastLinear, "LARGE_BLOCK", 24 * 40)
+    monkeypatch.setattr(torch_parts.UpcastLinear, "LARGE_FROM", 2)
     gen = torch.Generator().manual_seed(1)
     weight = torch.randn(61, 40, generator=gen).to(torch.bfloat16)
     x = torch.randn(1, 3, 40, generator=gen)
     changed = weight.clone()
     changed[60, 0] += 1
-    assert not torch.equal(qwen3_5.UpcastLinear(changed)(x), torch.nn.functional.linear(x, weight.float()))
+    assert not torch.equal(torch_parts.UpcastLinear(changed)(x), torch.nn.functional.linear(x, weight.float()))
 
 
 def test_float32_and_bf16_stored_weights_give_the_same_trace():

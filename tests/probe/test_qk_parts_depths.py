@@ -82,7 +82,7 @@ def test_the_stacked_pass_without_a_variant_gives_the_loops_own_attn_rows(normal
                          attention_mask=mask)[0][0].numpy()
     np.testing.assert_allclose(rows, np.concatenate(attn), rtol=1e-5, atol=1e-6)
     # twin: the bridge's plain causal mask over the same rows (chains seeing each other) gives other rows
-    from oracle.families.qwen3_5 import causal_mask
+    from oracle.families.torch_parts import causal_mask
 
     with torch.inference_mode():
         wrong = attention(torch.from_numpy(np.concatenate(ah))[None], position_embeddings=rope,
