@@ -293,6 +293,24 @@ def kill_process_group(proc, grace: float = 0.0) -> None:
         pass
 
 
+def run_ended_with_us(cmd: list[str], grace: float, env: dict | None = None):
+    """subprocess.run(cmd), text output captured, in its own process group that the program's interrupt handler
+    ends with it (SIGTERM, `grace` seconds, then SIGKILL: kill_process_group), as does any exception here; a plain
+    subprocess.run left the child running after a Ctrl-C or SIGTERM ended the program at once."""
+    import subprocess
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                            start_new_session=True, env=env)
+    proc.leads_its_group, proc.stop_grace = True, grace
+    try:
+        stdout, stderr = killed_on_interrupt(proc).communicate()
+    except BaseException:
+        kill_process_group(proc, grace)
+        proc.wait()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 @contextmanager
 def removed_on_interrupt(path: Path) -> Iterator[Path]:
     """While the block runs, `path` (a temporary file or directory) is removed by `remove_pending`, which the

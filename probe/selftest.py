@@ -29,7 +29,7 @@ import numpy as np
 
 from oracle.checkpoint import Checkpoint
 from oracle.families.spec import MAIN_LM_HEAD
-from oracle.output import removed_on_interrupt
+from oracle.output import removed_on_interrupt, run_ended_with_us
 from oracle.progress import tracked
 from oracle.stages import LEGACY_FAMILY
 from oracle.trace import ChainDepthReader, TraceInputs, chain_info, read_trace, write_trace
@@ -293,30 +293,12 @@ def chained_reference(reference: Path, checkpoint: Path, out: Path) -> Path:
     cmd = [sys.executable, "-m", "oracle", "export", str(checkpoint), "--out", str(out), "--tokens-file",
            str(out.with_name("tokens.npy")), "--hidden", str(out.with_name("hidden.npy")), "--start-pos",
            str(int(positions[0])), "--chain", str(depths), "-q"]
-    proc = _export_child(cmd)
+    proc = run_ended_with_us(cmd, 2.0)  # an interrupted selftest ends its export with it
     if proc.returncode != 0:
         said = (proc.stderr.strip().splitlines() or ["(no message)"])[-1]
         raise ProbeError(f"selftest: exporting the chained reference failed (exit {proc.returncode}): {said}. Run "
                          f"mtp-oracle export {checkpoint} --chain {depths} ... by hand to see why.")
     return out
-
-
-def _export_child(cmd: list[str]) -> subprocess.CompletedProcess:
-    """Run the export in its own process group, ended with selftest on an interrupt (SIGTERM first, so it removes
-    its unfinished trace): a Ctrl-C or SIGTERM to selftest ends the program at once (oracle/errors.py), and a plain
-    subprocess.run left the export running after it."""
-    from oracle.output import kill_process_group, killed_on_interrupt
-
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-                            start_new_session=True)
-    proc.leads_its_group, proc.stop_grace = True, 2.0  # oracle/output.py kill_process_group
-    try:
-        stdout, stderr = killed_on_interrupt(proc).communicate()
-    except BaseException:
-        kill_process_group(proc, proc.stop_grace)
-        proc.wait()
-        raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def draft_tables(checkpoint: Path) -> tuple[np.ndarray, np.ndarray]:

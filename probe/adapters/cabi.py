@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from oracle.checkpoint import Checkpoint
-from oracle.output import kill_process_group, killed_on_interrupt, removed_on_interrupt
+from oracle.output import kill_process_group, removed_on_interrupt, run_ended_with_us
 from oracle.progress import Progress
 from oracle.text import printable
 from oracle.trace import TraceInputs, inputs_digest
@@ -86,16 +86,7 @@ def _compile(cmd: list[str]) -> subprocess.CompletedProcess:
     it: killing the driver alone left ld to write the .so), with a TMPDIR of its own that an interrupt removes after
     it (gcc's ccXXXX.s files had stayed in the user's TMPDIR)."""
     with tempfile.TemporaryDirectory(prefix="mtp-cc-") as scratch, removed_on_interrupt(Path(scratch)):
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                text=True, start_new_session=True, env={**os.environ, "TMPDIR": scratch})
-        proc.leads_its_group, proc.stop_grace = True, 2.0  # oracle/output.py kill_process_group
-        try:
-            stdout, stderr = killed_on_interrupt(proc).communicate()
-        except BaseException:
-            kill_process_group(proc, proc.stop_grace)
-            proc.wait()
-            raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+        return run_ended_with_us(cmd, 2.0, env={**os.environ, "TMPDIR": scratch})
 
 
 class CAbiAdapter:
