@@ -161,12 +161,12 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     in_loop = projection is not None and chain is not None and chain.tokens == "argmax"
     if in_loop:
         stages["draft"], evidence["draft_margin"] = _drafted(projection, stages["out"])
-    chains = {}
+    chains, depth_parts = {}, {}
     if chain is not None:
         log(f"running depths 2..{chain.depths} of the chains ({TOKEN_MODES[chain.tokens]} tokens, recycling "
             f"{recycle})")
-        chains = _chain_records(ckpt, head, rotary, inputs, bridge, stages, chain, recycle,
-                                projection if in_loop else None, qk_parts)
+        chains, depth_parts = _chain_records(ckpt, head, rotary, inputs, bridge, stages, chain, recycle,
+                                             projection if in_loop else None, qk_parts)
         check_finite_reference(ckpt, inputs, {f"d{j}/{n}": v for j, r in chains.items() for n, v in r.stages.items()},
                                [f"d{j}/{n}" for j in chains for n in stage_list.names],
                                {f"d{j}/{n}": v for j, r in chains.items() for n, v in r.evidence.items()})
@@ -197,7 +197,8 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
 
     attrs = {
         "family": family.name,
-        "evidence_rules": family.evidence_rules(cfg, inputs.positions) | ({"qk_parts": qk_parts} if qk_parts else {}),
+        "evidence_rules": family.evidence_rules(cfg, inputs.positions) | ({"qk_parts": qk_parts} if qk_parts else {})
+        | ({"qk_parts_at_depth": {str(j): names for j, names in depth_parts.items()}} if depth_parts else {}),
         "producer": reads.producer.result(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "h5py": h5py.__version__, "numpy": np.__version__},
@@ -345,9 +346,10 @@ def _draft_every_depth(projection, stages: dict, evidence: dict, chains: dict) -
 
 
 def _chain_records(ckpt: Checkpoint, head, rotary, inputs: TraceInputs, bridge, stages: dict, chain: ChainOptions,
-                   recycle: str, projection, qk_parts: dict[str, list[str]] | None = None) -> dict:
+                   recycle: str, projection, qk_parts: dict[str, list[str]] | None = None) -> tuple[dict, dict]:
     """Depths 2..K through the draft loop, as the trace records them (oracle/trace.py ChainDepthRecord); with
-    `projection` (argmax chain tokens) each depth's draft too, which the next depth is fed."""
+    `projection` (argmax chain tokens) each depth's draft too, which the next depth is fed. Also {depth: {part:
+    [variant names]}} where a depth's q/k parts are its own layer's (N-layer heads, _chain_qk_parts)."""
     from oracle.draft_loop import ARGMAX, TEACHER, ChainSpec, chain_rows, embedding_rows, run_chains
 
     num_steps, family = inputs.num_tokens, ckpt.family
@@ -371,25 +373,37 @@ def _chain_records(ckpt: Checkpoint, head, rotary, inputs: TraceInputs, bridge, 
                         "embed": depth.embed}
             records[depth.depth] = ChainDepthRecord(inputs_j, rows, evidence)
             bar.update()
-    _chain_qk_parts(ckpt, head, rotary, inputs, stages, records, qk_parts)
-    return records
+    depth_parts = _chain_qk_parts(ckpt, head, rotary, inputs, stages, records, qk_parts, chain.tokens)
+    return records, depth_parts
 
 
 def _chain_qk_parts(ckpt: Checkpoint, head, rotary, inputs: TraceInputs, stages: dict, records: dict,
-                    qk_parts: dict[str, list[str]]) -> None:
-    """Each depth's own q/k-part records (/chain/d{j}/evidence/qk_<part>, oracle/qk_parts.py chain_part_records)
-    for a one-layer head whose depth 1 is measured (`qk_parts`: depth 1's variants). An N-layer head's depths run
-    other layers, whose variants are not measured: the probe says so at those depths, never "evidenced"."""
-    from oracle.qk_parts import DepthRows, chain_part_records
+                    qk_parts: dict[str, list[str]], tokens: str = "teacher") -> dict[int, dict[str, list[str]]]:
+    """Each depth's own q/k-part records (/chain/d{j}/evidence/qk_<part>, oracle/qk_parts.py) where depth 1 is
+    measured (`qk_parts`: depth 1's variants). One-layer heads: chain_part_records (the bridge keys a chain reads
+    included), with depth 1's variant names. N-layer heads: each depth on its own layer (layer_part_records), with
+    that layer's variant names, returned {depth: {part: [names]}} for evidence_rules.qk_parts_at_depth. An N-layer
+    head's argmax chains (each chain's own rows over its layer's teacher-forced cache, rows the trace does not
+    record) are not measured: the probe says so at those depths, never "evidenced"."""
+    from oracle.qk_parts import DepthRows, chain_part_records, layer_part_records
 
-    if not records or not qk_parts or getattr(head, "num_layers", 1) > 1:
-        return
+    if not records or not qk_parts:
+        return {}
     rows = {j: DepthRows(r.inputs["token_ids"], r.inputs["positions"], r.inputs["recycled"], r.inputs["embed"],
                          r.stages["ah"], r.stages["attn"]) for j, r in records.items()}
+    if getattr(head, "num_layers", 1) > 1:
+        if tokens != "teacher":
+            return {}
+        layers = {j: int(r.inputs["layer"][0]) for j, r in records.items() if len(r.inputs["layer"])}
+        measured = layer_part_records(head_module(ckpt.family), head, rotary, {j: rows[j] for j in layers}, layers)
+        for j, (found, _) in measured.items():
+            records[j].evidence.update(found)
+        return {j: names for j, (found, names) in measured.items() if names}
     measured = chain_part_records(head_module(ckpt.family), head, rotary, inputs, stages["ah"], stages["attn"], rows,
                                   qk_parts)
     for j, found in measured.items():
         records[j].evidence.update(found)
+    return {}
 
 
 class _Prefetch:

@@ -337,3 +337,28 @@ def stacked_mask(bridge_rows: int, counts: tuple[int, ...], first: int = 0) -> t
     low = torch.finfo(torch.float32).min
     padded = [torch.nn.functional.pad(b, (0, total - b.shape[-1]), value=low) for b in blocks]
     return torch.cat(padded, dim=-2)
+
+
+def layer_part_records(impl, head, rotary, depths: dict[int, DepthRows],
+                       layers: dict[int, int]) -> dict[int, tuple[dict[str, np.ndarray], dict[str, list[str]]]]:
+    """{depth j: ({/chain/d{j}/evidence dataset: [n_j, V]}, {part: [variant names]})} for an N-layer head
+    (transformers' MtpModel) whose chains were teacher-forced: each depth's q/k-path parts measured on the layer
+    that depth ran (`layers[j]`: j-1, or (j-1) % N under --chain-layers modulo) with that layer's own parts.
+
+    Teacher-forced, depth j of such a head is one causal pass of its layer over its n_j rows, at positions p_i + j
+    - 1, through a cache of its own that starts empty (oracle/draft_loop.py _layer_pass): no bridge or other
+    depth's keys. So the depth's rows are measured as depth 1's are on the bridge (the family's qk_part_variants
+    with its default causal, windowed mask), on the depth's own `ah`, against its own `attn`. The variant names
+    are the layer's own (a sliding layer has a window part, a partial-rotary one RoPE all_dims), recorded per depth
+    in evidence_rules.qk_parts_at_depth: the probe reads a depth's columns by them, never by depth 1's."""
+    from oracle.trace import TraceInputs
+
+    out = {}
+    for j, rows in sorted(depths.items()):
+        layer = layers[j]
+        inputs = TraceInputs(token_ids=np.asarray(rows.token_ids, dtype=np.int64),
+                             positions=np.asarray(rows.positions, dtype=np.int64), hidden=rows.recycled,
+                             embed=rows.embed)
+        variants = impl.qk_part_variants(head, rotary, inputs, np.asarray(rows.ah, dtype=np.float32), layer=layer)
+        out[j] = measure(variants, rows.attn, impl.qk_output_projection(head, layer=layer))
+    return out

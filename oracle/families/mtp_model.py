@@ -342,27 +342,29 @@ def main_model_hidden(model, sequence: np.ndarray) -> np.ndarray:
     raise CheckpointError("--main-model is not supported for this family yet.")
 
 
-def qk_output_projection(head: MtpModelHead) -> nn.Module:
-    """Layer 0's attention's last linear, whose output it returns as is (oracle/qk_parts.py `measure`)."""
-    return head.mtp.layers[0].mtp_block.self_attn.o_proj
+def qk_output_projection(head: MtpModelHead, layer: int = 0) -> nn.Module:
+    """`layer`'s attention's last linear, whose output it returns as is (oracle/qk_parts.py `measure`)."""
+    return head.mtp.layers[layer].mtp_block.self_attn.o_proj
 
 
 @torch.inference_mode()
 def qk_part_variants(head: MtpModelHead, rotary, inputs: TraceInputs, ah: np.ndarray,
-                     mask_of=None) -> list[PartVariant]:
-    """The wrong variants of each q/k-path part layer 0's official attention has (depth 1; oracle/qk_parts.py),
-    one pass each on the trace's own `ah` rows (through a fresh cache where the layer keeps conv states, as the
-    real pass): RoPE where the model has a rotary (cos = 1 and sin = 0; NeoX over all head dims where the rotary
-    slice is partial; interleaved pairs), q_norm and k_norm where the module has them (skipped, or the other of
-    w / 1 + w), the KV append, and the sliding window where layer 0 has one (W - 1, W + 1, none). A part the
-    head lacks (Inkling's rotary) is not listed, so it is never claimed."""
+                     mask_of=None, layer: int = 0) -> list[PartVariant]:
+    """The wrong variants of each q/k-path part MTP layer `layer`'s official attention has (layer 0: depth 1; layer
+    l: the chain depth that ran it, oracle/qk_parts.py layer_part_records), one pass each on that depth's own `ah`
+    rows at its positions (through a fresh cache where the layer keeps conv states, as the real pass): RoPE where
+    the model has a rotary (cos = 1 and sin = 0; NeoX over all head dims where the layer's rotary slice is partial;
+    interleaved pairs), q_norm and k_norm where the module has them (skipped, or the other of w / 1 + w), the KV
+    append, and the sliding window where the layer has one (W - 1, W + 1, none). Each layer's own rope type,
+    partial factor and window (per-layer in Step-3.7), so two layers may list different parts. A part the layer
+    lacks (Inkling's rotary, a full-attention layer's window) is not listed, so it is never claimed."""
     from oracle.qk_parts import kv_append_variants, other_norm_form, skipped
 
-    attention = head.mtp.layers[0].mtp_block.self_attn
+    attention = head.mtp.layers[layer].mtp_block.self_attn
     embed, _, positions = step_tensors(inputs)
-    x, window = torch.from_numpy(np.ascontiguousarray(ah))[None], head.window(0)
+    x, window = torch.from_numpy(np.ascontiguousarray(ah))[None], head.window(layer)
     mask_of = mask_of or (lambda w: layer_mask(positions[0], w))  # a chain's rows: oracle/qk_parts.py
-    rope, mask = head.rope(rotary, x, positions, 0), mask_of(window)
+    rope, mask = head.rope(rotary, x, positions, layer), mask_of(window)
 
     def run(position_embeddings=rope, attention_mask=mask):
         return lambda: attention(hidden_states=x, position_embeddings=position_embeddings,
@@ -374,7 +376,7 @@ def qk_part_variants(head: MtpModelHead, rotary, inputs: TraceInputs, ah: np.nda
                 return run()()
         return go
 
-    variants = _rope_variants(head, attention, rope, positions, run, under) if rope is not None else []
+    variants = _rope_variants(head, attention, rope, positions, run, under, layer) if rope is not None else []
     for part in ("q_norm", "k_norm"):
         norm = getattr(attention, part, None)
         if norm is not None:
@@ -391,13 +393,13 @@ def qk_part_variants(head: MtpModelHead, rotary, inputs: TraceInputs, ah: np.nda
     return variants
 
 
-def _rope_variants(head: MtpModelHead, attention, rope, positions, run, under) -> list[PartVariant]:
+def _rope_variants(head: MtpModelHead, attention, rope, positions, run, under, layer: int) -> list[PartVariant]:
     from oracle.qk_parts import interleaved_pairs, neox_cos_sin, rotary_off
 
     cos, _ = rope
     variants = [PartVariant("rope", "absent", run(rotary_off(*rope)))]
     if cos.shape[-1] < attention.head_dim:
-        full = neox_cos_sin(positions, _rope_theta(head), attention.head_dim)
+        full = neox_cos_sin(positions, _rope_theta(head, layer), attention.head_dim)
         variants.append(PartVariant("rope", "all_dims", run(full)))
     module = importlib.import_module(type(attention).__module__)
     variants.append(PartVariant("rope", "interleaved", under(swapped, module, "apply_rotary_pos_emb",
@@ -405,10 +407,10 @@ def _rope_variants(head: MtpModelHead, attention, rope, positions, run, under) -
     return variants
 
 
-def _rope_theta(head: MtpModelHead) -> float:
+def _rope_theta(head: MtpModelHead, layer: int) -> float:
     params = head.text_config.rope_parameters
     if head.mtp.has_per_layer_rope:
-        params = params[head.text_config.layer_types[0]]
+        params = params[head.text_config.layer_types[layer]]
     return params["rope_theta"]
 
 

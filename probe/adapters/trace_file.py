@@ -239,13 +239,20 @@ class Hdf5DepthTrace(Hdf5Trace):
 
     def _depth_rules(self, rules):
         """The root's evidence_rules as they hold at this depth: the q/k-path parts (qk_parts) are measured where a
-        /chain/d{j}/evidence/qk_<part> dataset is recorded (the oracle measures each depth of a one-layer head on its
-        own rows, oracle/qk_parts.py chain_part_records); a part this depth lacks is "not measured" here (never
-        claimed, never depth 1's), not a contradiction of the rules."""
-        if not isinstance(rules, dict) or not isinstance(rules.get("qk_parts"), dict):
+        /chain/d{j}/evidence/qk_<part> dataset is recorded (the oracle measures each depth on its own rows,
+        oracle/qk_parts.py); their columns are the depth's own variant names where the rules give them
+        (qk_parts_at_depth: an N-layer head's depth runs another layer, whose parts may differ), else depth 1's. A
+        part this depth lacks is "not measured" here (never claimed, never depth 1's), not a contradiction."""
+        if not isinstance(rules, dict):
             return rules
-        kept = {part: names for part, names in rules["qk_parts"].items() if self._reader.has_evidence(f"qk_{part}")}
-        return {k: v for k, v in rules.items() if k != "qk_parts"} | ({"qk_parts": kept} if kept else {})
+        at_depth = rules.get("qk_parts_at_depth")
+        own = at_depth.get(str(self.depth_index)) if isinstance(at_depth, dict) else None
+        declared = own if isinstance(own, dict) else rules.get("qk_parts")
+        rules = {k: v for k, v in rules.items() if k not in ("qk_parts", "qk_parts_at_depth")}
+        if not isinstance(declared, dict):  # absent; or malformed, which the diff refuses as at depth 1
+            return rules | ({"qk_parts": declared} if declared is not None else {})
+        kept = {part: names for part, names in declared.items() if self._reader.has_evidence(f"qk_{part}")}
+        return rules | ({"qk_parts": kept} if kept else {})
 
     def close(self) -> None:
         pass  # the file is the parent's
