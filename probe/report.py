@@ -415,8 +415,9 @@ def _part_lines(report: DiffReport) -> list[str]:
 def depth_not_measured(depth: int) -> str:
     """Why a chain depth states no q/k-path part: its own records are absent (never borrowed from depth 1)."""
     return (f"q/k path parts (RoPE, q_norm, k_norm, KV append, window, sink) not measured at depth {depth}: the "
-            f"reference records no /chain/d{depth}/evidence/qk_<part> (a depth of an N-layer head, which runs another "
-            f"layer, or a reference exported before per-depth records), so none of them is claimed evidenced there")
+            f"reference records no /chain/d{depth}/evidence/qk_<part> (argmax chains of an N-layer head, whose rows "
+            f"over the layer's cache the trace does not hold, or a reference exported before per-depth records), so "
+            f"none of them is claimed evidenced there")
 
 
 def depth_qk_lines(report: DiffReport) -> list[str]:

@@ -355,7 +355,8 @@ def qk_part_variants(head: MtpModelHead, rotary, inputs: TraceInputs, ah: np.nda
     rows at its positions (through a fresh cache where the layer keeps conv states, as the real pass): RoPE where
     the model has a rotary (cos = 1 and sin = 0; NeoX over all head dims where the layer's rotary slice is partial;
     interleaved pairs), q_norm and k_norm where the module has them (skipped, or the other of w / 1 + w), the KV
-    append, and the sliding window where the layer has one (W - 1, W + 1, none). Each layer's own rope type,
+    append, the sliding window where the layer has one (W - 1, W + 1, none) and the attention sink where it has
+    sinks (absent: sink logits -inf). Each layer's own rope type,
     partial factor and window (per-layer in Step-3.7), so two layers may list different parts. A part the layer
     lacks (Inkling's rotary, a full-attention layer's window) is not listed, so it is never claimed."""
     from oracle.qk_parts import kv_append_variants, other_norm_form, skipped
@@ -390,6 +391,10 @@ def qk_part_variants(head: MtpModelHead, rotary, inputs: TraceInputs, ah: np.nda
         windows = {"one_less": window - 1, "one_more": window + 1, "none": None}
         variants += [PartVariant("window", name, run(attention_mask=mask_of(w)))
                      for name, w in windows.items() if w is None or (1 <= w < n + window)]
+    sinks = getattr(attention, "sinks", None)  # per-head sink logits (MiMo's sliding layers): the softmax's extra key
+    if isinstance(sinks, torch.Tensor):
+        no_sink = nn.Parameter(torch.full_like(sinks, -torch.inf), requires_grad=False)
+        variants.append(PartVariant("sink", "absent", under(swapped, attention, "sinks", no_sink)))
     return variants
 
 

@@ -91,7 +91,7 @@ QK_PARTS = {  # the q/k-path parts each family's head has (oracle/families/*.py 
     "deepseek_v4": {"rope", "q_norm", "k_norm", "kv_append", "window", "sink"},
     "step3p7": {"rope", "q_norm", "k_norm", "kv_append"},  # its fixture's layer 0 is full attention
     "inkling": {"q_norm", "k_norm", "kv_append"},  # no rotary (relative position logits): rope is never claimed
-    "mimo_v2_flash": {"rope", "kv_append", "window"},  # every MTP layer is sliding-window attention, no q/k norms
+    "mimo_v2_flash": {"rope", "kv_append", "window", "sink"},  # every MTP layer: sliding window with sinks, no q/k norms
 }
 
 
