@@ -180,9 +180,8 @@ def head_draft_terms(ckpt, draft_lm_head: str, context: int, kv_bytes: int = 2,
         expert_params = sum(math.prod(ckpt.entry(n).shape) for n in names) // count
     lm = ckpt.entry(draft_lm_head)
     lm_bytes = nbytes(draft_lm_head)
-    raw = text_config(ckpt.raw_config)
     return draft_terms(head_bytes, expert_bytes, top_k, lm_bytes, math.prod(lm.shape), _embedding_row(ckpt, lm_bytes),
-                       kv_bytes * kv_values_per_token(raw), context, head_params, expert_params,
+                       kv_bytes * head_kv_values_per_token(ckpt), context, head_params, expert_params,
                        head_window(ckpt, layer))
 
 
@@ -202,7 +201,13 @@ def _embedding_row(ckpt, lm_bytes: float) -> float:
 
 
 def head_window(ckpt, layer: int) -> int | None:
-    """MTP layer `layer`'s sliding window (its own KV cache holds that many tokens), or None: every token."""
+    """MTP layer `layer`'s sliding window (its own KV cache holds that many tokens), or None: every token. An
+    MtpModel head whose config gives every layer one window (MiMo: SWA attention in every MTP layer) has it at
+    every layer; Step-3.7's layers are sliding or full per `mtp_layer_types` (the text config's types past the
+    main layers)."""
+    own = _mtp_model_config(ckpt)
+    if own is not None and own.sliding_window:
+        return int(own.sliding_window)
     window = ckpt.family.attention_window(ckpt.config)
     if head_layers(ckpt) > 1:
         text = text_config(ckpt.raw_config)
@@ -210,6 +215,23 @@ def head_window(ckpt, layer: int) -> int | None:
         sliding = layer < len(types) and types[layer] == "sliding_attention"
         window = int(text["sliding_window"]) if sliding and text.get("sliding_window") else None
     return window
+
+
+def head_kv_values_per_token(ckpt) -> int:
+    """Values one MTP layer caches per token: K and V of its own KV heads where the head config has them (the
+    MtpModel families: MiMo's SWA layers' swa_num_key_value_heads, swa_head_dim and swa_v_head_dim, not the main
+    model's full-attention ones), else the main text config's (kv_values_per_token)."""
+    own = _mtp_model_config(ckpt)
+    if own is None:
+        return kv_values_per_token(text_config(ckpt.raw_config))
+    return int(own.num_key_value_heads) * (int(own.head_dim) + int(own.v_head_dim or own.head_dim))
+
+
+def _mtp_model_config(ckpt):
+    """The head config of an MtpModel family (oracle/families/mtp_model_layout.py HeadConfig), else None."""
+    from oracle.families.mtp_model_layout import HeadConfig
+
+    return ckpt.config if isinstance(ckpt.config, HeadConfig) else None
 
 
 def draft_steps(ckpt, draft_lm_head: str, context: int, depth: int,

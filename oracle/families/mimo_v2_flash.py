@@ -1,11 +1,11 @@
 """MiMo-V2-Flash / V2.5 multi-layer MTP heads on transformers' own `MtpModel` (issue 25); the torch-free half (the
 release config read onto the official config, layout, stages) is oracle/families/mimo_v2_flash_layout.py.
 
-What it is: the official `MiMoV2FlashForCausalLM` built on the meta device from `MiMoV2FlashConfig(**official)`,
-whose MTP count (`num_mtp_layers`) and MTP layer types (`mtp_layer_types` = sliding_attention, `mtp_mlp_layer_types`
-= dense, per layer) are set here, because transformers 5.24 deletes the count from this config
-(modular_mimo_v2_flash.py:109) and `get_mtp_config` raises without it. Over it, `MtpModel(main, N)`: N official
-`MtpLayer`s of `MiMoV2FlashDecoderLayer` (its SWA attention: 2 x num_key_value_heads, sinks, sliding window, V
+What it is: the official `MiMoV2FlashForCausalLM` built on the meta device from `MiMoV2FlashConfig(**cfg.text)`
+(the release's keys translated, mimo_v2_flash_layout.official_kwargs), whose MTP count (`num_mtp_layers`) and MTP
+layer types (`mtp_layer_types` = sliding_attention, `mtp_mlp_layer_types` = dense, per layer) are set here, because
+transformers 5.24 deletes the count from this config (modular_mimo_v2_flash.py:109) and `get_mtp_config` raises
+without it. Over it, `MtpModel(main, N)`: N official `MtpLayer`s of `MiMoV2FlashDecoderLayer` (its SWA attention: 2 x num_key_value_heads, sinks, sliding window, V
 scale; its dense MLP) and `MiMoV2FlashRMSNorm`, rope from the official `MiMoV2FlashRotaryEmbedding` asked for the
 sliding layer type. Loading goes through `MtpModel.get_weight_conversions` (which already maps
 `model.mtp.layers.{l}.*` onto layer l and `attention_sink_bias` onto `sinks`) plus the two renamings transformers
@@ -40,7 +40,7 @@ RENAMES = ((r"\.pre_mlp_layernorm\.", ".post_attention_layernorm."),
 def official_config(cfg):
     """MiMoV2FlashConfig of the MTP layers, with the MTP count and layer types transformers would need to build
     them (every MTP layer: sliding attention, dense MLP)."""
-    config = getattr(importlib.import_module(CONFIGURATION), "MiMoV2FlashConfig")(**cfg.official)
+    config = getattr(importlib.import_module(CONFIGURATION), "MiMoV2FlashConfig")(**cfg.text)
     n = cfg.num_mtp_layers
     config.num_mtp_layers = n
     config.mtp_layer_types = ["sliding_attention"] * n

@@ -22,49 +22,17 @@ types itself, and composes transformers' own `MtpModel` of official `MiMoV2Flash
 """
 
 import re
-from dataclasses import asdict, dataclass, field
 
 from oracle.errors import CheckpointError
 from oracle.families.mtp_layer_layout import (MtpLayerTensors, is_int, positive_int, positive_number,
                                               weight_block_size)
-from oracle.families.mtp_model_layout import VARIANTS, MtpModelSpec, _check_layers_alike, dims
+from oracle.families.mtp_model_layout import VARIANTS, HeadConfig, MtpModelSpec, _check_layers_alike, dims
 from oracle.stages import SPINE, StageList, with_draft
 
-HEAD_PREFIX = "model.mtp.layers."
+MTP_PREFIX = "model.mtp."  # HeadConfig.mtp_prefix: layer l is model.mtp.layers.{l}.
+HEAD_PREFIX = MTP_PREFIX + "layers."
 LAYER = re.compile(r"^model\.mtp\.layers\.(\d+)\.")
 LAYERS_KEY = "num_nextn_predict_layers"
-
-
-@dataclass(frozen=True, kw_only=True)
-class HeadConfig:
-    family: str
-    hidden_size: int
-    vocab_size: int
-    max_position_embeddings: int
-    num_hidden_layers: int  # main decoder layers (the official main class is built with them, on the meta device)
-    num_mtp_layers: int
-    num_attention_heads: int  # the MTP layers' (SWA) attention
-    num_key_value_heads: int
-    head_dim: int  # q/k
-    v_head_dim: int
-    intermediate_size: int  # the dense MLP of every MTP layer
-    sliding_window: int  # keys a query sees, itself included (transformers' reading: sliding_window_size + 1)
-    num_experts: int = 0  # MTP layers are dense
-    num_experts_per_tok: int = 0
-    weight_block_size: tuple[int, int] | None = None  # FP8 block scales (quantization_config), None for bf16/f32
-    logits_divisor: float = 1.0  # MtpModelSpec.draft_logits: MiMo drafts lm_head(out) over the whole vocabulary
-    draft_vocab_size: int | None = None
-    official: dict = field(default_factory=dict)  # MiMoV2FlashConfig(**official): the MTP layers' official config
-
-    @property
-    def head_prefix(self) -> str:
-        return HEAD_PREFIX
-
-    def layer_prefix(self, layer: int) -> str:
-        return f"{HEAD_PREFIX}{layer}."
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def _key(text: dict, keys: tuple[str, ...]) -> str:
@@ -153,13 +121,17 @@ def head_config_from_json(raw: dict, source: str) -> HeadConfig:
                               f"drops the head's tensors: set it to the number of model.mtp.layers.* the checkpoint "
                               f"holds.")
     official = official_kwargs(text, source)
+    # the MtpModel families' one HeadConfig; what differs is MiMo's: `text` holds the translated official kwargs,
+    # every layer one SWA window and V width, dense MLPs, FP8 block scales (the draft logits: lm_head(out), whole)
     return HeadConfig(
         family="mimo_v2_flash", hidden_size=official["hidden_size"], vocab_size=official["vocab_size"],
         max_position_embeddings=official["max_position_embeddings"], num_hidden_layers=official["num_hidden_layers"],
         num_mtp_layers=layers, num_attention_heads=official["num_attention_heads"],
         num_key_value_heads=2 * official["num_key_value_heads"], head_dim=official["head_dim"],
-        v_head_dim=official["v_head_dim"], intermediate_size=official["intermediate_size"],
-        sliding_window=official["sliding_window"], weight_block_size=_fp8_block(raw, source), official=official)
+        num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0,
+        intermediate_size=official["intermediate_size"], v_head_dim=official["v_head_dim"],
+        sliding_window=official["sliding_window"], weight_block_size=_fp8_block(raw, source), text=official,
+        mtp_prefix=MTP_PREFIX)
 
 
 def _fp8_block(raw: dict, source: str) -> tuple[int, int] | None:

@@ -33,19 +33,32 @@ COPIES = ("shared_head.head.weight", "embed_tokens.weight")  # per-layer vocabul
 
 @dataclass(frozen=True, kw_only=True)
 class HeadConfig:
+    """The head config of every MtpModel family (step3p7, inkling, mimo_v2_flash): what the torch-free code needs,
+    and `text`, what the official config class is built from. A family whose layers are all alike in a way the
+    others read per layer from `text` (MiMo: one SWA attention for every layer) sets the optional fields."""
+
     family: str
     hidden_size: int
     vocab_size: int
     max_position_embeddings: int
     num_hidden_layers: int  # main layers: MTP layer l is model.layers.{num_hidden_layers + l}
     num_mtp_layers: int
-    num_attention_heads: int
+    num_attention_heads: int  # the MTP layers' attention (MiMo: its SWA one)
     num_key_value_heads: int
-    head_dim: int
+    head_dim: int  # q/k
     num_experts: int  # 0: dense MTP layers
     num_experts_per_tok: int
     moe_intermediate_size: int
-    text: dict = field(default_factory=dict)  # the raw text config, handed to the official config class
+    # the MLP width a token's rows take, for memory estimates (oracle/limits.py): the dense MLP's intermediate_size
+    # (MiMo), or the routed experts' moe_intermediate_size x k x 2
+    intermediate_size: int = 0
+    v_head_dim: int | None = None  # V width where it differs from head_dim (MiMo); None: head_dim
+    sliding_window: int | None = None  # keys a query sees, itself included, where every MTP layer has this one
+    #                                    window (MiMo); None: each layer's own, read from `text` (Step-3.7)
+    weight_block_size: tuple[int, int] | None = None  # FP8 block scales (quantization_config); None: bf16/f32
+    # what the official config class is built from: the raw config.json (mtp_model.official_config), or the
+    # release's keys translated onto the official config's fields (MiMo: MiMoV2FlashConfig(**text))
+    text: dict = field(default_factory=dict)
     mtp_prefix: str = ""  # "": layer l is model.layers.{num_hidden_layers + l}; else {mtp_prefix}layers.{l}.
     logits_divisor: float = 1.0  # the draft logits are lm_head(out / logits_divisor) (Inkling: muP width multiplier)
     draft_vocab_size: int | None = None  # the draft logits keep the first ids only (Inkling: unpadded_vocab_size)
@@ -53,10 +66,6 @@ class HeadConfig:
     @property
     def head_prefix(self) -> str:
         return self.mtp_prefix or HEAD_PREFIX.format(num_hidden_layers=self.num_hidden_layers)
-
-    @property
-    def intermediate_size(self) -> int:  # for memory estimates (oracle/limits.py)
-        return self.moe_intermediate_size * max(self.num_experts_per_tok, 1) * 2
 
     def layer_prefix(self, layer: int) -> str:
         if self.mtp_prefix:
@@ -123,15 +132,16 @@ def head_config_from_json(declared: MtpModelFamily, raw: dict, source: str) -> H
     if draft_vocab is not None and not (is_int(draft_vocab) and 1 <= draft_vocab):
         raise CheckpointError(f"{source}: {declared.draft_vocab_key} = {draft_vocab!r}; it must be a positive "
                               f"vocabulary size, or null.")
+    per_tok = text.get("num_experts_per_tok", 0) if experts else 0
+    moe_width = text.get("moe_intermediate_size", 0) if experts else 0
     return HeadConfig(
         family=declared.name, hidden_size=hidden, vocab_size=positive_int(text, "vocab_size", source),
         max_position_embeddings=positive_int(text, "max_position_embeddings", source),
         num_hidden_layers=positive_int(text, "num_hidden_layers", source), num_mtp_layers=layers,
         num_attention_heads=heads, num_key_value_heads=positive_int(text, "num_key_value_heads", source, heads),
         head_dim=positive_int(text, "head_dim", source, hidden // heads),
-        num_experts=experts if is_int(experts) else 0,
-        num_experts_per_tok=text.get("num_experts_per_tok", 0) if experts else 0,
-        moe_intermediate_size=text.get("moe_intermediate_size", 0) if experts else 0,
+        num_experts=experts if is_int(experts) else 0, num_experts_per_tok=per_tok, moe_intermediate_size=moe_width,
+        intermediate_size=moe_width * max(per_tok, 1) * 2,
         text=dict(raw), mtp_prefix=declared.mtp_prefix, logits_divisor=float(divisor),
         draft_vocab_size=draft_vocab)
 
