@@ -12,7 +12,8 @@ Root attributes
     family             e.g. "qwen3_5", "qwen3_5_moe" (oracle/families/registry.py); absent: LEGACY_FAMILY (oracle/stages.py)
     dims               JSON {"D", "E", "k", "hc"}: the sizes stage shapes are written in (absent: D = hidden_size)
     evidence_rules     JSON {"qk_dependent": [stages that see q/k only through attention], "absolute_positions",
-                       "qk_parts": {part: [variant names]} (the columns of /evidence/qk_<part>), ...}
+                       "qk_parts": {part: [variant names]} (the columns of /evidence/qk_<part>),
+                       "qk_parts_at_depth": {"j": {part: [names]}} (a chain depth's own columns), ...}
     producer           package and version, e.g. "mtp-oracle 0.1.0"
     versions           JSON: {"torch", "transformers", "h5py", "numpy"}
     config             JSON of the head config used
@@ -877,7 +878,8 @@ def _dataset_names(f: h5py.File) -> list[str]:
 #     inputs/{bridge, token_ids, positions, layer} int64 [n_j]; inputs/recycled float32 [n_j, w]; inputs/embed [n_j, D]
 #     stages/<name>    [n_j, width], every stage of the family, with depth 1's names, attributes and order
 #     evidence/<name>  as /evidence (attn_uniform, topk_margin, draft_margin, qk_<part> with the root's
-#                      evidence_rules.qk_parts columns, measured on this depth's own attn rows: one-layer heads) plus
+#                      evidence_rules.qk_parts columns, or evidence_rules.qk_parts_at_depth["j"]'s where given (an
+#                      N-layer head's layer j-1), measured on this depth's own attn rows) plus
 #                      h_if_<alt> [n_j, width of h]:
 #                      the `h` this depth would have had had the engine recycled <alt> ("prenorm", "main") instead
 # Root `stage_checksums` holds "d{j}/<name>" for chain stages; root `chain_digest` ("sha256:...") covers every
