@@ -205,9 +205,9 @@ def head_window(ckpt, layer: int) -> int | None:
     MtpModel head whose config gives every layer one window (MiMo: SWA attention in every MTP layer) has it at
     every layer; Step-3.7's layers are sliding or full per `mtp_layer_types` (the text config's types past the
     main layers)."""
-    own = _mtp_model_config(ckpt)
-    if own is not None and own.sliding_window:
-        return int(own.sliding_window)
+    own = getattr(ckpt.family, "uniform_window", None)  # MtpModelSpec: every layer's one window (MiMo), or None
+    if own is not None and own(ckpt.config):
+        return int(own(ckpt.config))
     window = ckpt.family.attention_window(ckpt.config)
     if head_layers(ckpt) > 1:
         text = text_config(ckpt.raw_config)
@@ -218,20 +218,11 @@ def head_window(ckpt, layer: int) -> int | None:
 
 
 def head_kv_values_per_token(ckpt) -> int:
-    """Values one MTP layer caches per token: K and V of its own KV heads where the head config has them (the
-    MtpModel families: MiMo's SWA layers' swa_num_key_value_heads, swa_head_dim and swa_v_head_dim, not the main
-    model's full-attention ones), else the main text config's (kv_values_per_token)."""
-    own = _mtp_model_config(ckpt)
-    if own is None:
-        return kv_values_per_token(text_config(ckpt.raw_config))
-    return int(own.num_key_value_heads) * (int(own.head_dim) + int(own.v_head_dim or own.head_dim))
-
-
-def _mtp_model_config(ckpt):
-    """The head config of an MtpModel family (oracle/families/mtp_model_layout.py HeadConfig), else None."""
-    from oracle.families.mtp_model_layout import HeadConfig
-
-    return ckpt.config if isinstance(ckpt.config, HeadConfig) else None
+    """Values one MTP layer caches per token: K and V of its own KV heads where the family gives them
+    (MtpModelSpec.kv_values_per_token: MiMo's SWA layers' swa_num_key_value_heads x (swa_head_dim +
+    swa_v_head_dim), not the main model's full-attention ones), else the main text config's (kv_values_per_token)."""
+    own = getattr(ckpt.family, "kv_values_per_token", None)
+    return int(own(ckpt.config)) if own is not None else kv_values_per_token(text_config(ckpt.raw_config))
 
 
 def draft_steps(ckpt, draft_lm_head: str, context: int, depth: int,

@@ -205,6 +205,15 @@ class MtpModelSpec(FamilySpec):
     def layer_count(self, cfg: HeadConfig) -> int:
         return cfg.num_mtp_layers
 
+    def kv_values_per_token(self, cfg: HeadConfig) -> int:
+        """Values one MTP layer's KV cache holds per token (oracle/speedup.py): K and V of its KV heads, V at
+        v_head_dim where it differs (MiMo's SWA layers)."""
+        return cfg.num_key_value_heads * (cfg.head_dim + (cfg.v_head_dim or cfg.head_dim))
+
+    def uniform_window(self, cfg: HeadConfig) -> int | None:
+        """The window every MTP layer has (MiMo: SWA in every layer), or None: per layer (Step-3.7) or none."""
+        return cfg.sliding_window
+
     def draft_logits(self, cfg: HeadConfig) -> tuple[float, int | None]:
         """(divisor, ids kept): the draft logits are lm_head(out / divisor)[:ids kept], as MtpModel drafts."""
         return cfg.logits_divisor, cfg.draft_vocab_size
