@@ -135,16 +135,22 @@ def test_modulo_layers_measure_the_layer_each_depth_ran(traces):
     assert len(lines) == len(FULL_LAYER) and all(": evidenced:" in x for x in lines), lines
 
 
-def test_the_unaltered_pass_gives_each_depths_attn_rows_on_its_own_layer(traces):
-    """qk_part_variants' pass without a variant (the depth's ah, positions, causal windowed mask, a fresh cache)
-    through layer j-1's official attention reproduces depth j's recorded attn rows; through layer 0 it does not."""
+@pytest.mark.parametrize("family", ["step3p7", "mimo_v2_flash", "inkling"])
+def test_the_unaltered_pass_gives_each_depths_attn_rows_on_its_own_layer(family, traces):
+    """qk_part_variants' pass without a variant (the depth's ah, positions, causal windowed mask, a fresh cache:
+    Inkling's MtpCache) through layer j-1's official attention reproduces depth j's recorded attn rows, so every
+    record measures a variant against the depth's own rows; through layer 0 it does not (the twin)."""
     from oracle.checkpoint import Checkpoint
     from oracle.families.registry import head_module
 
-    ckpt = Checkpoint(STEP)
+    fixture = FIXTURES / f"{family}_tiny"
+    ref = traces["ref"] if family == "step3p7" else export_trace(fixture, traces["root"] / f"{family}.h5", TOKENS,
+                                                                  HiddenSource(seed=0), chain=ChainOptions(3))
+    ckpt = Checkpoint(fixture)
     impl = head_module(ckpt.family)
     head, rotary = impl.build_head(ckpt.config, impl.torch_weights(ckpt.read_head(widen=False, digest=False)))
-    with h5py.File(traces["ref"]) as f, torch.inference_mode():
+    with h5py.File(ref) as f, torch.inference_mode():
+        assert set(json.loads(f.attrs["evidence_rules"])["qk_parts_at_depth"]) == {"2", "3"}
         for j in (2, 3):
             ah = torch.from_numpy(f[f"chain/d{j}/stages/ah"][:])[None]
             positions = torch.from_numpy(f[f"chain/d{j}/inputs/positions"][:])[None]
@@ -154,4 +160,4 @@ def test_the_unaltered_pass_gives_each_depths_attn_rows_on_its_own_layer(traces)
                 rows = head.mtp.layers[layer].mtp_block.self_attn(
                     hidden_states=ah, position_embeddings=head.rope(rotary, ah, positions, layer),
                     attention_mask=mask, position_ids=positions, cache=head.pass_cache())[0][0].numpy()
-                assert np.allclose(rows, attn, rtol=1e-5, atol=1e-6) == same, (j, layer)
+                assert np.allclose(rows, attn, rtol=1e-5, atol=1e-6) == same, (family, j, layer)
