@@ -108,3 +108,25 @@ def test_a_perturbed_routed_expert_changes_the_lazy_result(stored):
     after = every_layer(head2, rotary2, cfg)
     assert torch.equal(after[0]["routed"], before[0]["routed"])
     assert not torch.equal(after[1]["routed"], before[1]["routed"])
+
+
+def test_dense_mtp_layers_as_released_export_without_routed_stages(tmp_path):
+    """Step-3.5/3.7-Flash as released: n_routed_experts set (the main stack's) but moe_layers_enum stops before the
+    MTP layers, so transformers builds them dense; the head config has no experts and `export --chain` records no
+    router stages (it refused before: the stage list named router stages the dense layers never record). Twin: the
+    same config with the MTP layers in moe_layers_enum is MoE and records them."""
+    import h5py
+
+    from oracle.cli import cli as oracle_cli
+    from tests.helpers import load_script, run_cli
+
+    fixtures = load_script("make_fixtures")
+    for enum, moe in (("1", False), ("1,2,3,4", True)):
+        ckpt = fixtures.write_mtp_model_checkpoint(tmp_path / f"ckpt{enum}", "step3p7", {"moe_layers_enum": enum})
+        assert (Checkpoint(ckpt).config.num_experts > 0) is moe
+        out = tmp_path / f"trace{len(enum)}.h5"
+        result = run_cli(oracle_cli, ["export", ckpt, "--out", out, "--tokens", "5,17,3,99,200,7", "--hidden-seed",
+                                      "0", "--chain", "3", "-q"])
+        assert result.exit_code == 0, result.output
+        with h5py.File(out) as f:
+            assert ("router_logits" in f["stages"]) is moe and "out" in f["chain/d3/stages"]
