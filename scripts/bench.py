@@ -758,7 +758,8 @@ def step3p7_flops(cfg: dict, rows: int) -> float:
     """Matmul FLOPs of one MTP layer over `rows` rows (routed experts: top-k per row), plus causal attention (the
     sliding window, 512, is wider than any T benched here)."""
     t, shapes = cfg["text_config"], step3p7_linears(cfg)
-    per_row = sum(o * i for o, i in shapes["dense"]) + t["num_experts_per_tok"] * sum(o * i for o, i in shapes["expert"])
+    routed = t["num_experts_per_tok"] * sum(o * i for o, i in shapes["expert"])
+    per_row = sum(o * i for o, i in shapes["dense"]) + routed
     attention = 2.0 * 2 * t["num_attention_heads"] * t["head_dim"] * rows * (rows + 1) / 2
     return 2.0 * rows * per_row + attention
 
@@ -868,7 +869,8 @@ def bench_step3p7(ckpt: Path, work: Path, rows: list, t: int = 169, k: int = 3) 
     floor = read_s + gemm_s + widen_s + inner["draft_s"]
     kind = "dense MTP layers, as released" if not experts else f"MoE MTP layers, {experts} experts (not the release)"
     rows.append((f"floor: Step-3.7 layers read / GEMM / widen", f"{rate['read_gbps']:.1f} GB/s",
-                 f"{rate['gemm_gflops']:.0f} GFLOP/s (T={t})", f"widen {rate['widen_gbps']:.1f} GB/s (f32 written)", ""))
+                 f"{rate['gemm_gflops']:.0f} GFLOP/s (T={t})", f"widen {rate['widen_gbps']:.1f} GB/s (f32 written)",
+                 ""))
     rows.append((f"Step-3.7-Flash ({kind}) export --chain {k}, T={t}", f"{inner['export_s']:.2f} s",
                  f"floor {floor:.2f} s (read {read_s:.2f} + GEMM {gemm_s:.2f} + widen {widen_s:.2f} + draft "
                  f"{inner['draft_s']:.2f}, {inner['draft_rows']} rows)", f"{inner['export_s'] / floor:.2f}x",

@@ -66,7 +66,8 @@ def layer_tensors(layer: int, experts: int | None) -> dict[str, tuple[str, tuple
                       m + "down_proj.weight": ("BF16", (D, FF))}
     m, s = p + "moe.", p + "share_expert."
     return out | {m + "gate.weight": ("BF16", (experts, D)), m + "router_bias": ("F32", (experts,)),
-                  m + "gate_proj.weight": ("BF16", (experts, MOE_I, D)), m + "up_proj.weight": ("BF16", (experts, MOE_I, D)),
+                  m + "gate_proj.weight": ("BF16", (experts, MOE_I, D)),
+                  m + "up_proj.weight": ("BF16", (experts, MOE_I, D)),
                   m + "down_proj.weight": ("BF16", (experts, D, MOE_I)),
                   s + "gate_proj.weight": ("BF16", (SHARED_I, D)), s + "up_proj.weight": ("BF16", (SHARED_I, D)),
                   s + "down_proj.weight": ("BF16", (D, SHARED_I))}

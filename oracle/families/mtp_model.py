@@ -129,7 +129,8 @@ class MtpModelHead(nn.Module):
                 self.mtp, state, LoadStateDictConfig(weight_mapping=conversions, dtype=torch.float32))
         finally:
             hf_logging.enable_progress_bar()
-        lazy = {n for layer in self.routed for n in RoutedExperts.parameter_names(f"layers.{layer}.mtp_block.mlp.experts.")}
+        lazy = {n for layer in self.routed
+                for n in RoutedExperts.parameter_names(f"layers.{layer}.mtp_block.mlp.experts.")}
         missing = set(info.missing_keys) - TIED - lazy
         # the per-layer vocabulary copies (shared_head.head, embed_tokens): MtpModel ignores them on load, as here
         ignored = [re.compile(p) for p in self.mtp._keys_to_ignore_on_load_unexpected]
@@ -162,7 +163,8 @@ class MtpModelHead(nn.Module):
                 continue
             e, inter, hidden = experts.num_experts, experts.intermediate_dim, experts.hidden_dim
             want = {"gate": (e, inter, hidden), "up": (e, inter, hidden), "down": (e, hidden, inter)}
-            wrong = {names[p]: tuple(weights[names[p]].shape) for p in want if tuple(weights[names[p]].shape) != want[p]}
+            wrong = {names[p]: tuple(weights[names[p]].shape) for p in want
+                     if tuple(weights[names[p]].shape) != want[p]}
             if wrong:
                 raise CheckpointError(f"routed experts of MTP layer {layer} have the wrong shapes {wrong}; the config "
                                       f"builds {e} experts of [{inter}, {hidden}] (gate, up) and [{hidden}, {inter}] "
