@@ -88,6 +88,12 @@ class RoutedExperts:
     def owns(self, name: str) -> bool:
         return name in self._names
 
+    def __deepcopy__(self, memo) -> "RoutedExperts":
+        """A deep copy of a module these experts are attached to (a copied layer: a test's or a variant's) shares
+        them: they are read-only stored bytes, so the copy computes what the original does (a copy would copy the
+        open files, locks and threads)."""
+        return self
+
     @staticmethod
     def parameter_names(prefix: str) -> set[str]:
         return {prefix + "gate_up_proj", prefix + "down_proj"}

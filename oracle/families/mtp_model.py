@@ -16,8 +16,11 @@ reads its positions from it as MtpModel does (layer l's row r at r + l + 1; posi
 What it is not: MtpModel.forward (which embeds, masks through an MtpCache and drafts): the draft loop
 (oracle/draft_loop.py) runs the layers itself, depth j on layer j-1, and the contract test holds the two equal.
 
-Weights are widened to float32 before the load (the official converters concatenate and stack them): a real-scale
-head needs its float32 size in memory (a known limit, docs/DESIGN.md).
+Weights are widened to float32 before the load (the official converters concatenate and stack them), but for the
+routed experts of a sparse layer (Step-3.5/3.7's stacked `moe.{gate,up,down}_proj.weight` [E, I, D] / [E, D, I]):
+those stay as stored (mapped) and are read and widened one expert at a time, only where the tokens route, by
+`StackedExperts` (oracle/families/moe_experts.py's RoutedExperts machinery; bit-identical to the widened module,
+tests/families/test_mtp_model_lazy_experts.py). The dense parts still need their float32 size in memory.
 """
 
 import copy
@@ -33,7 +36,9 @@ from transformers import DynamicCache
 from oracle.attention_evidence import uniform_weights
 from oracle.checkpoint import HeadWeights
 from oracle.errors import CheckpointError
+from oracle.families.moe_experts import RoutedExperts
 from oracle.families.mtp_layer import torch_weights as _stored_torch_weights
+from oracle.families.spec import ExpertLayout
 from oracle.families.torch_parts import causal_mask, step_tensors, to_numpy
 from oracle.qk_parts import PartVariant, swapped
 from oracle.trace import TraceInputs
@@ -66,6 +71,8 @@ class MtpModelHead(nn.Module):
         with torch.device("meta"):
             self.main = self.main_model(cfg)
             self.mtp = MtpModel(self.main, cfg.num_mtp_layers)
+        self.cfg = cfg
+        self.routed: dict[int, StackedExperts] = {}  # layer -> its lazily read routed experts (load)
         self.text_config = self.mtp.config
         self.text_config._attn_implementation = "eager"  # eager is not causal without our mask
         self.num_layers = cfg.num_mtp_layers
@@ -109,7 +116,10 @@ class MtpModelHead(nn.Module):
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
 
-        state = {name: t.float() for name, t in weights.items()}  # the converters stack and concatenate
+        self.routed = self.stacked_experts(weights)
+        lazy_names = {n for routed in self.routed.values() for n in routed.layout.tensor_names()}
+        # the converters stack and concatenate: everything but the lazy experts goes to them widened
+        state = {name: t.float() for name, t in weights.items() if name not in lazy_names}
         from transformers.utils import logging as hf_logging
 
         conversions = self.weight_conversions()
@@ -119,7 +129,9 @@ class MtpModelHead(nn.Module):
                 self.mtp, state, LoadStateDictConfig(weight_mapping=conversions, dtype=torch.float32))
         finally:
             hf_logging.enable_progress_bar()
-        missing = set(info.missing_keys) - TIED
+        lazy = {n for layer in self.routed
+                for n in RoutedExperts.parameter_names(f"layers.{layer}.mtp_block.mlp.experts.")}
+        missing = set(info.missing_keys) - TIED - lazy
         # the per-layer vocabulary copies (shared_head.head, embed_tokens): MtpModel ignores them on load, as here
         ignored = [re.compile(p) for p in self.mtp._keys_to_ignore_on_load_unexpected]
         unexpected = {k for k in info.unexpected_keys if not any(p.search(k) for p in ignored)}
@@ -129,9 +141,36 @@ class MtpModelHead(nn.Module):
         if any(problems.values()):
             raise CheckpointError("the head's tensors do not load into transformers' MtpModel through its own weight "
                                   "conversions: " + "; ".join(f"{k} {v}" for k, v in problems.items() if v))
-        left = [n for n, t in self.mtp.named_parameters() if t.is_meta and n not in TIED]
+        left = [n for n, t in self.mtp.named_parameters() if t.is_meta and n not in TIED | lazy]
         if left:
             raise RuntimeError(f"parameters never loaded: {left}")  # a bug: the check above should prevent it
+        for layer, routed in self.routed.items():
+            routed.attach(self.mtp.layers[layer].mtp_block.mlp.experts)
+
+    def stacked_experts(self, weights: dict[str, torch.Tensor]) -> dict[int, "StackedExperts"]:
+        """layer -> StackedExperts over the layer's stored `moe.{gate,up,down}_proj.weight`, for every sparse layer
+        whose official experts module reads `gate_up_proj[e]` / `down_proj[e]` (Step3p7Experts) and whose three
+        tensors are stored in a float dtype (FP8 experts go to the converters as before). A layer without them
+        (dense; another family's naming) is loaded as before."""
+        found = {}
+        for layer, module in enumerate(self.mtp.layers):
+            experts = getattr(module.mtp_block.mlp, "experts", None)
+            if experts is None or not all(hasattr(experts, a) for a in ("gate_up_proj", "down_proj", "num_experts")):
+                continue
+            prefix = self.cfg.layer_prefix(layer) + "moe."
+            names = {part: f"{prefix}{part}_proj.weight" for part in ("gate", "up", "down")}
+            if not all(n in weights and weights[n].dtype in WIDENED for n in names.values()):
+                continue
+            e, inter, hidden = experts.num_experts, experts.intermediate_dim, experts.hidden_dim
+            want = {"gate": (e, inter, hidden), "up": (e, inter, hidden), "down": (e, hidden, inter)}
+            wrong = {names[p]: tuple(weights[names[p]].shape) for p in want
+                     if tuple(weights[names[p]].shape) != want[p]}
+            if wrong:
+                raise CheckpointError(f"routed experts of MTP layer {layer} have the wrong shapes {wrong}; the config "
+                                      f"builds {e} experts of [{inter}, {hidden}] (gate, up) and [{hidden}, {inter}] "
+                                      f"(down): fix n_routed_experts / moe_intermediate_size, or the checkpoint.")
+            found[layer] = StackedExperts(StackedLayout("stacked", e, inter, hidden, names), weights)
+        return found
 
     def install_hooks(self) -> None:
         for layer in self.mtp.layers:
@@ -212,6 +251,29 @@ class MtpModelHead(nn.Module):
             return self.mtp.layers[layer].mtp_block.self_attn(
                 hidden_states=ah, position_embeddings=self.rope(rotary, ah, positions, layer), attention_mask=mask,
                 position_ids=positions, cache=cache)[0]
+
+
+WIDENED = (torch.bfloat16, torch.float16, torch.float32)  # stored expert dtypes widened exactly (lazily)
+
+
+class StackedLayout(ExpertLayout):
+    """Routed experts stacked per part, as Step-3.5/3.7 store them: `gate`, `up` [E, I, D] and `down` [E, D, I]."""
+
+    def tensor_names(self) -> list[str]:
+        return [self.names[p] for p in ("gate", "up", "down")]
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        e, i, d = self.num_experts, self.intermediate, self.hidden
+        return {self.names["gate"]: (e, i, d), self.names["up"]: (e, i, d), self.names["down"]: (e, d, i)}
+
+
+class StackedExperts(RoutedExperts):
+    """RoutedExperts over stacked parts: expert e's gate/up/down are row e of each stored tensor (the official
+    converter concatenates gate and up into gate_up_proj[e] = [gate[e]; up[e]], which RoutedExperts widens as
+    gate rows first)."""
+
+    def _stored_part(self, e: int, part: str) -> tuple[str | None, torch.Tensor]:
+        return None, self._weights[self.layout.names[part]][e]
 
 
 def build_head(cfg, weights: dict[str, torch.Tensor], head_class: type[MtpModelHead] = MtpModelHead):

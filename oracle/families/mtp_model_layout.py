@@ -110,6 +110,10 @@ class MtpModelFamily:
     shared_variants: tuple[str, ...] = ("layer0_reused", "layer_caches_swapped", "shared_head_shared")
     notes: tuple[str, ...] = ()
     refuse: Callable[[dict, dict, str], None] | None = None  # (raw, text, source): raises for what is unsupported
+    # (text config) -> whether the MTP layers are MoE, as the official config class derives it (None: they are
+    # whenever experts_key is set). Step-3.5/3.7 set n_routed_experts for the main stack while the released MTP
+    # layers are dense (moe_layers_enum 3..44 of 45 + 3).
+    sparse_mtp: Callable[[dict], bool] | None = None
 
 
 def head_config_from_json(declared: MtpModelFamily, raw: dict, source: str) -> HeadConfig:
@@ -124,6 +128,8 @@ def head_config_from_json(declared: MtpModelFamily, raw: dict, source: str) -> H
     heads = positive_int(text, "num_attention_heads", source)
     hidden = positive_int(text, "hidden_size", source)
     experts = (text.get(declared.experts_key, 0) or 0) if declared.experts_key else 0
+    if declared.sparse_mtp and not declared.sparse_mtp(text):
+        experts = 0  # dense MTP layers: no routed stages (the official layers have no router)
     divisor = text.get(declared.logits_divisor_key, 1.0) if declared.logits_divisor_key else 1.0
     draft_vocab = text.get(declared.draft_vocab_key) if declared.draft_vocab_key else None
     if not isinstance(divisor, (int, float)) or isinstance(divisor, bool) or not divisor > 0:
@@ -307,8 +313,27 @@ def inkling_refuse(raw: dict, text: dict, source: str) -> None:
                               f"reference to hold the head to.")
 
 
+def step3p7_sparse_mtp(text: dict) -> bool:
+    """Whether Step3p7TextConfig makes the MTP layers MoE: `mtp_mlp_layer_types`, else the tail of a padded
+    `mlp_layer_types`, else the MTP indices n..n+m-1 in `moe_layers_enum` (default: layers 3..n-1, so dense)."""
+    n, m = text.get("num_hidden_layers"), text.get("num_nextn_predict_layers") or 0
+    if not (is_int(n) and is_int(m)):
+        return True  # malformed: the checks that name the key refuse it
+    kinds = text.get("mtp_mlp_layer_types")
+    if kinds is None and isinstance(text.get("mlp_layer_types"), list) and len(text["mlp_layer_types"]) == n + m:
+        kinds = text["mlp_layer_types"][n:]
+    if isinstance(kinds, list):
+        return any(k == "sparse" for k in kinds)
+    enum = text.get("moe_layers_enum")
+    if enum is None:
+        return False
+    items = enum.split(",") if isinstance(enum, str) else enum
+    return any(str(i).strip() and int(i) >= n for i in items)
+
+
 STEP3P7 = MtpModelFamily("step3p7", ("step3p7", "step3p5"), ("Step3p7ForConditionalGeneration",),
-                         "num_nextn_predict_layers", "n_routed_experts", step3p7_tiny_config)
+                         "num_nextn_predict_layers", "n_routed_experts", step3p7_tiny_config,
+                         sparse_mtp=step3p7_sparse_mtp)
 INKLING = MtpModelFamily(
     "inkling", ("inkling_mm_model", "inkling_text"), ("InklingForConditionalGeneration",),
     "mtp_config.num_nextn_predict_layers", None, inkling_tiny_config, layer_count=inkling_layer_count,
