@@ -1,7 +1,7 @@
 """DeepSeek-V3 / R1 / V3.1 (`deepseek_v3`) MTP head, torch-free half: config parsing, tensor names and shapes,
 stages, evidence rules, known wiring variants and a tiny config. The head, from transformers' own `MtpLayer` with
 `DeepseekV3DecoderLayer`, is `oracle/families/deepseek_v3.py`; the layout shared with GLM-4.5 is
-`oracle/families/mtp_layer_layout.py`.
+`oracle/families/mtp_layer_layout.py`; this file declares only what DeepSeek-V3 adds (MLA's fields and tensors).
 
 Attention is MLA (shared/reference/mtp_wiring.md §3.3): with `q_lora_rank`, q = q_b_proj(q_a_layernorm(q_a_proj(x)));
 without it (q_lora_rank null, as in V2-Lite-shaped models), q = q_proj(x). kv_a_proj_with_mqa gives the kv latent
@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from oracle.errors import CheckpointError
 from oracle.families import mtp_layer_layout as common
-from oracle.families.mtp_layer_layout import MtpLayerConfig, MtpLayerSpec
+from oracle.families.mtp_layer_layout import MtpLayerConfig, MtpLayerFamily
+from oracle.families.spec import Variant
 
 FAMILY = "deepseek_v3"
 MODEL_TYPES = ("deepseek_v3",)
@@ -44,13 +45,10 @@ class HeadConfig(MtpLayerConfig):
         return max(self.qk_head_dim, self.v_head_dim)
 
 
-def head_config_from_json(raw: dict, source: str) -> HeadConfig:
-    if isinstance(raw.get("text_config"), dict):
-        raise CheckpointError(f"{source}: a deepseek_v3 config.json is flat; this one nests text_config.")
+def attention_fields(raw: dict, source: str, fields: dict) -> dict:
+    """MLA's fields (q_lora_rank null: q_proj straight from the hidden); YaRN or default rope."""
     common.require(raw, "attention_bias", False, source)
     q_lora = raw.get("q_lora_rank")
-    q_lora = None if q_lora is None else common.positive_int(raw, "q_lora_rank", source)
-    fields = common.common_fields(raw, source, MODEL_TYPES, FAMILY, DEFAULTS)
     if fields["num_key_value_heads"] != fields["num_attention_heads"]:
         # MLA's kv_b_proj makes keys and values for every attention head; transformers' DeepseekV3Attention would
         # still repeat them num_attention_heads / num_key_value_heads times and fail on the shapes
@@ -58,17 +56,13 @@ def head_config_from_json(raw: dict, source: str) -> HeadConfig:
                               f"num_attention_heads {fields['num_attention_heads']}; DeepSeek-V3's attention (MLA) "
                               f"has keys and values per attention head (V3 sets both to 128). Set "
                               f"num_key_value_heads to num_attention_heads.")
-    return HeadConfig(
-        **fields,
-        rope_parameters=common.rope_parameters(raw, source, ("default", "yarn"), None),
-        **common.moe_fields(raw, source, DEFAULTS),
-        q_lora_rank=q_lora,
-        kv_lora_rank=common.positive_int(raw, "kv_lora_rank", source),
-        qk_nope_head_dim=common.positive_int(raw, "qk_nope_head_dim", source),
-        qk_rope_head_dim=_even(common.positive_int(raw, "qk_rope_head_dim", source), source),
-        v_head_dim=common.positive_int(raw, "v_head_dim", source),
-        rope_interleave=common.boolean(raw, "rope_interleave", source, True),
-    )
+    return {"rope_parameters": common.rope_parameters(raw, source, ("default", "yarn"), None),
+            "q_lora_rank": None if q_lora is None else common.positive_int(raw, "q_lora_rank", source),
+            "kv_lora_rank": common.positive_int(raw, "kv_lora_rank", source),
+            "qk_nope_head_dim": common.positive_int(raw, "qk_nope_head_dim", source),
+            "qk_rope_head_dim": _even(common.positive_int(raw, "qk_rope_head_dim", source), source),
+            "v_head_dim": common.positive_int(raw, "v_head_dim", source),
+            "rope_interleave": common.boolean(raw, "rope_interleave", source, True)}
 
 
 def _even(n: int, source: str) -> int:
@@ -90,10 +84,6 @@ def attention_shapes(cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
                      "q_b_proj.weight": (h * cfg.qk_head_dim, cfg.q_lora_rank)}
 
 
-def layout(cfg: HeadConfig, names: set[str]):
-    return common.layer_tensors(cfg, attention_shapes(cfg), names)
-
-
 def tiny_config(**overrides) -> dict:
     """A config.json for a tiny DeepSeek-V3 (fixtures and the family contract test): MLA with q_lora, YaRN."""
     config = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 64,
@@ -111,18 +101,9 @@ def tiny_config(**overrides) -> dict:
     return config
 
 
-SPEC = MtpLayerSpec(
-    name=FAMILY, model_types=MODEL_TYPES, architectures=("DeepseekV3ForCausalLM",),
-    parse_config=head_config_from_json, layout=layout, head_prefix=common.HEAD_PREFIX,
-    stages=common.mtp_layer_stages, dims=common.dims, main_model_prefixes=common.MAIN_MODEL_PREFIXES,
-    lm_head=common.SHARED_HEAD, head_module="oracle.families.deepseek_v3",
-    variants=common.VARIANTS + (
-        common.Variant("rope_not_interleaved", "MLA RoPE on NeoX halves instead of interleaved pairs"),
-        common.Variant("no_yarn_mscale", "softmax scale without YaRN's mscale^2"),
-        common.Variant("latent_norm_eps", "q_a_layernorm/kv_a_layernorm with rms_norm_eps instead of 1e-6"),
-    ),
-    tiny_config=tiny_config,
-    notes=("mask_pos0_embedding: off as transformers' MtpLayer and SGLang; vLLM's deepseek_mtp zeroes the embedding "
-           "at position 0 (export --mask-pos0-embedding)",
-           "embedding/lm_head: the MTP layer's own copies where present (trace attribute `embedding`)"),
-)
+SPEC = common.declare(MtpLayerFamily(
+    FAMILY, MODEL_TYPES, ("DeepseekV3ForCausalLM",), HeadConfig, DEFAULTS, attention_fields, attention_shapes,
+    tiny_config, engine_mtp="deepseek_mtp",
+    variants=(Variant("rope_not_interleaved", "MLA RoPE on NeoX halves instead of interleaved pairs"),
+              Variant("no_yarn_mscale", "softmax scale without YaRN's mscale^2"),
+              Variant("latent_norm_eps", "q_a_layernorm/kv_a_layernorm with rms_norm_eps instead of 1e-6"))))

@@ -1,10 +1,12 @@
-"""The GLM-4.5 / 4.6 MTP head: transformers' own `MtpLayer` holding an official `Glm4MoeDecoderLayer`
-(`Glm4MoeAttention`: GQA, q/k/v bias, optional q/k norm before partial NeoX RoPE; `Glm4MoeMoE`: the noaux_tc
-`Glm4MoeTopkRouter`, eager `Glm4MoeExperts`, shared experts) and `Glm4MoeRMSNorm`s, with `Glm4MoeRotaryEmbedding`.
-Stages are recorded by hooks (oracle/families/mtp_layer.py); the torch-free half is
+"""The GLM-4.5 / 4.6 MTP head: a declaration over the shared MtpLayer head (oracle/families/mtp_layer.py):
+transformers' own `MtpLayer` holding an official `Glm4MoeDecoderLayer` (`Glm4MoeAttention`: GQA, q/k/v bias,
+optional q/k norm before partial NeoX RoPE; `Glm4MoeMoE`: the noaux_tc `Glm4MoeTopkRouter`, eager `Glm4MoeExperts`,
+shared experts) and `Glm4MoeRMSNorm`s, with `Glm4MoeRotaryEmbedding`. This file says only what GLM-4.5 adds: its
+official classes, GQA's config keywords, its q/k-part variants and its `--explain` variants; the torch-free half is
 oracle/families/glm4_moe_layout.py.
 """
 
+import copy
 import sys
 
 import numpy as np
@@ -13,57 +15,24 @@ from transformers.models.glm4_moe.configuration_glm4_moe import Glm4MoeConfig
 from transformers.models.glm4_moe.modeling_glm4_moe import (Glm4MoeDecoderLayer, Glm4MoeModel, Glm4MoeRMSNorm,
                                                             Glm4MoeRotaryEmbedding)
 
-from oracle.families.glm4_moe_layout import HeadConfig, layout
-from oracle.families.mtp_layer import (AttentionPass, MtpLayerHead, attention_with_uniform_weights,
-                                       build_mtp_layer_head, causal_mask, embedding_rows, load_official_main_model,
-                                       main_model_hidden, official_layer_stepwise, qk_output_projection, run_batched,
-                                       run_stepwise, torch_weights)
-from oracle.families.mtp_layer_explain import GLM4_MOE as EXPLAIN_VARIANTS
-from oracle.families.mtp_layer_explain import explain_ops
+from oracle.families.glm4_moe_layout import SPEC
+from oracle.families.mtp_layer import (AttentionPass, MtpLayerHead, OfficialMtpLayer,  # noqa: F401  (head module)
+                                       attention_with_uniform_weights, causal_mask, embedding_rows, main_model_hidden,
+                                       official_layer_stepwise, qk_output_projection, run_batched, run_stepwise,
+                                       torch_weights)
+from oracle.families.mtp_layer_explain import (COMMON, MtpLayerOps, _copy, _param,  # noqa: F401  (head module)
+                                               explain_ops)
 from oracle.qk_parts import (PartVariant, interleaved_pairs, neox_cos_sin, other_norm_form, rotary_off,
                              skipped, swapped)
 from oracle.trace import TraceInputs
 
-__all__ = ["EXPLAIN_VARIANTS", "MtpLayerHead", "attention_with_uniform_weights", "build_head", "causal_mask",
-           "embedding_rows", "explain_ops", "head_text_config", "load_main_model", "main_model_hidden",
-           "main_text_config", "official_layer_stepwise", "qk_output_projection", "qk_part_variants", "run_batched",
-           "run_stepwise", "torch_weights"]
-
-
-def head_text_config(cfg: HeadConfig) -> Glm4MoeConfig:
-    """A one-layer config as transformers' get_mtp_config makes it: first_k_dense_replace 0 (the MTP layer is MoE)."""
-    return text_config(cfg, num_hidden_layers=1, first_k_dense_replace=0, intermediate_size=cfg.moe_intermediate_size)
-
-
-def main_text_config(cfg: HeadConfig, raw: dict) -> Glm4MoeConfig:
-    """The main model's config: the head's fields with the main stack's depth, dense-layer count and dense MLP width
-    (config.json's, else transformers' defaults)."""
-    main = {k: raw[k] for k in ("first_k_dense_replace", "intermediate_size") if k in raw}
-    return text_config(cfg, num_hidden_layers=cfg.num_hidden_layers, **main)
-
-
-def load_main_model(checkpoint) -> Glm4MoeModel:
-    """The official Glm4MoeModel over the checkpoint's layers 0..N-1 (float32), for --main-model."""
-    text = main_text_config(checkpoint.config, checkpoint.raw_config)
-    return load_official_main_model(checkpoint, Glm4MoeModel, text, Glm4MoeRotaryEmbedding)
-
-
-def text_config(cfg: HeadConfig, **layers) -> Glm4MoeConfig:
-    return Glm4MoeConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, hidden_act="silu",
-        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
-        rope_parameters=dict(cfg.rope_parameters), attention_bias=cfg.attention_bias,
-        moe_intermediate_size=cfg.moe_intermediate_size, num_experts_per_tok=cfg.num_experts_per_tok,
-        n_shared_experts=cfg.n_shared_experts, n_routed_experts=cfg.num_experts,
-        routed_scaling_factor=cfg.routed_scaling_factor, n_group=cfg.n_group, topk_group=cfg.topk_group,
-        norm_topk_prob=cfg.norm_topk_prob, use_qk_norm=cfg.use_qk_norm, num_nextn_predict_layers=1,
-        tie_word_embeddings=False, **layers)
-
-
-def build_head(cfg: HeadConfig, weights: dict[str, torch.Tensor]):
-    return build_mtp_layer_head(cfg, head_text_config(cfg), Glm4MoeDecoderLayer, Glm4MoeRMSNorm,
-                                Glm4MoeRotaryEmbedding, layout(cfg, set(weights)), weights)
+OFFICIAL = OfficialMtpLayer(
+    Glm4MoeConfig, Glm4MoeDecoderLayer, Glm4MoeRMSNorm, Glm4MoeRotaryEmbedding, Glm4MoeModel,
+    attention_config=lambda cfg: dict(head_dim=cfg.head_dim, attention_bias=cfg.attention_bias,
+                                      use_qk_norm=cfg.use_qk_norm),
+    layout=SPEC.layout)
+build_head, load_main_model = OFFICIAL.build_head, OFFICIAL.load_main_model
+head_text_config, main_text_config = OFFICIAL.head_text_config, OFFICIAL.main_text_config
 
 
 def qk_part_variants(head: MtpLayerHead, rotary, inputs: TraceInputs, ah: np.ndarray, mask_of=None) -> list[PartVariant]:
@@ -86,3 +55,37 @@ def qk_part_variants(head: MtpLayerHead, rotary, inputs: TraceInputs, ah: np.nda
                          PartVariant(part, "1_plus_w_not_w", p.under(swapped, norm, "weight",
                                                                       other_norm_form(norm, False)))]
     return variants + p.kv_append()
+
+
+# ---- --explain: GQA's own wiring variants (the shared ones: mtp_layer_explain.COMMON) ---------------------------
+
+def rope_all_dims(ops: MtpLayerOps) -> "MtpLayerOps | str":
+    text = copy.copy(ops.text_config)
+    if text.rope_parameters.get("partial_rotary_factor", 1.0) == 1.0:
+        return "the reference already rotates every head dim (partial_rotary_factor 1)"
+    text.rope_parameters = dict(text.rope_parameters) | {"partial_rotary_factor": 1.0}
+    if hasattr(text, "partial_rotary_factor"):
+        text.partial_rotary_factor = 1.0
+    ops = ops.copy()
+    ops.rope = type(ops.rotary)(text)(ops.embed[None], ops.positions)
+    return ops
+
+
+def no_qkv_bias(ops: MtpLayerOps) -> "MtpLayerOps | str":
+    projections = [n for n in ("q_proj", "k_proj", "v_proj") if getattr(ops.attn, n).bias is not None]
+    if not projections:
+        return "the head has no q/k/v bias (attention_bias false)"
+    attn = _copy(ops.attn, **{n: _copy(getattr(ops.attn, n), bias=_param(torch.zeros_like(getattr(ops.attn, n).bias)))
+                              for n in projections})
+    return ops.replaced(("attn",), attn)
+
+
+def qk_norm_after_rope(ops: MtpLayerOps) -> str:
+    if not getattr(ops.attn, "use_qk_norm", False):
+        return "the head has no q/k norm (use_qk_norm false)"
+    return ("not expressible as a patch of the official attention's modules or weights: it applies q_norm/k_norm "
+            "before RoPE inside its forward (a per-element norm weight does not commute with the rotation)")
+
+
+EXPLAIN_VARIANTS = COMMON | {"rope_all_dims": ("attn", rope_all_dims),
+                             "qk_norm_after_rope": ("attn", qk_norm_after_rope), "no_qkv_bias": ("attn", no_qkv_bias)}

@@ -1,7 +1,7 @@
 """GLM-4.5 / 4.6 (`glm4_moe`) MTP head, torch-free half: config parsing, tensor names and shapes, stages, evidence
 rules, known wiring variants and a tiny config. The head, from transformers' own `MtpLayer` with
 `Glm4MoeDecoderLayer`, is `oracle/families/glm4_moe.py`; the layout shared with DeepSeek-V3 is
-`oracle/families/mtp_layer_layout.py`.
+`oracle/families/mtp_layer_layout.py`; this file declares only what GLM-4.5 adds (GQA's fields and tensors).
 
 Attention is GQA (shared/reference/mtp_wiring.md §3.4): q/k/v projections with a bias when `attention_bias`,
 optional per-head q/k RMSNorm (`use_qk_norm`) applied before RoPE, partial NeoX RoPE on the first
@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from oracle.errors import CheckpointError
 from oracle.families import mtp_layer_layout as common
-from oracle.families.mtp_layer_layout import MtpLayerConfig, MtpLayerSpec
+from oracle.families.mtp_layer_layout import MtpLayerConfig, MtpLayerFamily
+from oracle.families.spec import Variant
 
 FAMILY = "glm4_moe"
 MODEL_TYPES = ("glm4_moe",)
@@ -35,25 +36,20 @@ class HeadConfig(MtpLayerConfig):
         return int(self.head_dim * self.partial_rotary_factor)
 
 
-def head_config_from_json(raw: dict, source: str) -> HeadConfig:
-    if isinstance(raw.get("text_config"), dict):
-        raise CheckpointError(f"{source}: a glm4_moe config.json is flat; this one nests text_config.")
-    fields = common.common_fields(raw, source, MODEL_TYPES, FAMILY, DEFAULTS)
+def attention_fields(raw: dict, source: str, fields: dict) -> dict:
+    """GQA's fields: head_dim, partial NeoX rotary (factor from rope_parameters, else the top level, else 0.5),
+    q/k norm, q/k/v bias."""
     rope_in = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
     factor = common.positive_number({"f": rope_in.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5))},
                                     "f", source)
     head_dim = common.positive_int(raw, "head_dim", source, fields["hidden_size"] // fields["num_attention_heads"])
-    cfg = HeadConfig(
-        **fields, rope_parameters=common.rope_parameters(raw, source, ("default",), factor),
-        **common.moe_fields(raw, source, DEFAULTS),
-        head_dim=head_dim, partial_rotary_factor=factor,
-        use_qk_norm=common.boolean(raw, "use_qk_norm", source, False),
-        attention_bias=common.boolean(raw, "attention_bias", source, False),
-    )
-    if cfg.rotary_dim % 2 or not 0 < cfg.rotary_dim <= head_dim:
+    rotary_dim = int(head_dim * factor)  # HeadConfig.rotary_dim
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
         raise CheckpointError(f"{source}: head_dim {head_dim} x partial_rotary_factor {factor} gives rotary dim "
-                              f"{cfg.rotary_dim}; it must be even and in 2..head_dim.")
-    return cfg
+                              f"{rotary_dim}; it must be even and in 2..head_dim.")
+    return {"rope_parameters": common.rope_parameters(raw, source, ("default",), factor), "head_dim": head_dim,
+            "partial_rotary_factor": factor, "use_qk_norm": common.boolean(raw, "use_qk_norm", source, False),
+            "attention_bias": common.boolean(raw, "attention_bias", source, False)}
 
 
 def attention_shapes(cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
@@ -65,10 +61,6 @@ def attention_shapes(cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
     if cfg.use_qk_norm:
         shapes |= {"q_norm.weight": (hd,), "k_norm.weight": (hd,)}
     return shapes
-
-
-def layout(cfg: HeadConfig, names: set[str]):
-    return common.layer_tensors(cfg, attention_shapes(cfg), names)
 
 
 def tiny_config(**overrides) -> dict:
@@ -86,18 +78,9 @@ def tiny_config(**overrides) -> dict:
     return config
 
 
-SPEC = MtpLayerSpec(
-    name=FAMILY, model_types=MODEL_TYPES, architectures=("Glm4MoeForCausalLM",),
-    parse_config=head_config_from_json, layout=layout, head_prefix=common.HEAD_PREFIX,
-    stages=common.mtp_layer_stages, dims=common.dims, main_model_prefixes=common.MAIN_MODEL_PREFIXES,
-    lm_head=common.SHARED_HEAD, head_module="oracle.families.glm4_moe",
-    variants=common.VARIANTS + (
-        common.Variant("rope_all_dims", "RoPE over the whole head instead of its partial rotary dims"),
-        common.Variant("qk_norm_after_rope", "q_norm/k_norm applied after RoPE instead of before"),
-        common.Variant("no_qkv_bias", "q/k/v projection biases dropped"),
-    ),
-    tiny_config=tiny_config,
-    notes=("mask_pos0_embedding: off as transformers' MtpLayer and SGLang; vLLM's glm4_moe_mtp zeroes the embedding "
-           "at position 0 (export --mask-pos0-embedding)",
-           "embedding/lm_head: the MTP layer's own copies where present (trace attribute `embedding`)"),
-)
+SPEC = common.declare(MtpLayerFamily(
+    FAMILY, MODEL_TYPES, ("Glm4MoeForCausalLM",), HeadConfig, DEFAULTS, attention_fields, attention_shapes,
+    tiny_config, engine_mtp="glm4_moe_mtp",
+    variants=(Variant("rope_all_dims", "RoPE over the whole head instead of its partial rotary dims"),
+              Variant("qk_norm_after_rope", "q_norm/k_norm applied after RoPE instead of before"),
+              Variant("no_qkv_bias", "q/k/v projection biases dropped"))))

@@ -214,11 +214,6 @@ def torch_weights(weights: HeadWeights) -> dict[str, torch.Tensor]:
 
 
 
-
-
-
-
-
 def state_name(name: str, prefix: str) -> str:
     """Checkpoint name -> MtpLayer parameter name, as transformers' conversion_mapping renames them."""
     rest = name.removeprefix(prefix)
@@ -265,6 +260,56 @@ def build_mtp_layer_head(cfg: MtpLayerConfig, text, decoder_layer: type, rms_nor
     experts.attach(head.layer.mtp_block.mlp.experts)
     head.install_hooks()
     return head.eval(), rotary(text)  # rotary built for real: its inv_freq is computed, not loaded
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the declaration a family file makes
+
+
+@dataclass(frozen=True)
+class OfficialMtpLayer:
+    """One MtpLayer family's official transformers classes and the keywords its config class takes for the
+    family's attention fields; the config, head and main model every such family builds the same way."""
+
+    config_class: type  # DeepseekV3Config, Glm4MoeConfig
+    decoder_layer: type  # MtpLayer.mtp_block
+    rms_norm: type
+    rotary: type
+    main_model: type  # the base model of --main-model
+    attention_config: Callable[[MtpLayerConfig], dict]  # head config -> the config class's attention keywords
+    layout: Callable  # the family's FamilySpec.layout
+
+    def text_config(self, cfg: MtpLayerConfig, **layers):
+        return self.config_class(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=cfg.num_key_value_heads, hidden_act="silu",
+            max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
+            rope_parameters=dict(cfg.rope_parameters), moe_intermediate_size=cfg.moe_intermediate_size,
+            num_experts_per_tok=cfg.num_experts_per_tok, n_shared_experts=cfg.n_shared_experts,
+            n_routed_experts=cfg.num_experts, routed_scaling_factor=cfg.routed_scaling_factor, n_group=cfg.n_group,
+            topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob, num_nextn_predict_layers=1,
+            tie_word_embeddings=False, **self.attention_config(cfg), **layers)
+
+    def head_text_config(self, cfg: MtpLayerConfig):
+        """A one-layer config as transformers' get_mtp_config makes it: first_k_dense_replace 0 (the MTP layer is
+        MoE)."""
+        return self.text_config(cfg, num_hidden_layers=1, first_k_dense_replace=0,
+                                intermediate_size=cfg.moe_intermediate_size)
+
+    def main_text_config(self, cfg: MtpLayerConfig, raw: dict):
+        """The main model's config: the head's fields with the main stack's depth, dense-layer count and dense MLP
+        width (config.json's, else transformers' defaults)."""
+        main = {k: raw[k] for k in ("first_k_dense_replace", "intermediate_size") if k in raw}
+        return self.text_config(cfg, num_hidden_layers=cfg.num_hidden_layers, **main)
+
+    def load_main_model(self, checkpoint: Checkpoint):
+        """The official base model over the checkpoint's layers 0..N-1 (float32), for --main-model."""
+        text = self.main_text_config(checkpoint.config, checkpoint.raw_config)
+        return load_official_main_model(checkpoint, self.main_model, text, self.rotary)
+
+    def build_head(self, cfg: MtpLayerConfig, weights: dict[str, torch.Tensor]):
+        return build_mtp_layer_head(cfg, self.head_text_config(cfg), self.decoder_layer, self.rms_norm, self.rotary,
+                                    self.layout(cfg, set(weights)), weights)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -405,6 +450,7 @@ def main_model_hidden(model, sequence: np.ndarray) -> np.ndarray:
     return run_main_model(model, sequence)[0].float().numpy()
 
 
-__all__ = ["AttentionPass", "MtpLayerHead", "attention_with_uniform_weights", "build_mtp_layer_head", "causal_mask",
-           "embedding_rows", "load_official_main_model", "main_layout", "main_model_hidden", "official_layer_stepwise",
-           "qk_output_projection", "run_batched", "run_stepwise", "torch_weights"]
+__all__ = ["AttentionPass", "MtpLayerHead", "OfficialMtpLayer", "attention_with_uniform_weights",
+           "build_mtp_layer_head", "causal_mask", "embedding_rows", "load_official_main_model", "main_layout",
+           "main_model_hidden", "official_layer_stepwise", "qk_output_projection", "run_batched", "run_stepwise",
+           "torch_weights"]

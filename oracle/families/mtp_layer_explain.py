@@ -1,5 +1,6 @@
-"""`--explain` for the MtpLayer families (DeepSeek-V3, GLM-4.5): the head's stages as operators and its known
-wiring variants as patches (the interface of oracle/variants.py: `explain_ops`, `EXPLAIN_VARIANTS`).
+"""`--explain` for the MtpLayer families (DeepSeek-V3, GLM-4.5): the head's stages as operators and the wiring
+variants every such head shares as patches (`COMMON`); each family file adds its attention's own and exports
+`explain_ops` and `EXPLAIN_VARIANTS` (the interface of oracle/variants.py).
 
 What it is: `MtpLayerOps.compute(name, s)` is stage `name` from the named stages in `s`, one call per stage with the
 official modules the head loaded (MtpLayer's enorm, hnorm, eh_proj and post_norm; the decoder layer's norms, its
@@ -152,7 +153,7 @@ def explain_ops(head, rotary, inputs: TraceInputs, cfg) -> MtpLayerOps:
     return MtpLayerOps(head, rotary, inputs, cfg)
 
 
-# ---- variants shared by both families ---------------------------------------------------------------------------
+# ---- variants every MtpLayer family shares ----------------------------------------------------------------------------
 
 def concat_swap(ops: MtpLayerOps) -> MtpLayerOps:
     ops = ops.copy()
@@ -329,68 +330,3 @@ COMMON = {
     "gate_up_swap": ("routed", gate_up_swap), "fp8_scale_transposed": ("fc", fp8_scale_transposed),
     "pos_frozen": ("attn", pos_frozen),
 }
-
-
-# ---- DeepSeek-V3 (MLA) ----------------------------------------------------------------------------------------
-
-def rope_not_interleaved(ops: MtpLayerOps) -> "MtpLayerOps | str":
-    """The official attention reading a config copy with rope_interleave false (its NeoX-halves branch)."""
-    if not getattr(ops.attn.config, "rope_interleave", False):
-        return "the reference itself does not interleave (rope_interleave false)"
-    text = copy.copy(ops.attn.config)
-    text.rope_interleave = False
-    return ops.replaced(("attn",), _copy(ops.attn, config=text))
-
-
-def no_yarn_mscale(ops: MtpLayerOps) -> "MtpLayerOps | str":
-    plain = ops.attn.qk_head_dim ** -0.5
-    if ops.attn.scaling == plain:
-        return "the softmax scale has no YaRN mscale in this config: the variant changes nothing"
-    return ops.replaced(("attn",), _copy(ops.attn, scaling=plain))
-
-
-def latent_norm_eps(ops: MtpLayerOps) -> "MtpLayerOps | str":
-    eps = ops.cfg.rms_norm_eps
-    norms = [n for n in ("q_a_layernorm", "kv_a_layernorm") if getattr(ops.attn, n, None) is not None]
-    if all(getattr(ops.attn, n).variance_epsilon == eps for n in norms):
-        return f"rms_norm_eps is {eps:g}, the latent norms' own eps: the variant changes nothing"
-    attn = _copy(ops.attn, **{n: _copy(getattr(ops.attn, n), variance_epsilon=eps) for n in norms})
-    return ops.replaced(("attn",), attn)
-
-
-DEEPSEEK_V3 = COMMON | {"rope_not_interleaved": ("attn", rope_not_interleaved),
-                        "no_yarn_mscale": ("attn", no_yarn_mscale), "latent_norm_eps": ("attn", latent_norm_eps)}
-
-
-# ---- GLM-4.5 (GQA, partial rotary) ------------------------------------------------------------------------------
-
-def rope_all_dims(ops: MtpLayerOps) -> "MtpLayerOps | str":
-    text = copy.copy(ops.text_config)
-    if text.rope_parameters.get("partial_rotary_factor", 1.0) == 1.0:
-        return "the reference already rotates every head dim (partial_rotary_factor 1)"
-    text.rope_parameters = dict(text.rope_parameters) | {"partial_rotary_factor": 1.0}
-    if hasattr(text, "partial_rotary_factor"):
-        text.partial_rotary_factor = 1.0
-    ops = ops.copy()
-    ops.rope = type(ops.rotary)(text)(ops.embed[None], ops.positions)
-    return ops
-
-
-def no_qkv_bias(ops: MtpLayerOps) -> "MtpLayerOps | str":
-    projections = [n for n in ("q_proj", "k_proj", "v_proj") if getattr(ops.attn, n).bias is not None]
-    if not projections:
-        return "the head has no q/k/v bias (attention_bias false)"
-    attn = _copy(ops.attn, **{n: _copy(getattr(ops.attn, n), bias=_param(torch.zeros_like(getattr(ops.attn, n).bias)))
-                              for n in projections})
-    return ops.replaced(("attn",), attn)
-
-
-def qk_norm_after_rope(ops: MtpLayerOps) -> str:
-    if not getattr(ops.attn, "use_qk_norm", False):
-        return "the head has no q/k norm (use_qk_norm false)"
-    return ("not expressible as a patch of the official attention's modules or weights: it applies q_norm/k_norm "
-            "before RoPE inside its forward (a per-element norm weight does not commute with the rotation)")
-
-
-GLM4_MOE = COMMON | {"rope_all_dims": ("attn", rope_all_dims), "qk_norm_after_rope": ("attn", qk_norm_after_rope),
-                     "no_qkv_bias": ("attn", no_qkv_bias)}

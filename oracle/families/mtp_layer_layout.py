@@ -1,4 +1,6 @@
-"""Torch-free parts shared by the DeepSeek-V3 and GLM-4.5 MTP heads (transformers' `MtpLayer` families).
+"""Torch-free parts shared by the DeepSeek-V3 and GLM-4.5 MTP heads (transformers' `MtpLayer` families), and the
+declaration a family of that kind makes (`MtpLayerFamily`, `declare`): its config keys and defaults, its attention
+fields and tensors, its wiring variants and tiny config; everything else is here, once.
 
 Both release their MTP layer as one more decoder layer of the main stack, `model.layers.{num_hidden_layers}.*`
 (shared/reference/mtp_wiring.md §3.3-3.4):
@@ -24,6 +26,7 @@ MtpLayer and SGLang do not). Off by default; `mask_pos0_embedding` in the head c
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from oracle.errors import CheckpointError
@@ -335,3 +338,49 @@ VARIANTS = (
     Variant("fp8_scale_transposed", "FP8 block scales indexed [col block, row block]"),
     Variant("pos_frozen", "every step at the first position"),
 )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# declarations
+
+
+@dataclass(frozen=True)
+class MtpLayerFamily:
+    """What one MtpLayer family says beyond the shared code (the torch half declares its official classes:
+    oracle/families/mtp_layer.py `OfficialMtpLayer`)."""
+
+    name: str  # also the torch half's module: oracle.families.{name}
+    model_types: tuple[str, ...]
+    architectures: tuple[str, ...]
+    head_config: type  # the family's MtpLayerConfig subclass: its attention fields
+    defaults: dict  # transformers' config-class defaults for the keys a config.json may omit
+    # (raw config.json, its path, the shared fields) -> the family's own fields, rope_parameters included; raises
+    # CheckpointError for what the family does not support
+    attention_fields: Callable[[dict, str, dict], dict]
+    attention_shapes: Callable[[MtpLayerConfig], dict[str, tuple[int, ...]]]  # self_attn.* name -> shape
+    tiny_config: Callable[..., dict]
+    engine_mtp: str  # vLLM's MTP model of the family (the one that zeroes the position-0 embedding)
+    variants: tuple[Variant, ...] = ()  # the family's own, after the shared VARIANTS
+
+
+def head_config_from_json(declared: MtpLayerFamily, raw: dict, source: str) -> MtpLayerConfig:
+    """The head config of a flat config.json: the shared fields, the family's attention fields, the MoE block."""
+    if isinstance(raw.get("text_config"), dict):
+        raise CheckpointError(f"{source}: a {declared.name} config.json is flat; this one nests text_config.")
+    fields = common_fields(raw, source, declared.model_types, declared.name, declared.defaults)
+    own = declared.attention_fields(raw, source, fields)
+    return declared.head_config(**fields, **own, **moe_fields(raw, source, declared.defaults))
+
+
+def declare(declared: MtpLayerFamily) -> MtpLayerSpec:
+    """The FamilySpec of one declared MtpLayer family."""
+    return MtpLayerSpec(
+        name=declared.name, model_types=declared.model_types, architectures=declared.architectures,
+        parse_config=lambda raw, source: head_config_from_json(declared, raw, source),
+        layout=lambda cfg, names: layer_tensors(cfg, declared.attention_shapes(cfg), names),
+        head_prefix=HEAD_PREFIX, stages=mtp_layer_stages, dims=dims, main_model_prefixes=MAIN_MODEL_PREFIXES,
+        lm_head=SHARED_HEAD, head_module=f"oracle.families.{declared.name}", variants=VARIANTS + declared.variants,
+        tiny_config=declared.tiny_config,
+        notes=(f"mask_pos0_embedding: off as transformers' MtpLayer and SGLang; vLLM's {declared.engine_mtp} zeroes "
+               f"the embedding at position 0 (export --mask-pos0-embedding)",
+               "embedding/lm_head: the MTP layer's own copies where present (trace attribute `embedding`)"))
