@@ -10,7 +10,7 @@ FP8 (Qwen's `-FP8` releases, `quantization_config = {"quant_method": "fp8", "fmt
 has its block scale `X.weight_scale_inv` [ceil(out/bo), ceil(in/bi)] (F32, BF16 or F16) beside `X.weight`; norms,
 embeddings, lm_head and usually the router and shared-expert gate stay bf16. The layout accepts a scale exactly where
 the checkpoint has one (oracle/fp8.py; the same block FP8 as DeepSeek's, oracle/families/mtp_layer_layout.py); the
-head dequantizes (oracle/families/qwen3_5.py).
+head dequantizes (oracle/families/qwen3_5_stem.py).
 """
 
 import math

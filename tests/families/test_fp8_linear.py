@@ -189,7 +189,7 @@ def test_scale_grid_that_does_not_fit_is_refused_by_name(checkpoints):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# the Qwen heads' FP8 path (oracle/families/qwen3_5.py dequantize_fp8) shares Fp8Weights, so it gets Fp8Linear too
+# the Qwen heads' FP8 path (oracle/families/qwen3_5_stem.py dequantize_fp8) shares Fp8Weights, so it gets Fp8Linear too
 
 
 @pytest.fixture(scope="module")
