@@ -96,7 +96,7 @@ class Trained(nn.Module):
         self.main = Qwen3_5TextModel(text)
         self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         head_text = qwen3_5.head_text_config(head_config_from_json(config, "train_tiny"))
-        self.head = qwen3_5.MtpHead(head_text)
+        self.head = qwen3_5.MtpHead(head_text, qwen3_5.CLASSES)
         self.head_rotary = Qwen3_5TextRotaryEmbedding(head_text)
 
     def losses(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,25 +2,24 @@
 known wiring variants and a tiny config. The head itself, from the official transformers classes, is
 `oracle/families/qwen3_5.py`.
 
-The Qwen stem (two (1+w) norms, concat [e, h], fc, a gated full-attention layer, the final norm) is shared by
-Qwen3.5-MoE and Qwen3-Next, whose layout files reuse `parse_qwen_config` and `stem_and_attention_shapes` here and
-add the MoE block.
+The Qwen stem (two (1+w) norms, concat [e, h], fc, a gated full-attention layer, the final norm) and the sparse
+MoE block are shared by Qwen3.5-MoE and Qwen3-Next, whose layout files are declarations over them (`moe_spec`).
 
 FP8 (Qwen's `-FP8` releases, `quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size":
 [128, 128], "activation_scheme": "dynamic"}`, at the top level or inside `text_config`): a linear stored as F8_E4M3
 has its block scale `X.weight_scale_inv` [ceil(out/bo), ceil(in/bi)] (F32, BF16 or F16) beside `X.weight`; norms,
 embeddings, lm_head and usually the router and shared-expert gate stay bf16. The layout accepts a scale exactly where
 the checkpoint has one (oracle/fp8.py; the same block FP8 as DeepSeek's, oracle/families/mtp_layer_layout.py); the
-head dequantizes (oracle/families/qwen3_5.py).
+head dequantizes (oracle/families/qwen3_5_stem.py).
 """
 
 import math
 from dataclasses import asdict, dataclass
 
 from oracle.errors import CheckpointError
-from oracle.families.spec import MAIN_LM_HEAD, FamilySpec, Fusion, TensorLayout, Variant
+from oracle.families.spec import MAIN_LM_HEAD, ExpertLayout, FamilySpec, Fusion, TensorLayout, Variant
 from oracle.fp8 import scale_shape
-from oracle.stages import SPINE, Dims, with_draft
+from oracle.stages import SPINE, Dims, with_draft, with_moe
 
 FAMILY = "qwen3_5"
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
@@ -336,6 +335,88 @@ def dense_fusions(cfg: HeadConfig, layout: TensorLayout) -> dict[str, Fusion]:
 
 def spine_dims(cfg: HeadConfig) -> Dims:
     return Dims(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok)
+
+
+# ---- the sparse MoE block of Qwen3.5-MoE and Qwen3-Next (their layout files are declarations over it) --------
+#
+# Experts come in two layouts, both found in released checkpoints (shared/reference/mtp_wiring.md §3.1):
+# per-expert `mtp.layers.0.mlp.experts.{e}.{gate,up,down}_proj.weight`, or fused `mtp.layers.0.mlp.experts.gate_up_proj`
+# [E, 2I, D] (gate rows first) and `experts.down_proj` [E, D, I].
+# FP8: per-expert routed experts carry `experts.{e}.{gate,up,down}_proj.weight_scale_inv` like any other linear, as
+# the -FP8 releases name them. Fused experts with block scales have no released layout to check against (where would
+# [E, 2I, D]'s scale grid and its gate/up split lie?), so a fused FP8 checkpoint is refused rather than guessed; fused
+# bf16 experts beside FP8 linears are read as usual.
+
+MLP = "mtp.layers.0.mlp."
+FUSED = {"gate_up": MLP + "experts.gate_up_proj", "down": MLP + "experts.down_proj"}
+PER_EXPERT = {p: MLP + "experts.{e}." + p + "_proj.weight" for p in ("gate", "up", "down")}
+
+MOE_VARIANTS = (
+    Variant("topk_not_renormalised", "top-k weights used as softmax probabilities, not renormalised to sum 1"),
+    Variant("shared_ungated", "shared expert added without its sigmoid(shared_expert_gate) factor"),
+)
+
+
+def moe_block_shapes(cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
+    """Router, shared expert and its gate (the routed experts are the ExpertLayout)."""
+    d, s = cfg.hidden_size, cfg.shared_expert_intermediate_size
+    return {MLP + "gate.weight": (cfg.num_experts, d),
+            MLP + "shared_expert.gate_proj.weight": (s, d), MLP + "shared_expert.up_proj.weight": (s, d),
+            MLP + "shared_expert.down_proj.weight": (d, s), MLP + "shared_expert_gate.weight": (1, d)}
+
+
+def moe_layout(cfg: HeadConfig, names: set[str]) -> TensorLayout:
+    """The stem, attention and MoE block, with the experts in whichever layout the checkpoint uses."""
+    fused = any(n in names for n in FUSED.values())
+    if fused:
+        _refuse_fused_fp8_scales(names)
+    per_expert = any(n.startswith(MLP + "experts.") and n not in FUSED.values() for n in names)
+    if fused and per_expert:
+        raise CheckpointError("the checkpoint holds both fused (experts.gate_up_proj) and per-expert "
+                              "(experts.{e}.*_proj.weight) expert tensors; keep one layout.")
+    experts = ExpertLayout("fused" if fused else "per_expert", cfg.num_experts, cfg.moe_intermediate_size,
+                           cfg.hidden_size, FUSED if fused else PER_EXPERT)
+    dense = stem_and_attention_shapes(cfg) | moe_block_shapes(cfg)
+    # expert scales (small) are digested with the dense tensors, as DeepSeek's are
+    return TensorLayout(dense | fp8_scale_shapes(cfg, dense | experts.shapes(), names), experts)
+
+
+def _refuse_fused_fp8_scales(names: set[str]) -> None:
+    """A scale beside fused experts (`experts.gate_up_proj_scale_inv`, `experts.gate_up_proj.weight_scale_inv`, ...)
+    has no confirmed layout; refuse it by name instead of calling it a second expert layout."""
+    scales = sorted(n for n in names if n.startswith(MLP + "experts.") and "scale" in n)
+    if scales:
+        raise CheckpointError(f"fused routed experts ({FUSED['gate_up']}) with FP8 block scales "
+                              f"({', '.join(scales[:3])}): no released checkpoint stores fused FP8 experts, so their "
+                              f"scale layout cannot be checked; this oracle refuses to guess it. Store the experts per "
+                              f"expert (experts.{{e}}.gate_proj.weight with its {SCALE}), as the -FP8 releases do.")
+
+
+def moe_fusions(cfg: HeadConfig, layout: TensorLayout) -> dict[str, Fusion]:
+    """vLLM's names: `qkv_proj`, the shared expert's `gate_up_proj`, and FusedMoE `experts.w13_weight` [E, 2I, D]
+    (per expert cat(gate, up); a fused checkpoint's `gate_up_proj` as is) and `experts.w2_weight` [E, D, I]."""
+    shared, fused = MLP + "shared_expert.", layout.experts is not None and layout.experts.kind == "fused"
+    experts = ({MLP + "experts.w13_weight": Fusion((FUSED["gate_up"],)),
+                MLP + "experts.w2_weight": Fusion((FUSED["down"],))} if fused else
+               {MLP + "experts.w13_weight": Fusion((PER_EXPERT["gate"], PER_EXPERT["up"]), experts=cfg.num_experts),
+                MLP + "experts.w2_weight": Fusion((PER_EXPERT["down"],), experts=cfg.num_experts)})
+    return attention_fusions(cfg, layout) | experts | {
+        shared + "gate_up_proj.weight": Fusion((shared + "gate_proj.weight", shared + "up_proj.weight"))}
+
+
+def moe_spec(name: str, model_types: tuple[str, ...], architectures: tuple[str, ...],
+             main_model_prefixes: tuple[str, ...], mrope: bool, tiny_config, notes: tuple[str, ...] = ()) -> FamilySpec:
+    """A Qwen-stem MoE family's spec: the stem with the MoE block (layout, stages, variants, fusions); the family
+    says what differs (names, model types, where its main model lies, mrope or plain RoPE, tiny config, notes)."""
+    def head_config_from_json(raw: dict, source: str) -> HeadConfig:
+        return parse_qwen_config(raw, source, name, model_types, moe=True, mrope=mrope)
+
+    return FamilySpec(
+        name=name, model_types=model_types, architectures=architectures, parse_config=head_config_from_json,
+        layout=moe_layout, head_prefix="mtp.", stages=lambda cfg: with_draft(with_moe(SPINE)), dims=spine_dims,
+        main_model_prefixes=main_model_prefixes, lm_head=LM_HEAD, head_module=f"oracle.families.{name}",
+        variants=QWEN_VARIANTS + MOE_VARIANTS, tiny_config=tiny_config, fusions=moe_fusions, one_plus_norms=True,
+        notes=notes)
 
 
 SPEC = FamilySpec(

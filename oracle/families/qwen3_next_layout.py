@@ -1,20 +1,9 @@
-"""Qwen3-Next (`qwen3_next`) MTP head, torch-free half: the Qwen stem and gated attention (plain partial RoPE, no
-mrope) with the same sparse MoE block as Qwen3.5-MoE; `norm_topk_prob` is read by transformers' own router. The
-head itself is `oracle/families/qwen3_next.py`. Released checkpoints use per-expert names; fused ones are
-accepted too."""
+"""Qwen3-Next (`qwen3_next`) MTP head, torch-free half: a declaration over the Qwen stem and its sparse MoE block
+(oracle/families/qwen3_5_layout.py), with gated attention under plain partial RoPE (no mrope); `norm_topk_prob` is
+read by transformers' own router. The head itself is `oracle/families/qwen3_next.py`. Released checkpoints use
+per-expert names; fused ones are accepted too."""
 
-from oracle.families.qwen3_5_layout import (LM_HEAD, QWEN_VARIANTS, HeadConfig, parse_qwen_config, spine_dims)
-from oracle.families.qwen3_5_moe_layout import MOE_VARIANTS, moe_fusions, moe_layout
-from oracle.families.spec import FamilySpec
-from oracle.stages import SPINE, with_draft, with_moe
-
-FAMILY = "qwen3_next"
-MODEL_TYPES = ("qwen3_next",)
-MAIN_MODEL_PREFIXES = ("model.",)
-
-
-def head_config_from_json(raw: dict, source: str) -> HeadConfig:
-    return parse_qwen_config(raw, source, FAMILY, MODEL_TYPES, moe=True, mrope=False)
+from oracle.families.qwen3_5_layout import moe_spec
 
 
 def tiny_config(**overrides) -> dict:
@@ -29,11 +18,5 @@ def tiny_config(**overrides) -> dict:
     return config
 
 
-SPEC = FamilySpec(
-    name=FAMILY, model_types=MODEL_TYPES, architectures=("Qwen3NextForCausalLM",),
-    parse_config=head_config_from_json, layout=moe_layout, head_prefix="mtp.",
-    stages=lambda cfg: with_draft(with_moe(SPINE)), dims=spine_dims, main_model_prefixes=MAIN_MODEL_PREFIXES, lm_head=LM_HEAD,
-    head_module="oracle.families.qwen3_next", variants=QWEN_VARIANTS + MOE_VARIANTS, tiny_config=tiny_config,
-    fusions=moe_fusions,
-    one_plus_norms=True,
-)
+SPEC = moe_spec("qwen3_next", ("qwen3_next",), architectures=("Qwen3NextForCausalLM",),
+                main_model_prefixes=("model.",), mrope=False, tiny_config=tiny_config)

@@ -189,7 +189,7 @@ def test_scale_grid_that_does_not_fit_is_refused_by_name(checkpoints):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# the Qwen heads' FP8 path (oracle/families/qwen3_5.py dequantize_fp8) shares Fp8Weights, so it gets Fp8Linear too
+# the Qwen heads' FP8 path (oracle/families/qwen3_5_stem.py dequantize_fp8) shares Fp8Weights, so it gets Fp8Linear too
 
 
 @pytest.fixture(scope="module")
@@ -221,17 +221,18 @@ def test_qwen_fp8_linears_stay_fp8_and_equal_whole_dequant(qwen_pairs, case, mon
 
 
 def test_qwen_explain_variants_read_the_fp8_weights_value(qwen_pairs):
-    """--explain's variants that rewrite a linear's rows (oracle/variants.py) read an Fp8Linear's value, not its
-    bytes: on the FP8 head they build the very weights they build on the dequantized twin's head."""
+    """--explain's variants that rewrite a linear's rows (oracle/families/qwen3_5_explain.py) read an Fp8Linear's
+    value, not its bytes: on the FP8 head they build the very weights they build on the dequantized twin's head."""
     from oracle import variants
+    from oracle.families import qwen3_5_explain as qwen
 
     fp8_dir, deq_dir = qwen_pairs["dense"]
     ops = {}
     for which, path in (("fp8", fp8_dir), ("deq", deq_dir)):
         _, ckpt, head, rotary = build(path)
-        ops[which] = variants.StageOps(head, rotary, inputs(ckpt))
+        ops[which] = qwen.StageOps(head, rotary, inputs(ckpt))
     assert isinstance(ops["fp8"].attn.q_proj, Fp8Linear)
-    for variant in (variants.qgate_halves, variants.no_gate, variants.rope_interleaved):
+    for variant in (qwen.qgate_halves, qwen.no_gate, qwen.rope_interleaved):
         fp8, deq = variant(ops["fp8"]).attn, variant(ops["deq"]).attn
         for name in ("q_proj", "k_proj", "o_proj"):  # rewritten (UpcastLinear) or untouched (still FP8)
             assert torch.equal(variants._weight(getattr(fp8, name)).float(),
