@@ -58,7 +58,12 @@ def official_config(cfg):
     # a deep copy: the official config class writes into the dicts it is given (InklingConfig fills text_config)
     raw = {k: copy.deepcopy(v) for k, v in cfg.text.items()
            if k not in ("model_type", "architectures", "transformers_version")}
-    return getattr(importlib.import_module(config_module), config_class)(**raw)
+    try:
+        return getattr(importlib.import_module(config_module), config_class)(**raw)
+    except (ValueError, TypeError, KeyError) as error:  # the official class refuses what config.json says
+        raise CheckpointError(f"config.json: transformers' {config_class} refuses this config ({error}); the oracle "
+                              f"reads a config exactly as that class does, so fix config.json until "
+                              f"`{config_class}(**config)` accepts it.") from None
 
 
 class MtpModelHead(nn.Module):

@@ -114,10 +114,21 @@ class MtpModelFamily:
     # whenever experts_key is set). Step-3.5/3.7 set n_routed_experts for the main stack while the released MTP
     # layers are dense (moe_layers_enum 3..44 of 45 + 3).
     sparse_mtp: Callable[[dict], bool] | None = None
+    # the official text config class's attribute_map {alias: key}: a config.json may spell a key by its alias
+    # (Step-3.5/3.7 releases write num_attention_groups for num_key_value_heads), which the class reads as the key.
+    # A copy (this half imports no transformers); tests/families/test_mtp_model_aliases.py holds it equal.
+    aliases: dict = field(default_factory=dict)
+
+
+def with_aliases(text: dict, aliases: dict) -> dict:
+    """`text` with each aliased key also under its own name, as the official config class reads it (the key itself
+    wins where both are given, as the class's attribute setter leaves it)."""
+    return {**{key: text[alias] for alias, key in aliases.items() if alias in text and key not in text}, **text}
 
 
 def head_config_from_json(declared: MtpModelFamily, raw: dict, source: str) -> HeadConfig:
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    text = with_aliases(text, declared.aliases)
     layers = declared.layer_count(raw, text) if declared.layer_count else text.get(declared.layers_key)
     if declared.refuse:
         declared.refuse(raw, text, source)
@@ -333,7 +344,11 @@ def step3p7_sparse_mtp(text: dict) -> bool:
 
 STEP3P7 = MtpModelFamily("step3p7", ("step3p7", "step3p5"), ("Step3p7ForConditionalGeneration",),
                          "num_nextn_predict_layers", "n_routed_experts", step3p7_tiny_config,
-                         sparse_mtp=step3p7_sparse_mtp)
+                         sparse_mtp=step3p7_sparse_mtp,
+                         aliases={"num_local_experts": "n_routed_experts", "num_attention_groups": "num_key_value_heads",
+                                  "moe_num_experts": "n_routed_experts", "moe_top_k": "num_experts_per_tok",
+                                  "share_expert_dims": "share_expert_dim",
+                                  "num_mtp_layers": "num_nextn_predict_layers"})
 INKLING = MtpModelFamily(
     "inkling", ("inkling_mm_model", "inkling_text"), ("InklingForConditionalGeneration",),
     "mtp_config.num_nextn_predict_layers", None, inkling_tiny_config, layer_count=inkling_layer_count,
@@ -347,6 +362,9 @@ INKLING = MtpModelFamily(
                 "res2": "res1 + mlp_sconv(mlp)",
                 "out": "chain_norm(res2), one norm shared by every layer (chain_hidden_post_norm; res2 without it)"},
     shared_variants=("layer0_reused", "layer_caches_swapped"), refuse=inkling_refuse,
+    aliases={"embedding_multiplier": "logits_mup_width_multiplier", "sliding_window": "sliding_window_size",
+             "num_local_experts": "n_routed_experts", "sconv_kernel_size": "conv_kernel_size",
+             "model_max_length": "max_position_embeddings"},
     notes=("positions come from each layer's cache as MtpCache counts them (row index + layer + 1); position ids "
            "are not read (no rotary)",
            "draft logits: lm_head(out / logits_mup_width_multiplier)[:unpadded_vocab_size]"))
