@@ -11,17 +11,24 @@ The draft loop (issue 24, LOOP_CASES): from the reference's inputs it exports a 
 variant (numpy_loop_mutants.py, -DMTP_MUTANT_<VARIANT>) must be caught at the (stage, depth, bridge) where its
 mistake first shows, the correct candidates must pass at every depth with every stage captured (the draft too: they
 draft through their own lm_head, from the tables file MTP_DRAFT_TABLES names, written here from the checkpoint), and
-a bfloat16 engine must pass under the bfloat16 profile at every depth and not under float32's.
+a bfloat16 engine must pass under the bfloat16 profile at every depth and not under float32's. Each loop case's
+candidate trace then goes through `mtp-probe diff --explain` (the CLI's own command, all cases in one child process:
+--explain loads torch and transformers, which the probe's process never imports): its DIAGNOSIS must name the case's
+variant first, and a correct candidate must get none; anything else fails the case, shown in the table's diagnosis
+column.
 """
 
+import dataclasses
 import importlib.util
+import io
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -248,6 +255,7 @@ class LoopRow:
     depths: str  # the depths compared, e.g. "1-4"
     ok: bool | None
     note: str = ""
+    diagnosis: str = "-"  # what --explain's DIAGNOSIS named first ("none": no variant), or why it did not run
 
 
 def run_loop_cases(reference: Path, checkpoint: Path, builds: Path, tmp: Path,
@@ -255,17 +263,21 @@ def run_loop_cases(reference: Path, checkpoint: Path, builds: Path, tmp: Path,
     """Every LOOP_CASES candidate on a chained reference exported from `reference`'s inputs."""
     skip = _loop_skip_reason(reference)
     if skip:
-        return [LoopRow(c, "-", "-", c.expect[1], "-", None, skip) for c in LOOP_CASES]
+        return [LoopRow(c, "-", "-", c.expect[1], "-", None, skip, diagnosis="skipped") for c in LOOP_CASES]
     log("selftest: exporting the chained reference (mtp-oracle export --chain)")
     chained = chained_reference(reference, checkpoint, tmp / "chain.h5")
     tables = write_draft_tables(checkpoint, tmp / "draft_tables.bin")
     embed_first = embed_draft_first(chained, checkpoint)
-    rows = []
+    rows, traces = [], []
     with _candidates_see(tables):
-        for case in tracked(LOOP_CASES, "selftest loop", len(LOOP_CASES), unit="case"):
+        for i, case in enumerate(tracked(LOOP_CASES, "selftest loop", len(LOOP_CASES), unit="case")):
             log(f"selftest: {case.name}")
-            rows.append(_run_loop_case(case, chained, checkpoint, builds, embed_first))
-    return rows
+            row, written = _run_loop_case(case, chained, checkpoint, builds, embed_first, tmp / f"loop{i}.h5")
+            rows.append(row)
+            traces.append(written)
+    log("selftest: --explain on every loop case's trace (mtp-probe diff --explain, in a child process)")
+    diagnoses = explain_loop_traces(chained, checkpoint, traces, [r.case.profile for r in rows], tmp)
+    return [_with_diagnosis(row, found) for row, found in zip(rows, diagnoses)]
 
 
 def _loop_skip_reason(reference: Path) -> str:
@@ -358,14 +370,17 @@ def _candidates_see(tables: Path) -> Iterator[None]:
             sys.path.remove(path)
 
 
-def _run_loop_case(case: LoopCase, chained: Path, checkpoint: Path, builds: Path, embed_first: str) -> LoopRow:
+def _run_loop_case(case: LoopCase, chained: Path, checkpoint: Path, builds: Path, embed_first: str,
+                   out: Path) -> tuple[LoopRow, Path | None]:
+    """The case's row and its candidate trace (written to `out` for --explain; None where none was written)."""
     if case.impl == "c":
         defines = (case.mutant if case.mutant.startswith("MTP_NO_") else f"MTP_MUTANT_{case.mutant}",) \
             if case.mutant else ()
         adapter = CAbiAdapter(build_library(CANDIDATES / "mtp_step_v2.c", builds, defines), checkpoint)
     else:
         adapter = adapter_from_spec(case.impl, checkpoint)
-    report = run_and_diff(chained, adapter, tol_table(PROFILES[case.profile])).report
+    result = run_and_diff(chained, adapter, tol_table(PROFILES[case.profile]), out=out)
+    report = result.report
     expected = embed_first if case.expect[1] == EMBED_DRAFT else case.expect[1]
     verdict, first, depths = report.verdict.name, _loop_first(report), _depths(report)
     ok, note = (verdict, first) == (case.expect[0], expected), ""
@@ -373,7 +388,94 @@ def _run_loop_case(case: LoopCase, chained: Path, checkpoint: Path, builds: Path
         ok, note = _everything_compared(report)
     if ok and case.variant == ONLY_DRAFT:
         ok, note = _only_draft_diverged(report)
-    return LoopRow(case, verdict, first, expected, depths, ok, note)
+    return LoopRow(case, verdict, first, expected, depths, ok, note), result.written
+
+
+# --- --explain on the loop cases --------------------------------------------------------------------------------
+
+EXPLAIN_CHILD = "from probe.selftest import explain_child; explain_child()"
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """What `mtp-probe diff --explain` said about one candidate trace: the variants its DIAGNOSIS names, best first
+    (empty: none reproduces, or nothing diverged), its DIAGNOSIS line, or the error that kept it from saying."""
+
+    named: tuple[str, ...] = ()
+    line: str = ""
+    error: str = ""
+
+
+def explain_loop_traces(chained: Path, checkpoint: Path, traces: list[Path | None], profiles: list[str],
+                        tmp: Path) -> list[Diagnosis]:
+    """`mtp-probe diff CHAINED TRACE --explain --checkpoint CHECKPOINT --profile P` for every trace, in one child
+    process (one torch/transformers import for all; the probe's own process never loads them). A trace that was
+    not written, or a child that failed, gives a Diagnosis with its error: never an empty, passing one."""
+    jobs = [{"ref": str(chained), "candidate": str(t), "checkpoint": str(checkpoint), "profile": p,
+             "json": str(tmp / f"explain{i}.json")} for i, (t, p) in enumerate(zip(traces, profiles)) if t]
+    jobs_file, answers = tmp / "explain_jobs.json", tmp / "explain_answers.json"
+    jobs_file.write_text(json.dumps(jobs))
+    proc = run_ended_with_us([sys.executable, "-c", EXPLAIN_CHILD, str(jobs_file), str(answers)], 2.0)
+    if proc.returncode != 0 or not answers.is_file():
+        said = (proc.stderr.strip().splitlines() or ["(no message)"])[-1]
+        failed = Diagnosis(error=f"the --explain child failed (exit {proc.returncode}): {said}")
+        return [failed for _ in traces]
+    by_candidate = {a["candidate"]: Diagnosis(tuple(a["named"]), a["line"], a["error"])
+                    for a in json.loads(answers.read_text())}
+    return [by_candidate.get(str(t), Diagnosis(error="no answer for this trace")) if t else
+            Diagnosis(error="no candidate trace was written") for t in traces]
+
+
+def explain_child(argv: list[str] | None = None) -> None:
+    """The child's side (EXPLAIN_CHILD): each job through the CLI's own `diff --explain` (probe/cli.py), stdout kept
+    for its DIAGNOSIS line and the --json report for the variants it names; one job's error is its answer, the
+    others still run."""
+    from probe.cli import main
+
+    jobs_file, answers = argv or sys.argv[1:3]
+    out = []
+    for job in json.loads(Path(jobs_file).read_text()):
+        args = ["diff", job["ref"], job["candidate"], "--explain", "--checkpoint", job["checkpoint"], "--profile",
+                job["profile"], "--json", job["json"], "-q"]
+        printed, error, named = io.StringIO(), "", []
+        try:
+            with redirect_stdout(printed):
+                code = main(args, standalone_mode=False)
+            if code not in (0, 1, 3):  # pass, diverged, inconclusive: the explain ran; anything else did not
+                error = f"mtp-probe diff --explain exited {code}"
+        except Exception as err:  # noqa: BLE001  (any failure is this job's answer, reported as a failure)
+            error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        lines = [line for line in printed.getvalue().splitlines() if line.startswith("DIAGNOSIS |")]
+        if not error:
+            report = json.loads(Path(job["json"]).read_text())
+            named = [d["variant"] for d in (report.get("explain") or {}).get("diagnosis", [])]
+            if not lines:
+                error = "no DIAGNOSIS line printed"
+        out.append({"candidate": job["candidate"], "named": named, "line": lines[-1] if lines else "",
+                    "error": error})
+    Path(answers).write_text(json.dumps(out))
+
+
+def _with_diagnosis(row: LoopRow, found: Diagnosis) -> LoopRow:
+    """The row with what --explain named: a variant case must be diagnosed as its variant first, a correct
+    candidate (or one whose loop was not checked) with no variant; a mismatch or an explain that did not run fails
+    the case. A row that is already skipped stays skipped."""
+    if row.ok is None:
+        return row
+    if found.error:
+        return dataclasses.replace(row, ok=False, diagnosis="error", note=_joined(row.note, found.error))
+    shown = found.named[0] if found.named else "none"
+    if row.case.variant:
+        right = found.named[:1] == (row.case.variant,)
+        why = "" if right else f"DIAGNOSIS names {', '.join(found.named) or 'no variant'}, not {row.case.variant}"
+    else:
+        right = not found.named
+        why = "" if right else f"DIAGNOSIS names {', '.join(found.named)} for a correct loop"
+    return dataclasses.replace(row, ok=row.ok and right, diagnosis=shown, note=_joined(row.note, why))
+
+
+def _joined(*notes: str) -> str:
+    return "; ".join(n for n in notes if n)
 
 
 def _loop_first(report: DiffReport) -> str:
@@ -439,12 +541,15 @@ def render_table(rows: list) -> str:
 
 def _loop_table(rows: list[LoopRow]) -> list[str]:
     """The draft loop's cases: first divergence as stage@d<depth>:<row> (row: token at depth 1, bridge after)."""
-    head = f"{'draft loop case':<32}{'verdict':<13}{'first':<13}{'expected':<26}{'depths':<8}ok"
+    head = (f"{'draft loop case':<32}{'verdict':<13}{'first':<13}{'expected':<26}{'depths':<8}"
+            f"{'diagnosis':<20}ok")
     lines = ["", head, "-" * len(head)]
     for r in rows:
         ok = {True: "ok", False: "FAIL" + (f" ({r.note})" if r.note else ""), None: r.note}[r.ok]
         lines.append(f"{r.case.name:<32}{r.verdict:<13}{r.first:<13}{r.case.expect[0] + ' ' + r.expected:<26}"
-                     f"{r.depths:<8}{ok}")
+                     f"{r.depths:<8}{r.diagnosis:<20}{ok}")
     lines.append("")
+    lines.append("  diagnosis: the variant mtp-probe diff --explain's DIAGNOSIS names first (none: no variant; a "
+                 "variant case must get its own, a correct loop none)")
     lines += [f"  {r.case.name}: {r.case.why}" for r in rows if r.case.why]
     return lines

@@ -26,7 +26,10 @@ def test_selftest_passes_on_the_bundled_fixture():
     for impl in ("C", "python"):
         assert loop[f"recycle_prenorm ({impl})"][2:4] == ["diverged", "h@d2:0"]
         assert loop[f"chain_kv_kept ({impl})"][2:4] == ["diverged", "attn@d1:1"]
-    assert loop["C draft loop"][3:5] == ["pass", "-"] and loop["C draft loop"][-2] == "1-4"
+    assert loop["C draft loop"][3:5] == ["pass", "-"] and loop["C draft loop"][-3] == "1-4"
+    # --explain's DIAGNOSIS (the diagnosis column): each variant's mutants named as it, correct loops as none
+    for case in selftest.LOOP_CASES:
+        assert loop[case.name][-2] == (case.variant or "none"), (case.name, loop[case.name])
 
 
 def test_selftest_fails_when_a_mutant_is_not_caught_as_expected(monkeypatch):
@@ -134,3 +137,43 @@ def test_a_bf16_engine_passes_at_every_depth_under_the_bf16_profile_only(loop_ru
     bf16, f32 = rows["python bfloat16, bf16 profile"], rows["python bfloat16"]
     assert (bf16.verdict, bf16.depths, bf16.ok) == ("pass", "1-4", True), bf16
     assert (f32.verdict, f32.first, f32.ok) == ("diverged", "e@d1:0", True), f32
+
+
+def test_a_loop_case_diagnosed_as_another_variant_or_a_correct_loop_diagnosed_fails(loop_run):
+    """The diagnosis check can fail: recycle_prenorm's mutant is caught where recycle_main_hidden's is (h@d2:0),
+    so only --explain's DIAGNOSIS tells them apart; labelled recycle_main_hidden, or as a correct loop, it fails."""
+    mutant = "python:numpy_loop_mutants:recycle_prenorm"
+    mislabelled = selftest.LoopCase("mislabelled", mutant, "recycle_main_hidden", ("diverged", "h@d2:0"))
+    unlabelled = selftest.LoopCase("unlabelled", mutant, "", ("diverged", "h@d2:0"))
+    rows = loop_run(mislabelled, unlabelled, LOOP_BY_NAME["recycle_prenorm (python)"], LOOP_BY_NAME["C draft loop"])
+    for name in ("mislabelled", "unlabelled"):
+        assert (rows[name].verdict, rows[name].first) == ("diverged", "h@d2:0")  # as expected, but for the diagnosis
+        assert rows[name].ok is False and rows[name].diagnosis == "recycle_prenorm", rows[name]
+    assert "not recycle_main_hidden" in rows["mislabelled"].note
+    assert "for a correct loop" in rows["unlabelled"].note
+    right = rows["recycle_prenorm (python)"]
+    assert (right.ok, right.diagnosis) == (True, "recycle_prenorm"), right
+    assert (rows["C draft loop"].ok, rows["C draft loop"].diagnosis) == (True, "none")
+
+
+def test_an_explain_that_does_not_run_fails_every_loop_case_never_passes_it(loop_run, monkeypatch):
+    monkeypatch.setattr(selftest, "EXPLAIN_CHILD", "import sys; print('broken', file=sys.stderr); sys.exit(4)")
+    rows = loop_run(LOOP_BY_NAME["C draft loop"], LOOP_BY_NAME["recycle_prenorm (C)"])
+    for row in rows.values():
+        assert row.ok is False and row.diagnosis == "error" and "exit 4): broken" in row.note, row
+    table = selftest.render_table(list(rows.values()))
+    assert table.splitlines()[-1].startswith("SELFTEST FAILED | 0/2 runs as expected, 2 not")
+
+
+def test_without_transformers_the_loop_cases_and_their_diagnosis_are_skipped(monkeypatch, tmp_path):
+    """No oracle (no transformers): neither the chained reference nor --explain can run: skipped, never passed."""
+    real = selftest.importlib.util.find_spec
+    monkeypatch.setattr(selftest.importlib.util, "find_spec", lambda name: None if name == "transformers"
+                        else real(name))
+    rows = selftest.run_loop_cases(selftest.BUNDLED_REFERENCE, selftest.BUNDLED_CHECKPOINT, tmp_path, tmp_path)
+    assert len(rows) == len(selftest.LOOP_CASES)
+    assert all(r.ok is None and r.diagnosis == "skipped" and "skipped" in r.note for r in rows)
+    table = selftest.render_table(rows).splitlines()
+    assert table[-1].endswith(f"0/{len(rows)} runs as expected, {len(rows)} skipped")
+    shown = [line for line in table if line.startswith(tuple(c.name for c in selftest.LOOP_CASES))]
+    assert len(shown) == len(rows) and all("skipped" in line and " ok" not in line for line in shown)
