@@ -149,12 +149,9 @@ def test_twin_a_frozen_chain_position_cannot_show_on_these_chains(chained):
     assert first_difference(*_loop(head, trace, position_of=one_position)) == (2, "attn")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="oracle bug: a step3p7 head whose MTP layers are dense (moe_layers_enum leaves them out, "
-                          "as the comment in transformers' modeling_step3p7.py says Step-3.7-Flash's marks layers "
-                          "3-44 only) exits 4: its stage list keeps the MoE stages because config.json has "
-                          "n_routed_experts (oracle/families/mtp_model_layout.py stages)")
 def test_dense_mtp_layers_equal_the_transcription_at_every_depth(tmp_path):
+    """MTP layers left out of moe_layers_enum are dense (as Step-3.7-Flash's release): no router stages, every depth
+    equal to the transcription (this exited 4 before the family read sparse_mtp)."""
     dims = dict(HELD_OUT["four_layers"], moe_layers_enum="1", num_nextn_predict_layers=3)
     ckpt = FIXTURES.write_mtp_model_checkpoint(tmp_path / "ckpt", "step3p7", dims)
     head = transcription.load(ckpt)
