@@ -295,7 +295,7 @@ class LoopVariants:
             info = self.impl.embedding_rows(self.ckpt, np.zeros(1, dtype=np.int64))[1] or {}
             if info.get("main") or info.get("tensor"):
                 return info.get("main") or info["tensor"]
-        return self.ckpt.main_model_prefix() + "embed_tokens.weight"
+        return self.ckpt.main_model_prefix() + self.family.embedding  # Inkling's release: model.llm.embed.weight
 
     def _swapped_head(self):
         weights = dict(self.weights)
