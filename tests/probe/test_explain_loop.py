@@ -186,7 +186,7 @@ def test_twin_loop_variants_need_the_depths_they_show_at(qwen, tmp_path):
 
 def test_variant_names_are_the_agreed_ones():
     assert NAMES == ("recycle_prenorm", "recycle_main_hidden", "position_frozen", "chain_kv_kept", "layer0_reused",
-                     "draft_embed_tokens", "enorm_hnorm_swap")
+                     "draft_embed_tokens", "enorm_hnorm_swap", "layer_caches_swapped", "shared_head_shared")
 
 
 # --- GLM-4.5: vLLM 0.33.0's MTP head recycles its un-normed residual --------------------------------------------
@@ -485,4 +485,5 @@ def test_argmax_reference_without_recorded_tokens_says_why():
     info = ChainInfo(3, "argmax", "out", (0, 0), 1, "dropped_after_chain")
     runner = LoopVariants.__new__(LoopVariants)
     runner.info, runner.chain_tokens, runner.head = info, {2: np.zeros(3, dtype=np.int64)}, object()
+    runner.family = Checkpoint(TINY).family
     assert "records no /chain/d{j}/inputs/token_ids" in runner._not_applicable("recycle_prenorm")
