@@ -23,8 +23,21 @@ the bridge step, with its `draft`), which the probe compares with a candidate's 
                         is never cropped: bridge i, its chain, bridge i+1, with the same head.steps, positions,
                         tokens, recycling and window as the loop.
 
-A variant that cannot apply to a reference (no chain recorded, a one-layer head for layer0_reused, chain tokens
-that are the reference's own drafts, ...) is a string saying why, never a silent pass. Nothing here judges a tolerance: the probe passes its own row rule in.
+- layer_caches_swapped   N-layer heads: depths 2 and 3 read each other's layer's KV entries (each writes its own):
+                        row s of depth 2 attends over layer 2's entries of rows r < s and its own row s, depth 3
+                        over layer 1's (ChainSpec.past_kv; `swapped_caches_loop` reruns the loop until the
+                        exchanged K/V are fixed). On step3p7_tiny and mimo_v2_flash_tiny: depth 2 `attn` bridge 1
+                        (row 0 has no past rows).
+- shared_head_shared    N-layer heads: every layer's post_norm (shared_head.norm; MiMo final_layernorm) is layer
+                        0's (MtpModel drafts every depth through the one main lm_head already). On both fixtures:
+                        depth 2 `out` bridge 0 (every stage up to res2 matches).
+
+Argmax-chain references (--chain-tokens argmax): the candidate is fed the reference's recorded chain tokens, so
+every variant is fed them too (`chain_tokens`, ChainSpec.fed), never its own drafts; the unchanged loop fed them
+is the reference bit for bit. On an N-layer head's argmax chains recycle_main_hidden, position_frozen and
+layer_caches_swapped are not reproduced (said). A variant that cannot apply to a reference (no chain recorded, a
+one-layer head for the N-layer ones, a shared chain norm, conv-state layers for layer_caches_swapped, ...) is a
+string saying why, never a silent pass. Nothing here judges a tolerance: the probe passes its own row rule in.
 """
 
 from collections.abc import Callable
