@@ -179,6 +179,13 @@ class ChainSpec:
     # Loop variants (oracle/loop_variants.py, `--explain`): an engine's wrong loop, run by this same loop.
     recycle_main: bool = False  # every depth recycles the main model's H_i (recycle_main_hidden)
     position_step: int = 1  # depth j at p_i + (j-1)·step; 0: the chain position never advances (position_frozen)
+    # depth j -> the tokens (n_j,) a reference recorded at depth j: fed instead of the token mode's choice, so a
+    # variant on an argmax-chain reference runs on the reference's drafts, never its own (`tokens` keeps the rows'
+    # structure: an N-layer argmax chain's own rows read these as the chain's drafts)
+    fed: Callable[[int], np.ndarray] | None = None
+    # N-layer heads, teacher-forced: depth j -> (keys, values) of another layer's pass (layer_caches_swapped): row s
+    # of depth j attends over those rows r < s and its own row s, instead of its own rows <= s
+    past_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def offset(self, depth: int) -> int:
         """Depth j's position minus its bridge's: j - 1 (0 for a frozen chain position)."""
@@ -197,7 +204,7 @@ def run_chains(head: Head, rotary: Rotary, bridge: Bridge, spec: ChainSpec,
 
     `draft` (out rows -> ids, margin) drafts every depth; the ARGMAX token mode feeds depth j the draft of depth
     j-1 (`first_drafts`: the bridge's, depth 1's)."""
-    if spec.tokens == ARGMAX and (draft is None or first_drafts is None):
+    if spec.tokens == ARGMAX and spec.fed is None and (draft is None or first_drafts is None):
         raise ValueError("argmax chain tokens need the draft projection and depth 1's drafts")  # a caller bug
     if getattr(head, "num_layers", 1) > 1:
         yield from _layer_chains(head, rotary, bridge, spec, embedding_rows, draft, first_drafts)
@@ -211,7 +218,8 @@ def run_chains(head: Head, rotary: Rotary, bridge: Bridge, spec: ChainSpec,
         n = spec.rows(depth)
         if n == 0:
             return
-        tokens = (spec.token_ids[depth - 1:depth - 1 + n] if spec.tokens == TEACHER else drafts[:n]).astype(np.int64)
+        tokens = (spec.fed(depth)[:n] if spec.fed is not None else spec.token_ids[depth - 1:depth - 1 + n]
+                  if spec.tokens == TEACHER else drafts[:n]).astype(np.int64)
         embed = np.ascontiguousarray(embedding_rows(tokens), dtype=np.float32)
         recycled = spec.recycled(previous, bridge, n)
         steps, uniform = [], []
@@ -268,12 +276,15 @@ def _layer_chains(head, rotary: Rotary, bridge: Bridge, spec: ChainSpec,
         if spec.tokens != TEACHER and (spec.recycle_main or spec.position_step != 1):
             raise ValueError("recycle_main / position_step are teacher-forced loop variants on N-layer heads")
         positions = bridge.positions[:n_tf] + spec.offset(depth)
-        tokens = spec.token_ids[d:d + n_tf].astype(np.int64)
+        tokens = (spec.fed(depth)[:n_tf] if spec.fed is not None and spec.tokens == TEACHER
+                  else spec.token_ids[d:d + n_tf]).astype(np.int64)
         tf = _layer_pass(head, rotary, layer, positions, tokens, spec.recycled(teacher, bridge, n_tf), embedding_rows,
-                         spec)
+                         spec, depth)
         if spec.tokens == TEACHER:
             result, previous = tf, teacher
         else:
+            if spec.fed is not None:  # the chains' drafts d_1..d_d are the recorded tokens of depths 2..j
+                chain_drafts = np.stack([spec.fed(m + 1)[:n] for m in range(1, depth)], axis=1).astype(np.int64)
             # a head whose layers keep conv states runs each chain apart (oracle/families/mtp_model.py own_rows)
             own_rows = getattr(head, "own_rows", _own_rows)
             result, chain_rows_prev, previous = own_rows(head, rotary, layer, d, n, bridge, tf, teacher,
@@ -293,7 +304,8 @@ def _layer_chains(head, rotary: Rotary, bridge: Bridge, spec: ChainSpec,
 
 
 def _layer_pass(head, rotary: Rotary, layer: int, positions: torch.Tensor, tokens: np.ndarray,
-                recycled: torch.Tensor, embedding_rows: Callable[[np.ndarray], np.ndarray], spec: ChainSpec) -> Depth:
+                recycled: torch.Tensor, embedding_rows: Callable[[np.ndarray], np.ndarray], spec: ChainSpec,
+                depth: int = 0) -> Depth:
     """Teacher-forced rows of one depth through `layer` as one causal (windowed) pass; the cache it fills is the
     layer's cache the chains of that depth see (kept in `cache_rows`)."""
     n = len(tokens)
@@ -301,15 +313,30 @@ def _layer_pass(head, rotary: Rotary, layer: int, positions: torch.Tensor, token
     e, p = torch.from_numpy(embed)[None], positions[None]
     mask = within_window(chain_mask(0, n, ()), positions, positions, head.window(layer))
     cache = _new_cache(head)
+    past = (spec.past_kv or {}).get(depth)
+    if past is not None and n:  # layer_caches_swapped: another layer's rows r < s, then this pass's own row s
+        keys, values = past[0][:, :, :n], past[1][:, :, :n]
+        mask = _past_mask(keys.shape[2], n, head.window(layer))
+        cache.update(keys, values, layer)
     stages = {k: v[0] for k, v in head.steps(rotary, e, recycled[None], p, mask, cache, layer=layer).items()}
     result = Depth(0, tokens, positions.numpy(), recycled, embed, stages, layer_index=layer)
     if n:
-        result.cache_rows = (cache.layers[layer].keys, cache.layers[layer].values)
+        result.cache_rows = (cache.layers[layer].keys[:, :, -n:], cache.layers[layer].values[:, :, -n:])
     if spec.uniform and n:
         cache = _new_cache(head)  # the pass's cache without its n rows: it started empty
         result.evidence["attn_uniform"] = head.uniform_attention(rotary, stages["ah"][None], p, mask, cache,
                                                                  layer=layer)[0].numpy()
     return result
+
+
+def _past_mask(rows: int, n: int, window: int | None) -> torch.Tensor:
+    """(1, 1, n, rows + n) for a pass of n rows over a cache prefilled with another layer's `rows` rows
+    (layer_caches_swapped): row s sees those rows r < s (within the window, counted in rows as a cache counts
+    slots) and its own row s."""
+    r, s = torch.arange(rows)[None, :], torch.arange(n)[:, None]
+    sees_past = (r < s) & (r > s - (window if window is not None else n + 1))
+    allowed = torch.cat([sees_past, torch.eye(n, dtype=torch.bool)], dim=1)
+    return torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
 
 
 def _new_cache(head) -> DynamicCache:

@@ -23,8 +23,21 @@ the bridge step, with its `draft`), which the probe compares with a candidate's 
                         is never cropped: bridge i, its chain, bridge i+1, with the same head.steps, positions,
                         tokens, recycling and window as the loop.
 
-A variant that cannot apply to a reference (no chain recorded, a one-layer head for layer0_reused, chain tokens
-that are the reference's own drafts, ...) is a string saying why, never a silent pass. Nothing here judges a tolerance: the probe passes its own row rule in.
+- layer_caches_swapped   N-layer heads: depths 2 and 3 read each other's layer's KV entries (each writes its own):
+                        row s of depth 2 attends over layer 2's entries of rows r < s and its own row s, depth 3
+                        over layer 1's (ChainSpec.past_kv; `swapped_caches_loop` reruns the loop until the
+                        exchanged K/V are fixed). On step3p7_tiny and mimo_v2_flash_tiny: depth 2 `attn` bridge 1
+                        (row 0 has no past rows).
+- shared_head_shared    N-layer heads: every layer's post_norm (shared_head.norm; MiMo final_layernorm) is layer
+                        0's (MtpModel drafts every depth through the one main lm_head already). On both fixtures:
+                        depth 2 `out` bridge 0 (every stage up to res2 matches).
+
+Argmax-chain references (--chain-tokens argmax): the candidate is fed the reference's recorded chain tokens, so
+every variant is fed them too (`chain_tokens`, ChainSpec.fed), never its own drafts; the unchanged loop fed them
+is the reference bit for bit. On an N-layer head's argmax chains recycle_main_hidden, position_frozen and
+layer_caches_swapped are not reproduced (said). A variant that cannot apply to a reference (no chain recorded, a
+one-layer head for the N-layer ones, a shared chain norm, conv-state layers for layer_caches_swapped, ...) is a
+string saying why, never a silent pass. Nothing here judges a tolerance: the probe passes its own row rule in.
 """
 
 from collections.abc import Callable
@@ -47,10 +60,18 @@ LOOP_VARIANTS = (
     Variant("draft_embed_tokens", "the draft taken through embed_tokens instead of the draft projection (lm_head)"),
     Variant("enorm_hnorm_swap", "the embedding and hidden pre-norm weights swapped (enorm <-> hnorm; Qwen: "
                                 "pre_fc_norm_embedding <-> pre_fc_norm_hidden)"),
+    Variant("layer_caches_swapped", "depths 2 and 3 attend over each other's layer's KV cache (each past row the "
+                                    "other layer's entry, the current row its own)"),
+    Variant("shared_head_shared", "every depth normalizes through layer 0's shared_head (one shared_head.norm / "
+                                  "post_norm for all layers)"),
 )
 NAMES = tuple(v.name for v in LOOP_VARIANTS)
 DESCRIPTIONS = {v.name: v.description for v in LOOP_VARIANTS}
-NEEDS_CHAIN = ("recycle_prenorm", "recycle_main_hidden", "position_frozen", "chain_kv_kept", "layer0_reused")
+NEEDS_CHAIN = ("recycle_prenorm", "recycle_main_hidden", "position_frozen", "chain_kv_kept", "layer0_reused",
+               "layer_caches_swapped", "shared_head_shared")
+SWAPPED = (2, 3)  # layer_caches_swapped: the depths whose layers' caches are exchanged
+# N-layer argmax chains: their chain rows (oracle/draft_loop.py _own_rows) have no recycle/position hooks
+TEACHER_ONLY_N_LAYER = ("recycle_main_hidden", "position_frozen", "layer_caches_swapped")
 NORM_PAIRS = (("pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight"), ("enorm.weight", "hnorm.weight"))
 
 Rows = dict[int, dict[str, np.ndarray]]  # depth -> stage -> rows (depth 1: the bridge step)
@@ -60,12 +81,16 @@ class LoopVariants:
     """The reference's loop over its own inputs, and each variant of it.
 
     `weights`: the head's torch tensors as `impl.torch_weights` gives them (the head is built from them); `info`:
-    the reference's chain record (None: it records depth 1 only, and only the variants that show there run)."""
+    the reference's chain record (None: it records depth 1 only, and only the variants that show there run);
+    `chain_tokens`: {depth j: the token ids (n_j,) the reference fed at depth j} (its /chain/d{j}/inputs), which
+    every variant is fed on an argmax-chain reference (a candidate is fed them too, so a variant drafting its own
+    tokens would be compared on other tokens)."""
 
     def __init__(self, ckpt, cfg, impl, weights: dict[str, torch.Tensor], head, rotary, inputs: TraceInputs,
-                 info: ChainInfo | None):
+                 info: ChainInfo | None, chain_tokens: dict[int, np.ndarray] | None = None):
         self.ckpt, self.cfg, self.impl, self.weights = ckpt, cfg, impl, weights
         self.head, self.rotary, self.inputs, self.info = head, rotary, inputs, info
+        self.chain_tokens = chain_tokens or {}
         self.family = ckpt.family
         self.window = self.family.attention_window(cfg)
         self._projection = None
@@ -85,6 +110,10 @@ class LoopVariants:
             return self.loop(draft=self._embedding_draft())
         if name == "enorm_hnorm_swap":
             return self.loop(head=self._swapped_head())
+        if name == "shared_head_shared":
+            return self.loop(head=self._one_post_norm_head())
+        if name == "layer_caches_swapped":
+            return self.swapped_caches_loop()
         spec = self.spec()
         if name == "recycle_prenorm":
             spec = _replace(spec, recycle=self.family.recycle_prenorm)
@@ -100,11 +129,15 @@ class LoopVariants:
         info, family = self.info, self.family
         if name in NEEDS_CHAIN and info is None:
             return "the reference records the bridge step only; export it with --chain K to check the loop"
-        if info is not None and info.tokens != "teacher_forced":
+        argmax = info is not None and info.tokens != "teacher_forced"
+        if argmax and any(j not in self.chain_tokens for j in info.chain_depths):
             # A candidate is fed the reference's chain tokens (its drafts); a variant drafting its own would be
-            # compared on other tokens. Teacher-forced tokens are the same whatever the loop computes.
-            return ("the reference's chain tokens are its own drafts (--chain-tokens argmax); export it teacher-"
-                    "forced (the default) to diagnose the loop")
+            # compared on other tokens, so it runs on the recorded ones, and cannot without them.
+            return ("the reference's chain tokens are its own drafts (--chain-tokens argmax) and it records no "
+                    "/chain/d{j}/inputs/token_ids to feed a variant; export it again")
+        if argmax and name in TEACHER_ONLY_N_LAYER and self.multi_layer:
+            return ("reproduced on teacher-forced chains only for an N-layer head (the reference's chain tokens are "
+                    "its own drafts); export it teacher-forced (the default) to check it")
         if name == "recycle_prenorm":
             if family.recycle_prenorm is None:
                 return f"the {family.name} head has no pre-norm tensor of the recycled width"
@@ -117,29 +150,59 @@ class LoopVariants:
                 return "a one-layer head runs layer 0 at every depth by design"
             if all(layer == 0 for layer in info.layers):
                 return "the reference itself runs layer 0 at every depth"
+        if name in ("layer_caches_swapped", "shared_head_shared"):
+            why = self._n_layer_why(name)
+            if why:
+                return why
         if name == "draft_embed_tokens" and self._draft() is None:
             return "the checkpoint has no draft projection (the reference has no draft stage)"
         if name == "enorm_hnorm_swap" and not _norm_pairs(self.weights):
             return "no embedding/hidden pre-norm pair among the head's tensors"
         return None
 
+    def _n_layer_why(self, name: str) -> str | None:
+        """Why an N-layer variant cannot apply (one cache or one norm for every depth by design, ...), or None."""
+        info, head = self.info, self.head
+        if not self.multi_layer:
+            return f"a one-layer head {'has one cache' if name == 'layer_caches_swapped' else 'has one shared_head'}"
+        if name == "layer_caches_swapped":
+            if info.depths < SWAPPED[-1]:
+                return f"the reference records depths 2..{info.depths}; export --chain 3 or more to check depth 3's"
+            if info.layers[0] == info.layers[1]:
+                return "the reference runs the same layer at depths 2 and 3"
+            if getattr(head, "conv_states", False):
+                return ("its layers keep short-convolution states along their own rows (an MtpCache): not "
+                        "reproduced for such heads")
+            return None
+        layers = getattr(getattr(head, "mtp", None), "layers", None)
+        if layers is None or getattr(head.mtp, "use_shared_post_norm", False):
+            return "the head has one norm shared by every layer by design (chain_hidden_post_norm)"
+        if layers[0].post_norm is None:
+            return "the head's layers have no post_norm (shared_head.norm): each layer's output is recycled as is"
+        used = {0, *info.layers}
+        if all(torch.equal(layers[k].post_norm.weight, layers[0].post_norm.weight) for k in used):
+            return "the layers the reference runs have equal post_norm weights: sharing one cannot show"
+        return None
+
     # ---- the reference's loop, parametrized ---------------------------------------------------------------------
 
     def spec(self):
-        """The ChainSpec the reference recorded (oracle/export.py _chain_records; teacher-forced tokens), without
-        its evidence."""
+        """The ChainSpec the reference recorded (oracle/export.py _chain_records), without its evidence; an
+        argmax-chain reference's recorded tokens fed at every depth (`fed`), never the variant's own drafts."""
         from oracle.draft_loop import TEACHER, ChainSpec, chain_rows
 
         info, total = self.info, self.inputs.num_tokens
         if info is None:
             return None
-        return ChainSpec(depths=info.depths, rows=lambda j: chain_rows(total, j), tokens=TEACHER,
+        fed = None if info.tokens == TEACHER else (lambda j: self.chain_tokens[j])
+        return ChainSpec(depths=info.depths, rows=lambda j: chain_rows(total, j), tokens=info.tokens,
                          token_ids=self.inputs.token_ids, recycle=info.recycle, window=self.window,
-                         layers=lambda j: info.layers[j - 2])
+                         layers=lambda j: info.layers[j - 2], fed=fed)
 
-    def loop(self, spec=None, head=None, draft=None) -> Rows:
+    def loop(self, spec=None, head=None, draft=None, caches: dict | None = None) -> Rows:
         """The oracle's own loop (oracle/draft_loop.py) under `spec` (default: the reference's) with `head` and the
-        draft function `draft` (default: the family's projection): {depth: {stage: rows}}."""
+        draft function `draft` (default: the family's projection): {depth: {stage: rows}}. `caches` (N-layer
+        heads): filled with {depth: (keys, values)} each depth's teacher-forced pass left in its layer's cache."""
         from oracle.draft_loop import bridge_pass, embedding_rows, run_chains
 
         head, spec, draft = head or self.head, spec or self.spec(), draft or self._draft()
@@ -155,6 +218,8 @@ class LoopVariants:
         for depth in run_chains(head, self.rotary, bridge, spec, lambda ids: embedding_rows(self.ckpt, ids), draft,
                                 first):
             rows[depth.depth] = {name: t.numpy() for name, t in depth.stages.items()}
+            if caches is not None:
+                caches[depth.depth] = depth.cache_rows
             if depth.drafts is not None:
                 rows[depth.depth]["draft"] = depth.drafts[:, None].astype(np.int64)
         return rows
@@ -185,7 +250,8 @@ class LoopVariants:
             for j in range(2, spec.depths + 1):
                 if i >= spec.rows(j):
                     break
-                token = int(spec.token_ids[i + j - 1])  # teacher-forced: x_{i+j}
+                # teacher-forced x_{i+j}, or the argmax-chain reference's recorded token
+                token = int(spec.fed(j)[i] if spec.fed is not None else spec.token_ids[i + j - 1])
                 embed = embedding_rows(self.ckpt, np.array([token], dtype=np.int64))[0]
                 s = step(embed, s[spec.recycle], int(inputs.positions[i]) + j - 1)
                 steps[j].append(s)
@@ -194,6 +260,25 @@ class LoopVariants:
         if draft is not None:
             for part in rows.values():
                 part["draft"] = draft(part["out"])[0][:, None].astype(np.int64)
+        return rows
+
+    def swapped_caches_loop(self) -> Rows:
+        """layer_caches_swapped: the loop with depth 2's pass over depth 3's layer's cache and depth 3's over depth
+        2's (ChainSpec.past_kv: row s sees the other's rows r < s, then its own row s). Row s of either depth
+        needs the other's rows r < s only, so the loop is rerun with the K/V the previous run left until they no
+        longer change: run k makes rows 0..k-1 exact, at most n_2 + 1 runs (tiny traces: a few)."""
+        a, b = SWAPPED
+        spec, past, rows = self.spec(), None, None
+        for _ in range(self.inputs.num_tokens + 1):
+            caches: dict = {}
+            rows = self.loop(spec=_replace(spec, past_kv=past), caches=caches)
+            new = {a: caches.get(b), b: caches.get(a)}
+            if any(v is None for v in new.values()):
+                return rows  # depth 3 has no rows (T = 2): nothing to exchange
+            if past is not None and all(torch.equal(new[k][0], past[k][0]) and torch.equal(new[k][1], past[k][1])
+                                        for k in new):
+                break
+            past = new
         return rows
 
     # ---- the tables a variant changes ---------------------------------------------------------------------------
@@ -223,13 +308,23 @@ class LoopVariants:
             info = self.impl.embedding_rows(self.ckpt, np.zeros(1, dtype=np.int64))[1] or {}
             if info.get("main") or info.get("tensor"):
                 return info.get("main") or info["tensor"]
-        return self.ckpt.main_model_prefix() + "embed_tokens.weight"
+        return self.ckpt.main_model_prefix() + self.family.embedding  # Inkling's release: model.llm.embed.weight
 
     def _swapped_head(self):
         weights = dict(self.weights)
         for a, b in _norm_pairs(self.weights):
             weights[a], weights[b] = self.weights[b], self.weights[a]
         return self.impl.build_head(self.cfg, weights)[0]
+
+
+    def _one_post_norm_head(self):
+        """shared_head_shared: the head with every layer's post_norm (its shared_head.norm) layer 0's. MtpModel
+        drafts every depth through the one main lm_head already, so the norm is the per-layer part to share."""
+        head = self.impl.build_head(self.cfg, self.weights)[0]
+        first = head.mtp.layers[0].post_norm.state_dict()
+        for layer in head.mtp.layers[1:]:
+            layer.post_norm.load_state_dict(first)
+        return head
 
 
 def _norm_pairs(weights: dict) -> list[tuple[str, str]]:

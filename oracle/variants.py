@@ -117,13 +117,14 @@ class Explainer:
         self.patches = getattr(impl, "EXPLAIN_VARIANTS", {})
         self._base: dict[str, Tensor] | None = None
 
-    def loop_variants(self, info):
+    def loop_variants(self, info, chain_tokens=None):
         """The draft loop's variants (oracle/loop_variants.py) over the reference's inputs and chain record `info`
-        (None: depth 1 only): every family, with or without the per-stage operators above."""
+        (None: depth 1 only) and its recorded chain tokens {depth: ids}: every family, with or without the
+        per-stage operators above."""
         from oracle.loop_variants import LoopVariants
 
         return LoopVariants(self._checkpoint, self.cfg, self._impl, self._weights, self.head, self.rotary,
-                            self.inputs, info)
+                            self.inputs, info, chain_tokens)
 
     def draft(self, out: Tensor) -> np.ndarray | None:
         """The `draft` stage [n, 1] of these `out` rows: the exact argmax of the family's draft projection

@@ -17,9 +17,10 @@ records it used, `experts`):
    `variants`) runs through the oracle's operators with one wiring change (oracle/variants.py); a variant is
    reported only when it reproduces the candidate at every captured stage and every compared token within
    tolerance, best (smallest max rel) first. The draft loop's variants (oracle/loop_variants.py: recycle_prenorm,
-   recycle_main_hidden, position_frozen, chain_kv_kept, layer0_reused, draft_embed_tokens, enorm_hnorm_swap) run
-   the oracle's own loop with one change, for every family, and are judged the same way at every captured depth
-   (depth 1 and each chain depth the diff compared): whichever depth diverged first.
+   recycle_main_hidden, position_frozen, chain_kv_kept, layer0_reused, draft_embed_tokens, enorm_hnorm_swap,
+   layer_caches_swapped, shared_head_shared) run the oracle's own loop with one change, for every family, and are
+   judged the same way at every captured depth (depth 1 and each chain depth the diff compared): whichever depth
+   diverged first. On an argmax-chain reference they are fed its recorded chain tokens, as the candidate was.
 3. Weight coverage. Each head tensor perturbed by 1% of its RMS (oracle/variants.py PERTURBATION), the head rerun
    from the stage that reads it: "evidenced" where one of the compared rows (captured stages, compared tokens)
    would then fail its tolerance. MoE: the routed experts these tokens never route to are listed.
@@ -233,6 +234,7 @@ def explain_stages(report: DiffReport, ref_path: Path, cand: dict[str, np.ndarra
         ref = {n: reader.stage_rows(n) for n in reader.stages}
         kinds = {s.name: s.kind for s in reader.stage_list}
         info = chain_info(reader)
+        chain_tokens = _chain_tokens(reader, info)
     family = FAMILIES.get(attrs.get("family", LEGACY_FAMILY))
     conventions = {k: v for k, v in (attrs.get("config") or {}).items() if k in CONVENTIONS}
     explainer = Explainer(checkpoint, inputs, conventions, attrs.get("checkpoint_digest"), reference=ref)
@@ -249,12 +251,11 @@ def explain_stages(report: DiffReport, ref_path: Path, cand: dict[str, np.ndarra
     loop = []
     if first is not None:  # the loop variants, on every depth the diff compared (any family)
         explanation.first_depth = first[0]
-        loop = _loop_variants(explainer.loop_variants(info), _captured_depths(report, cand, depths), order,
-                              row_ok, max_rel)
+        loop = _loop_variants(explainer.loop_variants(info, chain_tokens), _captured_depths(report, cand, depths),
+                              order, row_ok, max_rel)
         if info is not None and info.tokens != "teacher_forced":
-            explanation.notes.append("the draft loop's variants are not checked: the reference's chain tokens are "
-                                     "its own drafts (--chain-tokens argmax); export it teacher-forced to diagnose "
-                                     "the loop")
+            explanation.notes.append("the draft loop's variants ran on the reference's recorded chain tokens (its "
+                                     "own drafts, --chain-tokens argmax), as the candidate was fed them")
     if not explainer.supported:
         explanation.variants = loop
         explanation.diagnosis = sorted((v for v in loop if v["status"] == "reproduces"), key=lambda v: v["max_rel"])
@@ -288,6 +289,22 @@ def explain_stages(report: DiffReport, ref_path: Path, cand: dict[str, np.ndarra
             f"{v['variant']} ({v['reason']})" for v in unchecked))
     explanation.coverage = _coverage(explainer, report, tokens, row_ok, ref, cand)
     return explanation
+
+
+def _chain_tokens(reader, info) -> dict[int, np.ndarray]:
+    """{depth j: the token ids the reference fed at depth j} (/chain/d{j}/inputs/token_ids) of an argmax-chain
+    reference, which the loop variants are fed as the candidate was; {} otherwise (teacher-forced tokens are the
+    step tokens) or where a depth records none (the variants then say so)."""
+    from oracle.trace import ChainDepthReader
+
+    if info is None or info.tokens == "teacher_forced":
+        return {}
+    out = {}
+    for j in info.chain_depths:
+        part = ChainDepthReader(reader, j)
+        if "token_ids" in part.input_names():
+            out[j] = np.asarray(part.input_rows("token_ids")).reshape(-1).astype(np.int64)
+    return out
 
 
 def _captured_depths(report: DiffReport, cand: dict[str, np.ndarray],

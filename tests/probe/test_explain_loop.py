@@ -41,8 +41,11 @@ def _swapped(weights: dict) -> dict:
 
 @torch.inference_mode()
 def engine_loop(ckpt_dir, inputs, depths: int, *, recycle: str | None = None, recycle_main: bool = False,
-                frozen: bool = False, keep_kv: bool = False, embed_draft: bool = False, swap_norms: bool = False):
-    """(depth-1 stages, {j: depth-j stages}) of a one-layer head run as an engine does (module docstring)."""
+                frozen: bool = False, keep_kv: bool = False, embed_draft: bool = False, swap_norms: bool = False,
+                chain_embed: dict | None = None):
+    """(depth-1 stages, {j: depth-j stages}) of a one-layer head run as an engine does (module docstring).
+    `chain_embed`: {j: (n_j, D)} the embedding rows an argmax-chain reference hands depth j (its recorded
+    drafts), fed instead of the step tokens' (x_{i+j})."""
     ckpt = Checkpoint(ckpt_dir)
     impl = head_module(ckpt.family)
     weights = impl.torch_weights(ckpt.read_head(widen=False))
@@ -55,15 +58,15 @@ def engine_loop(ckpt_dir, inputs, depths: int, *, recycle: str | None = None, re
     sliding = ckpt.family.attention_window(ckpt.config) is not None
     total = inputs.num_tokens
 
-    def step(where, t: int, hidden, position: int) -> dict:
-        e = torch.from_numpy(inputs.embed[t:t + 1])[None]  # step token t's embedding row (chain: x_{i+j})
+    def step(where, row: np.ndarray, hidden, position: int) -> dict:
+        e = torch.from_numpy(np.ascontiguousarray(row, dtype=np.float32).reshape(1, 1, -1))
         rows = head.steps(rotary, e, torch.as_tensor(hidden).reshape(1, 1, -1), torch.tensor([[position]]), None,
                           where)
         return {n: v[0, 0].numpy().copy() for n, v in rows.items()}
 
     bridge, chains = [], {j: [] for j in range(2, depths + 1)}
     for i in range(total):
-        row = step(cache, i, inputs.hidden[i], int(inputs.positions[i]))
+        row = step(cache, inputs.embed[i], inputs.hidden[i], int(inputs.positions[i]))
         bridge.append(row)
         work = copy.deepcopy(cache) if sliding and not keep_kv else cache  # a window cache cannot be cropped back
         added = 0
@@ -71,7 +74,8 @@ def engine_loop(ckpt_dir, inputs, depths: int, *, recycle: str | None = None, re
             if i + j - 1 > total - 1:
                 break
             hidden = inputs.hidden[i] if recycle_main else row[recycle]
-            row = step(work, i + j - 1, hidden, int(inputs.positions[i]) + (0 if frozen else j - 1))
+            fed = inputs.embed[i + j - 1] if chain_embed is None else chain_embed[j][i]  # x_{i+j} or the draft
+            row = step(work, fed, hidden, int(inputs.positions[i]) + (0 if frozen else j - 1))
             chains[j].append(row)
             added += 1
         if added and not keep_kv and not sliding:
@@ -86,10 +90,20 @@ def engine_loop(ckpt_dir, inputs, depths: int, *, recycle: str | None = None, re
     return stacked(bridge), {j: stacked(rows) for j, rows in chains.items() if rows}
 
 
-def candidate(ref, tmp_path, ckpt_dir=TINY, depths=K, name="c", **bug):
-    """The engine's raw dump, holding only the stages the reference has."""
+def recorded_chain_embed(ref) -> dict:
+    """{j: the embedding rows the reference hands depth j} (/chain/d{j}/inputs/embed), as the probe feeds them."""
+    from oracle.trace import ChainDepthReader, chain_info, read_trace
+
+    with read_trace(ref) as reader:
+        return {j: ChainDepthReader(reader, j).input_rows("embed") for j in chain_info(reader).chain_depths}
+
+
+def candidate(ref, tmp_path, ckpt_dir=TINY, depths=K, name="c", fed: bool = False, **bug):
+    """The engine's raw dump, holding only the stages the reference has (`fed`: fed the reference's recorded
+    chain inputs, as the probe drives an argmax-chain reference)."""
     inputs, stages = load_trace(ref)
-    one, chains = engine_loop(ckpt_dir, inputs, depths, **bug)
+    one, chains = engine_loop(ckpt_dir, inputs, depths, chain_embed=recorded_chain_embed(ref) if fed else None,
+                              **bug)
     keep = set(stages)
     return write_chain_raw(tmp_path / name, {n: r for n, r in one.items() if n in keep},
                            {j: {n: r for n, r in part.items() if n in keep} for j, part in chains.items()})
@@ -172,7 +186,7 @@ def test_twin_loop_variants_need_the_depths_they_show_at(qwen, tmp_path):
 
 def test_variant_names_are_the_agreed_ones():
     assert NAMES == ("recycle_prenorm", "recycle_main_hidden", "position_frozen", "chain_kv_kept", "layer0_reused",
-                     "draft_embed_tokens", "enorm_hnorm_swap")
+                     "draft_embed_tokens", "enorm_hnorm_swap", "layer_caches_swapped", "shared_head_shared")
 
 
 # --- GLM-4.5: vLLM 0.33.0's MTP head recycles its un-normed residual --------------------------------------------
@@ -206,16 +220,17 @@ def test_twin_glm_correct_engine_passes(glm, tmp_path):
 # --- N-layer heads (issue 25): layer 0 at every depth, as vLLM's proposer without spec_step_idx -----------------
 
 @torch.inference_mode()
-def layered_engine(ckpt_dir, inputs, depths: int, layer_of, swap_norms: bool = False):
+def layered_engine(ckpt_dir, inputs, depths: int, layer_of, swap_norms: bool = False, edit_weights=None):
     """(depth-1 stages, {j: stages}) of an N-layer head as a teacher-forced engine runs it: depth j is layer
     `layer_of(j)` over its n_j rows (token x_{i+j}, the previous depth's out, position p_i + j - 1) as one causal
-    pass of that layer, the bridge step layer 0's."""
+    pass of that layer, the bridge step layer 0's. `edit_weights`: the engine's loading bug (tensors -> tensors)."""
     from oracle.families import mtp_model
 
     ckpt = Checkpoint(ckpt_dir)
     impl = head_module(ckpt.family)
     weights = impl.torch_weights(ckpt.read_head(widen=False))
-    head, rotary = impl.build_head(ckpt.config, _swapped(weights) if swap_norms else weights)
+    weights = _swapped(weights) if swap_norms else weights
+    head, rotary = impl.build_head(ckpt.config, edit_weights(weights) if edit_weights else weights)
     projection = ckpt.read(draft_projection(ckpt).name).astype(np.float64)
     positions = torch.from_numpy(np.asarray(inputs.positions, dtype=np.int64))
 
@@ -373,19 +388,102 @@ def test_v4_recycle_prenorm_does_not_apply(family, tmp_path):
                                                              "recycled width")
 
 
-def test_twin_argmax_chain_references_are_not_diagnosed_by_loop_variants(tmp_path):
-    """A reference whose chain tokens are its own drafts: the candidate is fed those tokens, which a variant would
-    draw differently, so no loop variant is checked (said, with the reason), and none is named."""
+# --- argmax-chain references: the variants run on the reference's recorded chain tokens ------------------------
+
+@pytest.fixture(scope="module")
+def qwen_argmax(tmp_path_factory):
+    """`export --chain 4 --chain-tokens argmax` of the tiny Qwen3.5 fixture: depth j is fed the head's own drafts."""
+    root = tmp_path_factory.mktemp("qwen-argmax")
     tokens = np.array([17, 3, 99, 250, 41, 7, 300, 12, 5, 88])
-    ref = export_trace(TINY, tmp_path / "argmax.h5", tokens, HiddenSource(seed=0),
-                       chain=ChainOptions(3, tokens="argmax"))
-    inputs, stages = load_trace(ref)
-    one, _ = engine_loop(TINY, inputs, 3, swap_norms=True)
-    result, report = explained(ref, write_chain_raw(tmp_path / "c", {n: one[n] for n in stages}, {}), tmp_path)
-    assert result.exit_code == 1 and "first divergent stage: e at token 0" in last_line(result), result.output
-    statuses = {v["variant"]: (v["status"], v.get("reason", "")) for v in report["variants"]}
-    assert all(statuses[n][0] in ("not applicable", "not checkable") for n in NAMES), statuses
-    assert "its own drafts (--chain-tokens argmax)" in statuses["enorm_hnorm_swap"][1]
-    assert not set(named(report)) & set(NAMES)
-    assert "the draft loop's variants are not checked: the reference's chain tokens are its own drafts" \
-        in result.output
+    return export_trace(TINY, root / "ref.h5", tokens, HiddenSource(seed=0), chain=ChainOptions(K, tokens="argmax"))
+
+
+def test_argmax_reference_feeds_chain_tokens_that_are_not_the_step_tokens(qwen_argmax):
+    """The premise of the tests below: the recorded drafts differ from x_{i+j}, so a variant fed the step tokens
+    (or drafting its own) would be compared on other inputs."""
+    from oracle.trace import ChainDepthReader, read_trace
+
+    with read_trace(qwen_argmax) as reader:
+        fed = ChainDepthReader(reader, 2).input_rows("token_ids").reshape(-1)
+        steps = reader.inputs().token_ids
+    assert (fed != steps[1:1 + len(fed)]).any()
+
+
+ARGMAX_BUGS = [({"recycle": "res2"}, "h at depth 2 bridge 0", "recycle_prenorm"),
+               ({"recycle_main": True}, "h at depth 2 bridge 0", "recycle_main_hidden"),
+               ({"frozen": True}, "attn at depth 2 bridge 0", "position_frozen"),
+               ({"keep_kv": True}, "attn at token 1", "chain_kv_kept")]
+
+
+@pytest.mark.parametrize("bug, where, variant", ARGMAX_BUGS, ids=[v for _, _, v in ARGMAX_BUGS])
+def test_argmax_chain_loop_bugs_are_named(qwen_argmax, tmp_path, bug, where, variant):
+    """An engine fed the argmax reference's chain inputs (as `mtp-probe run` feeds them) with one loop bug: caught
+    where it shows and named, the variant run on the same recorded tokens (never its own drafts)."""
+    result, report = explained(qwen_argmax, candidate(qwen_argmax, tmp_path, fed=True, **bug), tmp_path)
+    assert result.exit_code == 1, result.output
+    assert f"first divergent stage: {where}" in last_line(result), result.output
+    assert named(report)[:1] == [variant], diagnosis(result)
+    assert "ran on the reference's recorded chain tokens" in result.output
+
+
+def test_twin_argmax_chain_correct_engine_gets_no_diagnosis(qwen_argmax, tmp_path):
+    result, report = explained(qwen_argmax, candidate(qwen_argmax, tmp_path, fed=True), tmp_path)
+    assert result.exit_code == 0, result.output
+    assert report["diagnosis"] == [] and "nothing to diagnose" in diagnosis(result)
+
+
+def test_twin_argmax_chain_engine_fed_the_step_tokens_is_caught_and_not_named(qwen_argmax, tmp_path):
+    """A correct engine fed x_{i+j} where the reference fed its drafts: depth 2 diverges from its first stage,
+    and no variant (each fed the recorded tokens) reproduces it."""
+    result, report = explained(qwen_argmax, candidate(qwen_argmax, tmp_path), tmp_path)
+    assert result.exit_code == 1 and "first divergent stage: e at depth 2" in last_line(result), result.output
+    assert not set(named(report)) & set(NAMES), diagnosis(result)
+
+
+ARGMAX_FAMILIES = ("deepseek_v3_tiny", "deepseek_v4_tiny", "glm4_moe_tiny", "qwen3_5_moe_tiny",
+                   "qwen3_next_tiny_fused", "mimo_v2_flash_tiny", "step3p7_tiny", "inkling_tiny")
+
+
+@pytest.mark.parametrize("fixture", ARGMAX_FAMILIES)
+def test_every_family_variant_loop_on_recorded_tokens_is_the_argmax_reference(fixture, tmp_path):
+    """The loop the variants change, fed the recorded chain tokens, reproduces each family's argmax-chain
+    reference exactly at every depth (so a variant differs from it only by its one change). Twin: the same loop
+    fed the step tokens instead differs from depth 2."""
+    from oracle.draft_loop import TEACHER
+    from oracle.loop_variants import _replace
+    from oracle.trace import ChainDepthReader, chain_info, read_trace
+    from oracle.variants import Explainer
+    from probe.explain import _chain_tokens
+
+    ckpt = FIXTURES / fixture
+    tokens = np.random.default_rng(3).integers(0, Checkpoint(ckpt).config.vocab_size, 7)
+    ref = export_trace(ckpt, tmp_path / "ref.h5", tokens, HiddenSource(seed=4), chain=ChainOptions(3, tokens="argmax"))
+    with read_trace(ref) as reader:
+        info, inputs = chain_info(reader), reader.inputs()
+        fed = _chain_tokens(reader, info)
+        want = {j: {n: ChainDepthReader(reader, j).stage_rows(n) for n in ChainDepthReader(reader, j).stages}
+                for j in info.chain_depths}
+        depth1 = {n: reader.stage_rows(n) for n in reader.stages}
+        digest = reader.attrs.get("checkpoint_digest")
+    runner = Explainer(ckpt, inputs, {}, digest, reference=depth1).loop_variants(info, fed)
+    got = runner.loop()
+    for j, stages in want.items():
+        for name, rows in stages.items():
+            np.testing.assert_array_equal(got[j][name], rows, err_msg=f"{fixture} depth {j} {name}")
+    if runner.multi_layer:  # the twin: N-layer argmax rows fed as teacher-forced step tokens
+        other = runner.loop(spec=_replace(runner.spec(), fed=None, tokens=TEACHER))
+    else:
+        other = runner.loop(spec=_replace(runner.spec(), fed=lambda j: inputs.token_ids[j - 1:]))
+    assert not np.array_equal(other[2]["e"], want[2]["e"])
+
+
+def test_argmax_reference_without_recorded_tokens_says_why():
+    """An argmax-chain reference whose depths record no token_ids: every chain variant is a reason, never a pass."""
+    from oracle.loop_variants import LoopVariants
+    from oracle.trace import ChainInfo
+
+    info = ChainInfo(3, "argmax", "out", (0, 0), 1, "dropped_after_chain")
+    runner = LoopVariants.__new__(LoopVariants)
+    runner.info, runner.chain_tokens, runner.head = info, {2: np.zeros(3, dtype=np.int64)}, object()
+    runner.family = Checkpoint(TINY).family
+    assert "records no /chain/d{j}/inputs/token_ids" in runner._not_applicable("recycle_prenorm")
