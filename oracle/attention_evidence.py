@@ -116,14 +116,17 @@ def uniform_weights(config):
 @contextmanager
 def replayed_projections():
     """Within the block, every recording `reused_projections` memo replays what it recorded (the q/k-part variant
-    passes, oracle/qk_parts.py, feed the attention projections the same `ah` rows as the real pass)."""
+    passes, oracle/qk_parts.py, feed the attention projections the same `ah` rows as the real pass), and keeps a
+    scope of its own for the block: a projection whose input no real pass recorded (a chain's rows stacked on the
+    bridge's were never one pass) is computed by the first variant pass that needs it and handed back to every
+    later one with the same input; the scope ends with the block and never replaces the real pass's records."""
     for memo in _UNIFORM.memo:
-        memo.replaying = _UNIFORM.reuse
+        memo.replaying, memo.scope = _UNIFORM.reuse, {} if _UNIFORM.reuse else None
     try:
         yield
     finally:
         for memo in _UNIFORM.memo:
-            memo.replaying = False
+            memo.replaying, memo.scope = False, None
 
 
 @contextmanager
@@ -144,6 +147,7 @@ class _ProjectionMemo:
 
     def __init__(self, model) -> None:
         self.replaying, self.saved, self.hits = False, {}, 0
+        self.scope = None  # replayed_projections' own records: {linear: (weight, input, output)}, None outside it
         self.linears = [m for a in model.modules() if type(a).__name__.endswith("Attention")
                         for m in a.modules() if _is_linear(m) and "forward" not in vars(m)]
         for linear in self.linears:
@@ -155,9 +159,17 @@ class _ProjectionMemo:
             if self.replaying and saved is not None and saved[0].shape == x.shape and torch.equal(saved[0], x):
                 self.hits += 1
                 return saved[1]
+            scoped = self.scope.get(linear) if self.scope is not None else None
+            # the weight too: a variant pass that swapped this linear's weight must compute again
+            if (scoped is not None and scoped[0] is linear.weight and scoped[1].shape == x.shape
+                    and torch.equal(scoped[1], x)):
+                self.hits += 1
+                return scoped[2]
             out = forward(x)
             if not self.replaying:
                 self.saved[linear] = (x.clone(), out.clone())
+            elif self.scope is not None:
+                self.scope[linear] = (linear.weight, x.clone(), out.clone())
             return out
         return memoized
 
@@ -165,6 +177,7 @@ class _ProjectionMemo:
         for linear in self.linears:
             del linear.forward  # the instance attribute: the class's forward again
         self.saved.clear()
+        self.scope = None
 
 
 def _is_linear(module) -> bool:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from oracle.attention_evidence import replayed_projections
+from oracle.attention_evidence import replayed_projections, reused_projections
 from oracle.trace import QK_PARTS
 
 PARTS = QK_PARTS  # part -> what a row that evidences it rules out (oracle/trace.py: the record's schema)
@@ -56,21 +56,24 @@ class PartVariant:
             return self.run().detach().to(torch.float32).numpy()
 
 
-def measure(variants: list[PartVariant], attn: np.ndarray,
-            output: nn.Module | None = None) -> tuple[dict[str, np.ndarray], dict[str, list[str]]]:
+def measure(variants: list[PartVariant], attn: np.ndarray, output: nn.Module | None = None,
+            rows: slice | None = None) -> tuple[dict[str, np.ndarray], dict[str, list[str]]]:
     """Run every variant (projections replayed) and return ({dataset: [T, V] max_abs}, {part: [variant names]}).
 
     `output`: the attention module's last linear (o_proj), whose output the module returns as is. Its inputs are
     then collected over all variant passes and it runs once on their concatenation: one matmul (and one widening
-    of a bf16 weight) at V·T rows instead of V at T, the same rows."""
-    real = np.asarray(attn, dtype=np.float64).reshape(len(attn), -1)
+    of a bf16 weight) at V·T rows instead of V at T, the same rows. `rows`: only these rows of each pass are
+    measured and returned ([len(rows), V]); `output` then runs on them alone (each output row reads its own input
+    row only). Within the call, a projection no real pass recorded is computed by the first variant and handed
+    back to the later ones (attention_evidence.replayed_projections)."""
+    keep = rows if rows is not None else slice(None)
+    real = np.asarray(attn, dtype=np.float64).reshape(len(attn), -1)[keep]
     columns: dict[str, list[np.ndarray]] = {}
     names: dict[str, list[str]] = {}
     with torch.inference_mode(), replayed_projections():
-        with deferred(output) as pending:
+        with deferred(output, keep) as pending:
             computed = [variant.rows() for variant in variants]
-        if output is not None:
-            computed = pending.finish()
+        computed = pending.finish() if output is not None else [r.reshape(len(r), -1)[keep] for r in computed]
         for variant, rows in zip(variants, computed):
             rows = rows.astype(np.float64).reshape(len(real), -1)
             columns.setdefault(variant.part, []).append(max_abs_toward_zero(rows, real))
@@ -105,25 +108,27 @@ def parts_warning(missing: dict[str, list[str]]) -> str:
 
 
 class _Deferred:
-    """The inputs a deferred linear was called with; `finish` runs it once on all of them (rows axis -2)."""
+    """The inputs a deferred linear was called with (their rows `keep`, axis -2); `finish` runs it once on all."""
 
-    def __init__(self, linear: nn.Module | None) -> None:
-        self.linear, self.inputs = linear, []
+    def __init__(self, linear: nn.Module | None, keep: slice = slice(None)) -> None:
+        self.linear, self.inputs, self.keep = linear, [], keep
 
     def call(self, x: torch.Tensor) -> torch.Tensor:
-        self.inputs.append(x.detach().clone())
+        self.inputs.append(x.detach()[..., self.keep, :].clone())  # rows dropped here are never multiplied
         return x.new_zeros((*x.shape[:-1], 0))  # a placeholder the attention module hands back unread
 
     def finish(self) -> list[np.ndarray]:
         sizes = [x.shape[-2] for x in self.inputs]
-        out = self.linear(torch.cat(self.inputs, dim=-2))
+        # the class's own forward: no memo (attention_evidence) can hold these rows, and none should copy them
+        out = type(self.linear).forward(self.linear, torch.cat(self.inputs, dim=-2))
         return [rows.reshape(n, -1).to(torch.float32).numpy() for rows, n in zip(out.split(sizes, dim=-2), sizes)]
 
 
 @contextmanager
-def deferred(linear: nn.Module | None) -> Iterator[_Deferred]:
-    """Within the block, calls of `linear` are recorded (not computed) and return a placeholder."""
-    pending = _Deferred(linear)
+def deferred(linear: nn.Module | None, keep: slice = slice(None)) -> Iterator[_Deferred]:
+    """Within the block, calls of `linear` are recorded (their rows `keep`, not computed) and return a
+    placeholder."""
+    pending = _Deferred(linear, keep)
     if linear is None:
         yield pending
         return
@@ -295,7 +300,7 @@ def chain_part_records(impl, head, rotary, inputs, bridge_ah: np.ndarray, bridge
         records, measured = _block_records(impl, head, rotary, inputs, bridge_ah, bridge_attn, depths, order, a, b,
                                            counts)
         kept = {dataset_name(p) for p, v in measured.items() if names.get(p) == v}
-        start = b  # the bridge rows' own distances are depth 1's business
+        start = 0  # the chain rows only: _block_records measures no bridge row
         for j, m in zip(order, counts):
             for name in kept:
                 rows = records[name]
@@ -307,7 +312,9 @@ def chain_part_records(impl, head, rotary, inputs, bridge_ah: np.ndarray, bridge
 
 def _block_records(impl, head, rotary, inputs, bridge_ah, bridge_attn, depths, order, a: int, b: int,
                    counts: tuple[int, ...]):
-    """measure() over bridge rows 0..b-1 then chains a..a+m_j-1 of each depth (counts = m_j): one pass per variant."""
+    """measure() over bridge rows 0..b-1 then chains a..a+m_j-1 of each depth (counts = m_j): one pass per variant,
+    the chain rows' distances returned ([sum(counts), V]). The bridge rows' own distances are depth 1's business:
+    they are keys and values here, never measured (nor sent through the output projection)."""
     from oracle.draft_loop import key_positions, within_window
     from oracle.trace import TraceInputs
 
@@ -322,7 +329,8 @@ def _block_records(impl, head, rotary, inputs, bridge_ah, bridge_attn, depths, o
     ah = np.concatenate([bridge_ah[:b], *(d.ah[s] for d, s in part)]).astype(np.float32)
     attn = np.concatenate([bridge_attn[:b], *(d.attn[s] for d, s in part)])
     variants = impl.qk_part_variants(head, rotary, stacked, ah, mask_of=lambda w: within_window(mask, keys, keys, w))
-    return measure(variants, attn, impl.qk_output_projection(head))
+    with reused_projections(head):  # no real pass was this stacked one: its variants share one projection pass
+        return measure(variants, attn, impl.qk_output_projection(head), rows=slice(b, None))
 
 
 def stacked_mask(bridge_rows: int, counts: tuple[int, ...], first: int = 0) -> torch.Tensor:

@@ -283,7 +283,11 @@ def child_chain(ckpt: str, t: int, k: int, out: str, variant: str) -> None:
     - "nodraft": no --chain and no draft stage (the draft projection absent, as for a head-only checkpoint): the
       export before the draft stage existed;
     - "oldnorm": "plain" with row_norm_max as it was before it was folded into the screen's sweep (a second pass
-      over the lm_head, torch vector_norm per 1024 rows)."""
+      over the lm_head, torch vector_norm per 1024 rows);
+    - "chain-noqk": "chain" without the per-depth q/k-part evidence (export._chain_qk_parts a no-op): what the
+      issue's floor (k forwards and the drafts) covers, against the records it does not count.
+    `export_s` is wall time, `export_cpu_s` the process's CPU time (process_time: on a shared machine the figure
+    to compare variants by)."""
     import torch
 
     import oracle.export
@@ -297,6 +301,8 @@ def child_chain(ckpt: str, t: int, k: int, out: str, variant: str) -> None:
     head_module(c.family)
     if variant == "nodraft":
         oracle.export._draft_projection = lambda ckpt, warn, needed: None
+    if variant == "chain-noqk":
+        oracle.export._chain_qk_parts = lambda *args, **kwargs: None
     if variant == "oldnorm":
         def separate_pass(self) -> float:
             largest = 0.0
@@ -308,10 +314,10 @@ def child_chain(ckpt: str, t: int, k: int, out: str, variant: str) -> None:
 
         lm_head.LmHead.row_norm_max = separate_pass
     result = {}
-    begin = time.perf_counter()
+    begin, cpu = time.perf_counter(), time.process_time()
     export_trace(Path(ckpt), Path(out), token_ids(t), HiddenSource(seed=0),
-                 chain=ChainOptions(k) if variant == "chain" else None)
-    result["export_s"] = time.perf_counter() - begin
+                 chain=ChainOptions(k) if variant.startswith("chain") else None)
+    result["export_s"], result["export_cpu_s"] = time.perf_counter() - begin, time.process_time() - cpu
     if variant in ("chain", "plain"):
         rows = t + sum(chain_rows(t, j) for j in range(2, k + 1)) if variant == "chain" else t
         x = np.random.default_rng(0).standard_normal((rows, c.config.hidden_size)).astype(np.float32)
@@ -667,11 +673,14 @@ def bench_chain(ckpt: Path, work: Path, rate: float, gemm: dict[int, float], row
     head_bytes = (ckpt / "model-00003-of-00003.safetensors").stat().st_size
     forward = head_bytes / rate / 1e9 + head_flops(t) / gemm[t] / 1e9
     runs = int(os.environ.get("BENCH_CHAIN_RUNS", "2"))  # best of; 1 where the machine is short of time
-    chained, plain = [], []
+    chained, plain, noqk = [], [], []
     for _ in range(runs):  # alternated: the machine is shared
         warm_page_cache(shard_of(ckpt, "lm_head.weight"))
         chained.append(run_child([PY, __file__, "child-chain", str(ckpt), str(t), str(k), str(work / f"chain{t}.h5"),
                                   "chain"]))
+        warm_page_cache(shard_of(ckpt, "lm_head.weight"))
+        noqk.append(run_child([PY, __file__, "child-chain", str(ckpt), str(t), str(k),
+                               str(work / f"chain{t}_noqk.h5"), "chain-noqk"]))
         warm_page_cache(shard_of(ckpt, "lm_head.weight"))
         plain.append(run_child([PY, __file__, "child-chain", str(ckpt), str(t), str(k), str(work / f"plain{t}.h5"),
                                 "plain"]))
@@ -684,6 +693,12 @@ def bench_chain(ckpt: Path, work: Path, rate: float, gemm: dict[int, float], row
     rows.append((f"export --chain {k} in-process, T={t}", f"{export_s:.2f} s",
                  f"floor {floor:.2f} s ({k} x {forward:.2f} s + draft {draft_s:.2f} s, {inner[0]['draft_rows']} rows)",
                  f"{export_s / floor:.2f}x", f"<= {TARGETS['chain']}x"))
+    bare = [json.loads(out) for _, _, out in noqk]
+    bare_s, bare_cpu = min(r["export_s"] for r in bare), min(r["export_cpu_s"] for r in bare)
+    chain_cpu = min(r["export_cpu_s"] for r in inner)
+    rows.append((f"export --chain {k} without the per-depth q/k-part evidence (not in the floor)", f"{bare_s:.2f} s",
+                 f"floor {floor:.2f} s; CPU {bare_cpu:.2f} s against the full export's {chain_cpu:.2f} s",
+                 f"{bare_s / floor:.2f}x", f"(<= {TARGETS['chain']}x is the full export's)"))
     rows.append((f"export --chain {k}, the floor's draft through argmax_margin (top-2 screen)", f"{margin_s:.2f} s",
                  f"argmax {draft_s:.2f} s", f"chain {export_s / (k * forward + margin_s):.2f}x of that floor", ""))
     rows.append((f"export --chain {k} peak RSS, T={t}", f"{rss:.2f} GB", f"plain export {plain_rss:.2f} GB "
