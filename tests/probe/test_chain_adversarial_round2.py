@@ -93,3 +93,54 @@ def test_wrong_draft_ids_at_depth_two_diverge_at_the_draft(tmp_path, own, how):
     ids[0] = 10 ** 6 if how == "out_of_vocab" else ids[0]
     result = _diff(tmp_path, ref, stages, dict(depths) | {2: depths[2] | {"draft": ids}})
     assert result.exit_code == 1 and "first divergent stage: draft at depth 2" in last_line(result), result.output
+
+
+# --- Finding 3: an HDF5 candidate that records another physical layer than the reference ran -------------------
+# input: /chain/d3/inputs/layer = 1 at every bridge (the reference: layer 0), rows otherwise the engine's own
+# was: exit 0 PASSED at depths 1-4: the candidate's own record of the layer it ran was never read (token_ids and
+#      positions were), so a PASS certified a layer the candidate says it did not run
+# now: exit 3, INCONCLUSIVE naming depth, bridge and both layers; a divergence (layer0_reused's rows) still wins
+
+def _with_chain_inputs(tmp_path, ref, stages, depths, layer_at_3):
+    import h5py
+
+    from tests.probe.tracekit import _dataset, load_trace, write_chain_h5
+
+    with h5py.File(ref) as f:
+        inputs = {j: {n: f[f"chain/d{j}/inputs/{n}"][()] for n in f[f"chain/d{j}/inputs"]} for j in depths}
+    trace_inputs = load_trace(ref)[0]
+    cand = write_chain_h5(tmp_path / "c.h5", trace_inputs, stages, depths)
+    with h5py.File(cand, "a") as f:
+        for j, part in inputs.items():
+            for name, rows in part.items():
+                _dataset(f, f"chain/d{j}/inputs/{name}", layer_at_3(rows) if (j, name) == (3, "layer") else rows)
+    return cand
+
+
+def test_a_candidate_recording_another_layer_is_not_a_pass(tmp_path, own):
+    ref, stages, depths = own
+    result = diff_cli(ref, _with_chain_inputs(tmp_path, ref, stages, depths, lambda rows: rows + 1))
+    assert result.exit_code == 3, result.output
+    assert "depth 3: the candidate records layer 1 at bridge 0 (8 row(s)) where the reference ran layer 0" \
+        in last_line(result), result.output
+
+
+def test_a_wrongly_typed_layer_record_is_not_a_pass(tmp_path, own):
+    ref, stages, depths = own
+    result = diff_cli(ref, _with_chain_inputs(tmp_path, ref, stages, depths, lambda rows: rows.astype(np.float32)))
+    assert result.exit_code == 3 and "not one integer layer index per bridge row" in last_line(result), result.output
+
+
+def test_twin_the_reference_layers_recorded_pass(tmp_path, own):
+    ref, stages, depths = own
+    result = diff_cli(ref, _with_chain_inputs(tmp_path, ref, stages, depths, lambda rows: rows))
+    assert result.exit_code == 0, result.output
+    assert last_line(result).startswith("PASSED | 12 stages x 10 tokens within tolerance at depths 1-4 | ref=")
+
+
+def test_twin_a_wrong_layer_that_diverges_stays_diverged(tmp_path, own):
+    """A depth whose rows diverge keeps its DIVERGED verdict (and so its diagnosis) beside the layer record."""
+    ref, stages, depths = own
+    bad = {n: (r * 1.5 if n in ("out",) else r) for n, r in depths[3].items()}
+    result = diff_cli(ref, _with_chain_inputs(tmp_path, ref, stages, dict(depths) | {3: bad}, lambda rows: rows + 1))
+    assert result.exit_code == 1 and "first divergent stage: out at depth 3" in last_line(result), result.output
