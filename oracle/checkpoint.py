@@ -382,16 +382,48 @@ class Checkpoint:
         expected = self.layout().shapes()
         # a head stored as a layer of the main stack names its index (DeepSeek/GLM: model.layers.{num_hidden_layers}.)
         prefix = self.family.head_prefix.format(num_hidden_layers=getattr(self.config, "num_hidden_layers", None))
+        self._refuse_layers_past_the_head(expected)
         unused = sorted(n for n in self._shard_of if n.startswith(prefix) and n not in expected)
         if unused:
             raise CheckpointError(f"{self.path}: the head has tensors the {self.family.name} head does not use: "
                                   f"{', '.join(unused[:5])}{' …' if len(unused) > 5 else ''} "
-                                  f"(another family, or a multi-layer head?). Refusing to ignore them.")
+                                  f"(another family, or a multi-layer head? config.json: {self._declared_layers()}). "
+                                  f"Refusing to ignore them.")
         entries = {}
         for name in sorted(expected):
             entries[name] = self.entry(name)
             _check_shape(entries[name], expected[name], self.config)
         return entries
+
+    def _refuse_layers_past_the_head(self, expected) -> None:
+        """A head stored in the main stack (model.layers.{num_hidden_layers}.) whose checkpoint also holds layers
+        past the ones the layout reads (model.layers.{num_hidden_layers + 1}. …: a second MTP layer the config's
+        count leaves out) is refused, naming the config key and the tensors: read as a one-layer head, depth 2 would
+        silently run layer 0 where the checkpoint has its own layer for it."""
+        if not self.family.head_prefix.startswith("model.layers.{num_hidden_layers}"):
+            return
+        count = getattr(self.config, "num_hidden_layers", None)
+        if not isinstance(count, int):
+            return
+        extra = sorted({int(m.group(1)) for n in self._shard_of if n not in expected
+                        and (m := _STACK_LAYER.match(n)) and int(m.group(1)) >= count})
+        if not extra:
+            return
+        declared = self._declared_layers()
+        read = sorted({int(m.group(1)) for n in expected if (m := _STACK_LAYER.match(n))})
+        shown = ", ".join(f"model.layers.{i}.*" for i in extra[:4]) + (" …" if len(extra) > 4 else "")
+        raise CheckpointError(
+            f"{self.path / 'config.json'}: {declared} (MTP layer(s) at model.layers.{', '.join(map(str, read))}, "
+            f"num_hidden_layers {count}) but the checkpoint also holds {shown}: the tensors of more MTP layers than "
+            f"the config declares. Refusing to ignore them: fix the layer count in config.json (this "
+            f"{self.family.name} oracle runs one MTP layer), or remove those tensors.")
+
+    def _declared_layers(self) -> str:
+        """The MTP layer count config.json declares, as `key = value`, or that it declares none."""
+        text = self.raw_config.get("text_config", self.raw_config)
+        keys = [k for k in _LAYER_COUNT_KEYS if k in text]
+        return (f"{keys[0]} = {text[keys[0]]!r}" if keys else
+                f"no MTP layer count ({' / '.join(_LAYER_COUNT_KEYS)}; the family's default applies)")
 
     def main_model_prefix(self) -> str:
         """Where the shared embedding lies (e.g. `model.language_model.` in a VLM release, `model.` text-only)."""
@@ -433,6 +465,8 @@ class Checkpoint:
 
 
 _MAIN_LAYER = re.compile(r"(?:model\.(?:language_model\.)?)?layers\.(\d+)\.")  # HF layouts; V4's release: layers.N.
+_STACK_LAYER = re.compile(r"model\.layers\.(\d+)\.")  # DeepSeek/GLM/Step: the MTP layers follow the main stack
+_LAYER_COUNT_KEYS = ("num_nextn_predict_layers", "num_mtp_layers", "mtp_num_hidden_layers")
 
 
 def _identity(path: Path) -> tuple | None:

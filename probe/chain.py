@@ -57,6 +57,7 @@ class DepthDiff:
     report: "DiffReport"  # the depth's comparison; its tokens are bridge positions
     recycle: tuple[RecycleEvidence, ...]
     recycle_note: str | None  # why the recycle choice is not evidenced at this depth (None: it is, or diverged)
+    layer_note: str | None = None  # the candidate records another physical layer than the reference ran here
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,29 @@ def _diff_one_depth(ref, cand, depth: int, tols, fail_fast: bool) -> DepthDiff:
     check_candidate_depth(ref_part, cand_part, depth)
     report = never_written_hint(diff_depth(ref_part, cand_part, tols, fail_fast, depth=depth), depth)
     recycle = recycle_evidence(ref_part, report, tols[HIDDEN_STAGE])
-    return DepthDiff(depth, report, recycle, _recycle_note(ref_part, report, recycle, depth))
+    return DepthDiff(depth, report, recycle, _recycle_note(ref_part, report, recycle, depth),
+                     _layer_note(ref_part, cand_part, depth))
+
+
+def _layer_note(ref_part, cand_part, depth: int) -> str | None:
+    """Why depth j cannot pass when the candidate records (/chain/d{j}/inputs/layer) another physical layer than the
+    reference ran at some bridge: its rows may still match (layers with equal weights, a one-layer head mislabelled),
+    but a PASS would certify a layer it says it did not run. Not bad input: the engine picks its layer (vLLM without
+    spec_step_idx runs layer 0 at every depth), so a divergence, with its diagnosis, still takes precedence."""
+    names = getattr(cand_part, "chain_input_names", tuple)()
+    if "layer" not in names or "layer" not in getattr(ref_part, "chain_input_names", tuple)():
+        return None
+    got, want = np.asarray(cand_part.chain_input_rows("layer")), np.asarray(ref_part.chain_input_rows("layer"))
+    if got.ndim != 1 or got.dtype.kind not in "iu" or len(got) > len(want):
+        return (f"depth {depth}: the candidate's /chain/d{depth}/inputs/layer is {got.dtype} {got.shape}, not one "
+                f"integer layer index per bridge row (int64 [{len(want)}]); write the physical layer the engine ran")
+    bad = np.flatnonzero(got != want[:len(got)])
+    if not len(bad):
+        return None
+    r = int(bad[0])
+    return (f"depth {depth}: the candidate records layer {int(got[r])} at bridge {r} ({len(bad)} row(s)) where the "
+            f"reference ran layer {int(want[r])}, so its rows there are not counted as that layer's; run layer "
+            f"{int(want[r])} at depth {depth} (or record the layer the engine really ran)")
 
 
 def never_written_hint(report: "DiffReport", depth: int) -> "DiffReport":
@@ -259,6 +282,7 @@ def combined_verdict(chain: ChainDiff) -> Verdict:
             return Verdict(name, tuple(_at(j, r) for j, v in hit for r in v.reasons))
     reasons = [_at(j, r) for j, v in parts if v.name == "inconclusive" for r in v.reasons]
     reasons += [d.recycle_note for d in chain.depths if d.recycle_note]
+    reasons += [d.layer_note for d in chain.depths if d.layer_note]
     if chain.copied:
         reasons.append(f"depth(s) {_list(chain.copied)} not counted as passed: every row of every stage there is "
                        f"bit-identical to the reference's while depth 1's are not, so those rows were copied, not "

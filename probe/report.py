@@ -52,6 +52,7 @@ def summary_line(report: DiffReport) -> str:
         parts = ["PASSED", f"{len(report.captured)} stages x {report.num_tokens} tokens within tolerance"
                  + (f" at depths {_depth_span(report)}" if report.chain is not None else "")]
         parts += [coverage] if report.not_captured else []
+        parts += _chain_gaps(report)
     elif name == "diverged":
         depth, first = report.first_at
         place = f"at token {first.token}" if depth == 1 else f"at depth {depth} bridge {first.token}"
@@ -68,6 +69,16 @@ def summary_line(report: DiffReport) -> str:
         parts.append(f"depths compared: {_depth_span(report)} of 1-{report.chain.info.depths}")
     parts += [f"note: {f}" for f in report.findings if not f.startswith("rows shifted")]
     return printable(" | ".join(parts + [where]))  # one line, whatever a path or name in it holds
+
+
+def _chain_gaps(report: DiffReport) -> list[str]:
+    """`depth 3 not captured: mlp` for each compared chain depth that lacks a stage: a PASS's `N stages ... at
+    depths 1-K` never reads as every stage at every depth when a depth captured fewer (depth 1's own gaps are in
+    `coverage`)."""
+    if report.chain is None:
+        return []
+    return [f"depth {d.depth} not captured: {', '.join(d.report.not_captured)}" for d in report.chain.depths
+            if d.report.not_captured]
 
 
 def _depth_span(report: DiffReport) -> str:
