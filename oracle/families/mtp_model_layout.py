@@ -173,8 +173,9 @@ def layout(cfg: HeadConfig, names: set[str]) -> TensorLayout:
     if present != expected:
         where = (f"{cfg.mtp_prefix}layers.{expected[0]}..{expected[-1]}" if cfg.mtp_prefix else
                  f"model.layers.{expected[0]}..{expected[-1]}, num_hidden_layers {cfg.num_hidden_layers}")
+        key = "mtp_config.num_nextn_predict_layers" if cfg.mtp_prefix else "num_nextn_predict_layers"  # as declared
         raise CheckpointError(
-            f"the config declares {cfg.num_mtp_layers} MTP layer(s) ({where}) but the checkpoint holds tensors of "
+            f"config.json: {key} = {cfg.num_mtp_layers}: the config declares {cfg.num_mtp_layers} MTP layer(s) ({where}) but the checkpoint holds tensors of "
             f"layers {present or 'none'}{'' if cfg.mtp_prefix else ' at or past num_hidden_layers'}: "
             f"{'missing ' + str(sorted(set(expected) - set(present))) if set(expected) - set(present) else ''}"
             f"{' extra ' + str(sorted(set(present) - set(expected))) if set(present) - set(expected) else ''}. "

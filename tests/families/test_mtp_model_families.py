@@ -187,6 +187,7 @@ def test_a_layer_count_disagreeing_with_the_tensors_exits_2_naming_both(family, 
                                       "--hidden-seed", "0"])
         assert result.exit_code == 2, result.output
         assert f"declares {count} MTP layer" in result.output and named in result.output, result.output
+        assert f"config.json: {'mtp_config.' + key if block == 'mtp_config' else key} = {count}" in result.output
     absent = _with_config(ckpt, tmp_path / "absent", block, **{key: None})  # the silent-drop case: no count at all
     result = run_cli(oracle_cli, ["export", absent, "--out", tmp_path / "a.h5", "--tokens", "5,6",
                                   "--hidden-seed", "0"])
