@@ -368,5 +368,6 @@ def layer_part_records(impl, head, rotary, depths: dict[int, DepthRows],
                              positions=np.asarray(rows.positions, dtype=np.int64), hidden=rows.recycled,
                              embed=rows.embed)
         variants = impl.qk_part_variants(head, rotary, inputs, np.asarray(rows.ah, dtype=np.float32), layer=layer)
-        out[j] = measure(variants, rows.attn, impl.qk_output_projection(head, layer=layer))
+        with reused_projections(head):  # nor was this depth's pass a real one: its variants share one projection
+            out[j] = measure(variants, rows.attn, impl.qk_output_projection(head, layer=layer))
     return out
