@@ -405,12 +405,13 @@ class Checkpoint:
         count = getattr(self.config, "num_hidden_layers", None)
         if not isinstance(count, int):
             return
+        read = sorted({int(m.group(1)) for n in expected if (m := _STACK_LAYER.match(n))})
+        # layers the layout does not read at all (an unknown tensor inside a read layer is the unused-tensor error's)
         extra = sorted({int(m.group(1)) for n in self._shard_of if n not in expected
-                        and (m := _STACK_LAYER.match(n)) and int(m.group(1)) >= count})
+                        and (m := _STACK_LAYER.match(n)) and int(m.group(1)) >= count and int(m.group(1)) not in read})
         if not extra:
             return
         declared = self._declared_layers()
-        read = sorted({int(m.group(1)) for n in expected if (m := _STACK_LAYER.match(n))})
         shown = ", ".join(f"model.layers.{i}.*" for i in extra[:4]) + (" …" if len(extra) > 4 else "")
         raise CheckpointError(
             f"{self.path / 'config.json'}: {declared} (MTP layer(s) at model.layers.{', '.join(map(str, read))}, "

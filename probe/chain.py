@@ -181,7 +181,8 @@ def _layer_note(ref_part, cand_part, depth: int) -> str | None:
     if got.ndim != 1 or got.dtype.kind not in "iu" or len(got) > len(want):
         return (f"depth {depth}: the candidate's /chain/d{depth}/inputs/layer is {got.dtype} {got.shape}, not one "
                 f"integer layer index per bridge row (int64 [{len(want)}]); write the physical layer the engine ran")
-    bad = np.flatnonzero(got != want[:len(got)])
+    # -1: the engine did not say which layer it ran (probe/run.py's driven loops, llama.cpp): nothing to hold it to
+    bad = np.flatnonzero((got != want[:len(got)]) & (got != -1))
     if not len(bad):
         return None
     r = int(bad[0])
