@@ -321,13 +321,26 @@ def child_chain(ckpt: str, t: int, k: int, out: str, variant: str) -> None:
     if variant in ("chain", "plain"):
         rows = t + sum(chain_rows(t, j) for j in range(2, k + 1)) if variant == "chain" else t
         x = np.random.default_rng(0).standard_normal((rows, c.config.hidden_size)).astype(np.float32)
-        begin = time.perf_counter()
-        draft_projection(Checkpoint(Path(ckpt))).argmax(x)  # the floor's rate: the plain screened argmax
-        result |= {"draft_s": time.perf_counter() - begin, "draft_rows": rows}
+        result |= {"draft_s": warm_draft_seconds(ckpt, x), "draft_rows": rows}  # the floor's rate
         begin = time.perf_counter()
         draft_projection(Checkpoint(Path(ckpt))).argmax_margin(x)  # what the draft stage runs (its top-2 screen)
         result["margin_s"] = time.perf_counter() - begin
     print(json.dumps(result))
+
+
+def warm_draft_seconds(ckpt: str, x: np.ndarray) -> float:
+    """The plain screened lm_head argmax of rows `x` from a fresh LmHead (its column maxima in the timing), best of
+    2: the floor's draft rate is a warm read's. The first sweep after a long export can find the lm_head paged
+    out again (warm_export_shards: measured 22.2 s against 11.2 s for the sweep run right after it)."""
+    from oracle.checkpoint import Checkpoint
+    from oracle.draft_loop import draft_projection
+
+    best = float("inf")
+    for _ in range(2):
+        begin = time.perf_counter()
+        draft_projection(Checkpoint(Path(ckpt))).argmax(x)
+        best = min(best, time.perf_counter() - begin)
+    return best
 
 
 def float32_argmax(head, rows: np.ndarray) -> np.ndarray:
@@ -636,7 +649,7 @@ def bench_plain(ckpt: Path, work: Path, rows: list, t: int = 169) -> None:
     got = {"nodraft": [], "plain": [], "oldnorm": []}
     for _ in range(runs):
         for variant in got:
-            warm_page_cache(shard_of(ckpt, "lm_head.weight"))  # each variant starts from the same cache state
+            warm_export_shards(ckpt)  # each variant starts from the same cache state
             wall, rss, out = run_child([PY, __file__, "child-chain", str(ckpt), str(t), "1",
                                         str(work / f"{variant}{t}.h5"), variant])
             got[variant].append((json.loads(out), rss))
@@ -661,6 +674,17 @@ def warm_page_cache(path: Path) -> None:
     subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=16M"], check=True, capture_output=True)
 
 
+def warm_export_shards(ckpt: Path) -> None:
+    """The head's shard and the lm_head's, read just before a child exports: the floor's read rate is the warm one,
+    and this VM pages out file pages nobody touched for a minute (DAMON `pageout`, age >= 12 x 5 s: the sysfs
+    scheme under /sys/kernel/mm/damon), so a shard read minutes earlier is back on disk at ~0.2 GB/s (measured: the
+    Qwen head's 0.85 GB in 4.3 s cold against 0.15 s warm)."""
+    index = ckpt / "model.safetensors.index.json"
+    names = json.loads(index.read_text())["weight_map"] if index.is_file() else {"lm_head.weight": None}
+    for shard in sorted({shard_of(ckpt, n) for n in names if n.startswith("mtp.") or n == "lm_head.weight"}):
+        warm_page_cache(shard)
+
+
 def bench_chain(ckpt: Path, work: Path, rate: float, gemm: dict[int, float], rows: list, t: int = 169,
                 k: int = 4) -> None:
     """`export --chain k` (teacher-forced) at real scale against its floor, measured in the same run: k bridge
@@ -675,13 +699,13 @@ def bench_chain(ckpt: Path, work: Path, rate: float, gemm: dict[int, float], row
     runs = int(os.environ.get("BENCH_CHAIN_RUNS", "2"))  # best of; 1 where the machine is short of time
     chained, plain, noqk = [], [], []
     for _ in range(runs):  # alternated: the machine is shared
-        warm_page_cache(shard_of(ckpt, "lm_head.weight"))
+        warm_export_shards(ckpt)
         chained.append(run_child([PY, __file__, "child-chain", str(ckpt), str(t), str(k), str(work / f"chain{t}.h5"),
                                   "chain"]))
-        warm_page_cache(shard_of(ckpt, "lm_head.weight"))
+        warm_export_shards(ckpt)
         noqk.append(run_child([PY, __file__, "child-chain", str(ckpt), str(t), str(k),
                                str(work / f"chain{t}_noqk.h5"), "chain-noqk"]))
-        warm_page_cache(shard_of(ckpt, "lm_head.weight"))
+        warm_export_shards(ckpt)
         plain.append(run_child([PY, __file__, "child-chain", str(ckpt), str(t), str(k), str(work / f"plain{t}.h5"),
                                 "plain"]))
     inner = [json.loads(out) for _, _, out in chained]
@@ -818,7 +842,7 @@ def child_step3p7(ckpt: str, t: int, k: int, out: str) -> None:
     build the head (read + widen + load; `build_head` timed where export calls it) and, as bench_chain, the
     screened lm_head argmax on as many rows as the export drafts (the floor's draft part)."""
     from oracle.checkpoint import Checkpoint
-    from oracle.draft_loop import chain_rows, draft_projection
+    from oracle.draft_loop import chain_rows
     from oracle.export import ChainOptions, HiddenSource, export_trace
     from oracle.families import mtp_model
 
@@ -839,9 +863,7 @@ def child_step3p7(ckpt: str, t: int, k: int, out: str) -> None:
               "build_s": sum(b[0] for b in built), "build_cpu_s": sum(b[1] for b in built)}
     rows = t + sum(chain_rows(t, j) for j in range(2, k + 1))
     x = np.random.default_rng(0).standard_normal((rows, c.config.hidden_size)).astype(np.float32)
-    begin = time.perf_counter()
-    draft_projection(Checkpoint(Path(ckpt))).argmax(x)
-    result |= {"draft_s": time.perf_counter() - begin, "draft_rows": rows}
+    result |= {"draft_s": warm_draft_seconds(ckpt, x), "draft_rows": rows}
     print(json.dumps(result))
 
 
