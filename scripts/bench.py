@@ -675,7 +675,8 @@ def warm_page_cache(path: Path) -> None:
 
 
 def warm_export_shards(ckpt: Path) -> None:
-    """The head's shard and the lm_head's, read just before a child exports: the floor's read rate is the warm one,
+    """The shards of the head's `mtp.*` tensors (the Qwen layout; bench_step3p7 warms its `model.layers.*` shards
+    itself) and the lm_head's, read just before a child exports: the floor's read rate is the warm one,
     and this VM pages out file pages nobody touched for a minute (DAMON `pageout`, age >= 12 x 5 s: the sysfs
     scheme under /sys/kernel/mm/damon), so a shard read minutes earlier is back on disk at ~0.2 GB/s (measured: the
     Qwen head's 0.85 GB in 4.3 s cold against 0.15 s warm)."""
