@@ -10,8 +10,11 @@ GEMM agrees with them wherever the top two logits are further apart than its rou
 How, without paying for a float32 GEMM over the whole vocabulary (248320 x 5120 at real scale):
 
 1. Screen. Per vocabulary chunk, s = bf16(x) @ W_chunk^T with oneDNN's bf16 GEMM on the stored bf16 rows as read
-   (pread into one reused buffer, no widening; about 5x the float32 GEMM rate here). Weights stored as f16/f32 are screened with a float32
-   GEMM instead (x unrounded, the chunk widened exactly).
+   (pread into one reused buffer, no widening; about 5x the float32 GEMM rate on a CPU with AVX512-BF16 or AMX).
+   Weights stored as f16/f32 are screened with a float32 GEMM instead (x unrounded, the chunk widened exactly), and
+   so are bf16 weights where oneDNN has no bf16 kernel for this CPU (`BF16_SCREEN`: AVX2 only, as some of the
+   machines this runs on): torch then falls back to a generic bf16 loop, measured at 1/5 of the float32 GEMM rate
+   (19 against 89 GFLOP/s at 504 x 4096 x 8192), and whose accumulation the bound below does not vouch for.
 2. Bound. For every v of chunk c, |t_v - s_v| <= A[r, c] + rel·|s_v|, where (u = 2^-24, γ = D·u / (1 - D·u),
    M[c, i] = max_{v in c} |W[v, i]|, computed once per chunk from the stored bits and kept):
    - bf16 screen: x = xb + d, xb = bf16(x), and d = x - xb exactly (Sterbenz). Then
@@ -64,6 +67,20 @@ FLUSH = 2.0**-126  # the smallest normal float32: a flushed subnormal loses less
 MARGIN = 2.0**-40  # of each float64 comparison's operands: far above their rounding (2^-52), far below any bound
 
 _TORCH_STORED = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def _onednn_runs_bf16() -> bool:
+    """Whether torch's bf16 matmul runs on oneDNN's bf16 kernels here (AVX512-BF16 / AMX), the kernels whose
+    float32 accumulation the bf16 screen's bound relies on; elsewhere bf16 chunks are widened and screened in
+    float32. Only the speed depends on it: both screens give the exact argmax."""
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+                    and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch without the query: the float32 screen is right everywhere
+        return False
+
+
+BF16_SCREEN = _onednn_runs_bf16()  # tests set it both ways, so each screen runs on any machine
 
 
 @dataclass(frozen=True)
@@ -158,8 +175,7 @@ class LmHead:
     def _screen(self, x: np.ndarray, second: bool = False) -> "Candidates":
         """Every (row, id) whose logit may still be its row's maximum (`second`: one of its two largest), with its
         screen score and bound."""
-        bf16 = self.checkpoint.entry(self.name).dtype == "BF16"
-        operand, weight, phi, rel = _screen_operand(x, bf16)
+        operand, weight, phi, rel = _screen_operand(x, self._bf16_screen())
         lower = np.full(len(x), -np.inf)  # L[r]: a lower bound on max_v t_v (second: on the second largest t_v)
         best_lower = np.full(len(x), -np.inf)  # second: a lower bound on max_v t_v
         found = []
@@ -189,6 +205,10 @@ class LmHead:
         order = np.lexsort((ids[keep], rows[keep]))  # by row, then id
         return Candidates(rows[keep][order], ids[keep][order], score[keep][order], slack[keep][order], rel)
 
+    def _bf16_screen(self) -> bool:
+        """Screen with the bf16 GEMM on the stored rows as read (module docstring, 1), not a float32 one."""
+        return self.checkpoint.entry(self.name).dtype == "BF16" and BF16_SCREEN
+
     def _colmax(self, start: int, w: torch.Tensor) -> np.ndarray:
         """M[c, i] = max_v |w[v, i]| of this chunk as float32, from the stored bits, computed once per chunk; the same
         pass keeps the chunk's largest squared row norm for `row_norm_max` (one read of the rows for both)."""
@@ -196,7 +216,8 @@ class LmHead:
             if w.dtype == torch.bfloat16:
                 colmax, norm_sq = _bf16_column_max(w.view(torch.int16).numpy())
             else:
-                colmax = w.abs().amax(dim=0).numpy().astype(np.float32)
+                # max(max, -min) is max |w| exactly, without the |w| temporary (an abs pass cost 3x both reductions)
+                colmax = torch.maximum(w.amax(dim=0), -w.amin(dim=0)).numpy().astype(np.float32)
                 norm_sq = _row_norm_sq_max(w.numpy())
             if not np.isfinite(colmax).all():
                 raise CheckpointError(f"{self.name} rows {start}.. hold NaN or Inf; the argmax of its logits is "
@@ -208,13 +229,15 @@ class LmHead:
         """(first row, rows [n, D]) per chunk (but those whose first row is in `skip`), each valid until the next is
         asked for: bf16 and f32 as stored, read with pread into one reused buffer (Checkpoint.stored_rows: a shard
         cut short meanwhile is a CheckpointError, where a mapped view's page past the new end was a SIGBUS; a fresh
-        chunk per read would pay its page faults each time), f16 widened exactly into one reused float32 buffer."""
+        chunk per read would pay its page faults each time), f16 (and bf16 where the screen is float32) widened
+        exactly into one reused float32 buffer."""
         entry = self.checkpoint.entry(self.name)
         vocab, width = entry.shape
         buffer_rows = min(self.chunk_rows, vocab)
         buffer = np.empty(buffer_rows * entry.nbytes // max(vocab, 1), dtype=np.uint8)  # one chunk's stored bytes
         vocab = min(vocab, self.vocab_rows or vocab)  # the draft logits' ids: the rows past it are padding
-        wide = torch.empty(buffer_rows, width) if entry.dtype == "F16" else None
+        widen = entry.dtype == "F16" or (entry.dtype == "BF16" and not self._bf16_screen())
+        wide = torch.empty(buffer_rows, width) if widen else None
         for start in range(0, vocab, self.chunk_rows):
             if start in skip:
                 continue

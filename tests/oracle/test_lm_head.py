@@ -48,6 +48,14 @@ def stored(w: torch.Tensor) -> np.ndarray:
     return w.float().numpy()  # bf16/f16/f32 -> float32 is exact
 
 
+@pytest.fixture(autouse=True, params=[True, False], ids=["bf16-screen", "f32-screen"])
+def screen(request, monkeypatch) -> bool:
+    """Every test runs with both screens of bf16 weights, whichever this CPU would pick (lm_head.BF16_SCREEN: the
+    bf16 GEMM where oneDNN has AVX512-BF16/AMX kernels, the chunk widened and a float32 GEMM elsewhere)."""
+    monkeypatch.setattr(lm_head_module, "BF16_SCREEN", request.param)
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def trained_w() -> torch.Tensor:
     return load_file(TRAINED / "model.safetensors")["lm_head.weight"]  # (96, 64) bf16
@@ -147,13 +155,14 @@ def test_degenerate_rows_zero_negative_huge_and_tiny(tmp_path, trained_w):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 def test_the_screen_bound_holds_for_every_logit_at_real_width(tmp_path, dtype):
     """The measured side of the bound's one assumption (the GEMM accumulates in float32): at D=5120, for every
-    (row, id), |exact logit - screen score| <= A + rel·|score|. Rows with a wide dynamic range included."""
+    (row, id), |exact logit - screen score| <= A + rel·|score|. Rows with a wide dynamic range included. The bf16
+    screen forced on a CPU without oneDNN's bf16 kernels measures torch's generic bf16 loop against the same bound."""
     rng = np.random.default_rng(4)
     w = torch.from_numpy(rng.standard_normal((2048, 5120)).astype(np.float32) * 0.02).to(dtype)
     rows = rng.standard_normal((16, 5120)).astype(np.float32)
     rows[:4] *= np.exp2(rng.integers(-30, 30, (4, 5120))).astype(np.float32)
     head = lm_head_of(checkpoint_with(tmp_path, w), chunk_rows=2048)
-    operand, weight, phi, rel = lm_head_module._screen_operand(rows, dtype == torch.bfloat16)
+    operand, weight, phi, rel = lm_head_module._screen_operand(rows, head._bf16_screen())
     start, chunk = next(head._chunks())
     colmax = head._colmax(start, chunk)
     slack = weight.numpy() @ colmax.astype(np.float64) + phi + lm_head_module.FLUSH * colmax.sum()
@@ -299,3 +308,14 @@ def test_read_ahead_advises_exactly_the_projection_bytes_and_a_failure_is_only_a
     assert entry.nbytes == trained_w.numel() * 2
     rows = np.random.default_rng(2).standard_normal((3, 64)).astype(np.float32)
     np.testing.assert_array_equal(head.argmax(rows), exact_argmax(rows, stored(trained_w)))
+
+
+def test_the_screen_runs_the_gemm_it_says_on_bf16_weights(tmp_path, trained_w, screen):
+    """BF16_SCREEN picks the GEMM: bf16 chunks as stored for the bf16 screen, widened exactly to float32 otherwise
+    (a CPU without oneDNN's bf16 kernels: torch's generic bf16 loop ran at 1/5 of the float32 GEMM there)."""
+    head = lm_head_of(checkpoint_with(tmp_path, trained_w), chunk_rows=40)
+    dtypes = {w.dtype for _, w in head._chunks()}
+    assert dtypes == {torch.bfloat16 if screen else torch.float32}
+    assert head._bf16_screen() is screen
+    rows = np.random.default_rng(7).standard_normal((5, 64)).astype(np.float32)
+    assert lm_head_module._screen_operand(rows, screen)[0].dtype == (torch.bfloat16 if screen else torch.float32)
