@@ -16,11 +16,13 @@ reads its positions from it as MtpModel does (layer l's row r at r + l + 1; posi
 What it is not: MtpModel.forward (which embeds, masks through an MtpCache and drafts): the draft loop
 (oracle/draft_loop.py) runs the layers itself, depth j on layer j-1, and the contract test holds the two equal.
 
-Weights are widened to float32 before the load (the official converters concatenate and stack them), but for the
+Weights load as stored where they are all bf16 and the converters only move values (`_linears_load_as_stored`): the
+plain linears then keep their bf16 weight behind torch_parts.UpcastLinear (widened a block of rows at a time in use,
+bit-identical), the rest is float32. Otherwise they are widened to float32 before the load, but for the
 routed experts of a sparse layer (Step-3.5/3.7's stacked `moe.{gate,up,down}_proj.weight` [E, I, D] / [E, D, I]):
 those stay as stored (mapped) and are read and widened one expert at a time, only where the tokens route, by
 `StackedExperts` (oracle/families/moe_experts.py's RoutedExperts machinery; bit-identical to the widened module,
-tests/families/test_mtp_model_lazy_experts.py). The dense parts still need their float32 size in memory.
+tests/families/test_mtp_model_lazy_experts.py). Widened before the load, the dense parts need their float32 size in memory.
 """
 
 import copy
@@ -39,7 +41,7 @@ from oracle.errors import CheckpointError
 from oracle.families.moe_experts import RoutedExperts
 from oracle.families.mtp_layer import torch_weights as _stored_torch_weights
 from oracle.families.spec import ExpertLayout
-from oracle.families.torch_parts import causal_mask, step_tensors, to_numpy
+from oracle.families.torch_parts import UpcastLinear, causal_mask, step_tensors, to_numpy
 from oracle.qk_parts import PartVariant, swapped
 from oracle.trace import TraceInputs
 
@@ -123,11 +125,17 @@ class MtpModelHead(nn.Module):
 
         self.routed = self.stacked_experts(weights)
         lazy_names = {n for routed in self.routed.values() for n in routed.layout.tensor_names()}
-        # the converters stack and concatenate: everything but the lazy experts goes to them widened
-        state = {name: t.float() for name, t in weights.items() if name not in lazy_names}
+        state = {name: t for name, t in weights.items() if name not in lazy_names}
+        conversions = self.weight_conversions()
+        stored = _linears_load_as_stored(state, conversions)
+        if stored:  # the loader casts each tensor to its parameter's dtype: the plain linears' is bf16 now
+            for module in self.mtp.modules():
+                if _plain_linear(module):
+                    module.to(torch.bfloat16)  # on the meta device: the dtype only
+        else:  # the converters stack and concatenate: everything but the lazy experts goes to them widened
+            state = {name: t.float() for name, t in state.items()}
         from transformers.utils import logging as hf_logging
 
-        conversions = self.weight_conversions()
         hf_logging.disable_progress_bar()  # its loading bar on stderr; the oracle reports progress itself
         try:
             info, _ = convert_and_load_state_dict_in_model(
@@ -149,6 +157,8 @@ class MtpModelHead(nn.Module):
         left = [n for n, t in self.mtp.named_parameters() if t.is_meta and n not in TIED | lazy]
         if left:
             raise RuntimeError(f"parameters never loaded: {left}")  # a bug: the check above should prevent it
+        if stored:
+            _upcast_plain_linears(self.mtp)
         for layer, routed in self.routed.items():
             routed.attach(self.mtp.layers[layer].mtp_block.mlp.experts)
 
@@ -279,6 +289,47 @@ class StackedExperts(RoutedExperts):
 
     def _stored_part(self, e: int, part: str) -> tuple[str | None, torch.Tensor]:
         return None, self._weights[self.layout.names[part]][e]
+
+
+# transformers' conversion ops that only move stored values (split, join, reorder): exact in bf16 as in float32
+MOVES_ONLY = frozenset({"Chunk", "Split", "Concatenate", "Interleave", "MergeModulelist", "SplitModulelist",
+                        "Transpose", "PermuteForRope"})
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    return type(module) is nn.Linear and module.bias is None
+
+
+def _linears_load_as_stored(state: dict[str, torch.Tensor], conversions: list) -> bool:
+    """Whether the plain linears can load as stored and be widened in use (UpcastLinear), not widened whole
+    before the load. Widening 1.5 GB of Step-3.7's layers up front cost 4.5 s here, almost all of it page faults on
+    the fresh float32 memory (the bytes alone: 0.3 s), and doubled the layers' memory.
+
+    The loader casts each tensor to its parameter's dtype, so this holds where no cast to bf16 can lose a value:
+    every conversion only moves values, and every matrix is bf16 or exact in bf16. A float32 vector that bf16
+    cannot hold (Step-3.7's router_bias, Inkling's global_scale) is allowed: the matrix of a linear cannot come
+    from it through conversions that only move values, so it lands in a float32 parameter."""
+    ops = {type(op).__name__ for conv in conversions for op in (getattr(conv, "operations", None) or [])}
+
+    def castable(t: torch.Tensor) -> bool:
+        return t.dtype == torch.bfloat16 or t.dim() <= 1 or (
+            t.is_floating_point() and torch.equal(t.bfloat16().to(t.dtype), t))
+
+    return bool(state) and ops <= MOVES_ONLY and any(t.dtype == torch.bfloat16 for t in state.values()) and all(
+        castable(t) for t in state.values())
+
+
+def _upcast_plain_linears(module: nn.Module) -> None:
+    """Each plain bf16 nn.Linear under `module` becomes an UpcastLinear on its stored weight (F.linear over the
+    float32 weight, bit for bit); every other parameter was loaded float32 (its parameter's dtype)."""
+    for name, child in module.named_children():
+        if _plain_linear(child) and child.weight.dtype == torch.bfloat16:
+            setattr(module, name, UpcastLinear(child.weight.data))
+        else:
+            _upcast_plain_linears(child)
+    wrong = [n for n, t in module.named_parameters(recurse=False) if t.dtype != torch.float32 and not t.is_meta]
+    if wrong:
+        raise RuntimeError(f"parameters left in bf16 outside a plain linear: {wrong}")  # a bug, not the input's
 
 
 def build_head(cfg, weights: dict[str, torch.Tensor], head_class: type[MtpModelHead] = MtpModelHead):
