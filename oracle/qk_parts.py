@@ -35,6 +35,7 @@ from oracle.trace import QK_PARTS
 
 PARTS = QK_PARTS  # part -> what a row that evidences it rules out (oracle/trace.py: the record's schema)
 PREFIX = "qk_"
+BASELINE = "baseline"  # a family's pass without a variant (`baseline`): never recorded, see measure
 
 
 def dataset_name(part: str) -> str:
@@ -56,6 +57,12 @@ class PartVariant:
             return self.run().detach().to(torch.float32).numpy()
 
 
+def baseline(run: Callable[[], torch.Tensor]) -> PartVariant:
+    """The family's attention pass with no variant, listed first among its variants: `measure` then sends through
+    the output projection only the rows a variant changed (the others are the real rows, exactly)."""
+    return PartVariant(BASELINE, "none", run)
+
+
 def measure(variants: list[PartVariant], attn: np.ndarray, output: nn.Module | None = None,
             rows: slice | None = None) -> tuple[dict[str, np.ndarray], dict[str, list[str]]]:
     """Run every variant (projections replayed) and return ({dataset: [T, V] max_abs}, {part: [variant names]}).
@@ -65,15 +72,25 @@ def measure(variants: list[PartVariant], attn: np.ndarray, output: nn.Module | N
     of a bf16 weight) at V·T rows instead of V at T, the same rows. `rows`: only these rows of each pass are
     measured and returned ([len(rows), V]); `output` then runs on them alone (each output row reads its own input
     row only). Within the call, a projection no real pass recorded is computed by the first variant and handed
-    back to the later ones (attention_evidence.replayed_projections)."""
+    back to the later ones (attention_evidence.replayed_projections).
+
+    A `baseline` pass (the family's pass with no variant, first in `variants`; used only with `output`) gives the
+    output projection's input as the real pass has it. A variant row whose input equals it bit for bit is the real
+    row: its distance is 0, exactly, and it is not multiplied (a window wider than T, RoPE at position 0, a step
+    that sees only its own key anyway). Only the rows a variant changed go through the output projection."""
     keep = rows if rows is not None else slice(None)
     real = np.asarray(attn, dtype=np.float64).reshape(len(attn), -1)[keep]
+    base = [v for v in variants if v.part == BASELINE]
+    variants = [v for v in variants if v.part != BASELINE]
     columns: dict[str, list[np.ndarray]] = {}
     names: dict[str, list[str]] = {}
     with torch.inference_mode(), replayed_projections():
         with deferred(output, keep) as pending:
+            if base and output is not None:
+                base[0].rows()
+                pending.baseline = pending.inputs.pop()
             computed = [variant.rows() for variant in variants]
-        computed = pending.finish() if output is not None else [r.reshape(len(r), -1)[keep] for r in computed]
+        computed = pending.finish(real) if output is not None else [r.reshape(len(r), -1)[keep] for r in computed]
         for variant, rows in zip(variants, computed):
             rows = rows.astype(np.float64).reshape(len(real), -1)
             columns.setdefault(variant.part, []).append(max_abs_toward_zero(rows, real))
@@ -112,16 +129,31 @@ class _Deferred:
 
     def __init__(self, linear: nn.Module | None, keep: slice = slice(None)) -> None:
         self.linear, self.inputs, self.keep = linear, [], keep
+        self.baseline: torch.Tensor | None = None  # the input without a variant (measure's `baseline` pass)
 
     def call(self, x: torch.Tensor) -> torch.Tensor:
         self.inputs.append(x.detach()[..., self.keep, :].clone())  # rows dropped here are never multiplied
         return x.new_zeros((*x.shape[:-1], 0))  # a placeholder the attention module hands back unread
 
-    def finish(self) -> list[np.ndarray]:
-        sizes = [x.shape[-2] for x in self.inputs]
+    def finish(self, real: np.ndarray) -> list[np.ndarray]:
+        """Each call's output rows [n, D] float32: the projection of the rows that differ from the baseline's input
+        (every row without one), in one matmul; `real` [n, D] where a row equals the baseline's."""
+        flat = [x.reshape(-1, x.shape[-1]) for x in self.inputs]
+        base = None if self.baseline is None else self.baseline.reshape(-1, self.baseline.shape[-1])
+        # NaN != NaN: a NaN row counts as changed and is projected, never taken for the real row
+        changed = [(x != base).any(dim=1) if base is not None and x.shape == base.shape
+                   else torch.ones(len(x), dtype=torch.bool) for x in flat]
         # the class's own forward: no memo (attention_evidence) can hold these rows, and none should copy them
-        out = type(self.linear).forward(self.linear, torch.cat(self.inputs, dim=-2))
-        return [rows.reshape(n, -1).to(torch.float32).numpy() for rows, n in zip(out.split(sizes, dim=-2), sizes)]
+        todo = torch.cat([x[c] for x, c in zip(flat, changed)])
+        out = type(self.linear).forward(self.linear, todo) if len(todo) else todo.new_zeros(0, real.shape[-1])
+        results, start = [], 0
+        for x, c in zip(flat, changed):
+            rows = np.array(real, dtype=np.float32).reshape(len(x), -1)
+            picked = int(c.sum())
+            rows[c.numpy()] = out[start:start + picked].to(torch.float32).numpy()
+            results.append(rows)
+            start += picked
+        return results
 
 
 @contextmanager

@@ -477,7 +477,7 @@ def qk_part_variants(head: MtpModelHead, rotary, inputs: TraceInputs, ah: np.nda
     sinks (absent: sink logits -inf). Each layer's own rope type,
     partial factor and window (per-layer in Step-3.7), so two layers may list different parts. A part the layer
     lacks (Inkling's rotary, a full-attention layer's window) is not listed, so it is never claimed."""
-    from oracle.qk_parts import kv_append_variants, other_norm_form, skipped
+    from oracle.qk_parts import baseline, kv_append_variants, other_norm_form, skipped
 
     attention = head.mtp.layers[layer].mtp_block.self_attn
     embed, _, positions = step_tensors(inputs)
@@ -495,7 +495,8 @@ def qk_part_variants(head: MtpModelHead, rotary, inputs: TraceInputs, ah: np.nda
                 return run()()
         return go
 
-    variants = _rope_variants(head, attention, rope, positions, run, under, layer) if rope is not None else []
+    variants = [baseline(run())]  # the unchanged rows are not projected again (oracle/qk_parts.py measure)
+    variants += _rope_variants(head, attention, rope, positions, run, under, layer) if rope is not None else []
     for part in ("q_norm", "k_norm"):
         norm = getattr(attention, part, None)
         if norm is not None:

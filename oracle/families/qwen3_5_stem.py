@@ -27,7 +27,7 @@ from torch.nn import functional as F
 from transformers import DynamicCache
 
 from oracle.attention_evidence import uniform_weights
-from oracle.qk_parts import (PartVariant, interleaved_pairs, neox_cos_sin, other_norm_form, rotary_off,
+from oracle.qk_parts import (PartVariant, baseline, interleaved_pairs, neox_cos_sin, other_norm_form, rotary_off,
                              kv_append_variants, skipped, swapped)
 from oracle.checkpoint import Checkpoint, HeadWeights
 from oracle.errors import CheckpointError
@@ -289,7 +289,7 @@ def qk_part_variants(head: MtpHead, rotary, inputs: TraceInputs, ah: np.ndarray,
 
     theta, head_dim = config.rope_parameters["rope_theta"], attention.head_dim
     module = sys.modules[type(attention).__module__]
-    variants = [PartVariant("rope", "absent", run(rotary_off(*rope)))]
+    variants = [baseline(run()), PartVariant("rope", "absent", run(rotary_off(*rope)))]  # baseline: qk_parts.measure
     if rope[0].shape[-1] < head_dim:  # partial rotary: a RoPE over the whole head is a variant
         variants.append(PartVariant("rope", "all_dims", run(neox_cos_sin(positions, theta, head_dim))))
     variants.append(PartVariant("rope", "interleaved",

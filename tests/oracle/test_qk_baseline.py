@@ -1,0 +1,74 @@
+"""qk_parts.measure with a family's baseline pass: a variant row whose output-projection input equals the
+baseline's is the real row (distance 0, not projected again); every other row is projected and measured."""
+
+import numpy as np
+import torch
+from torch import nn
+
+from oracle.qk_parts import PartVariant, baseline, measure
+
+
+def setup(rows: int = 6, width: int = 8):
+    torch.manual_seed(0)
+    out = nn.Linear(width, 5, bias=False)
+    x = torch.randn(1, rows, width)
+    with torch.no_grad():
+        real = out(x)[0].numpy()
+    return out, x, real
+
+
+def variant(out, x, name, change=None):
+    def run():
+        y = x.clone()
+        if change is not None:
+            change(y)
+        return out(y)[0]
+    return PartVariant("rope", name, run)
+
+
+def counted(out):
+    seen = []
+    forward = type(out).forward
+
+    def spy(self, x):
+        seen.append(x.shape[0] if x.dim() == 2 else x.shape[-2])
+        return forward(self, x)
+
+    return seen, spy
+
+
+def test_unchanged_rows_are_zero_and_not_projected_and_changed_ones_are(monkeypatch):
+    out, x, real = setup()
+    seen, spy = counted(out)
+    monkeypatch.setattr(nn.Linear, "forward", spy)
+
+    def second_row(y):
+        y[0, 1] += 1.0
+
+    records, names = measure([baseline(variant(out, x, "none").run), variant(out, x, "same"),
+                              variant(out, x, "one_row", second_row)], real, out)
+    d = records["qk_rope"]
+    assert names == {"rope": ["same", "one_row"]}  # the baseline is never a recorded variant
+    assert (d[:, 0] == 0).all()
+    assert d[1, 1] > 0 and (np.delete(d[:, 1], 1) == 0).all()
+    assert seen == [1]  # one matmul, of the one changed row
+
+
+def test_twin_without_a_baseline_every_row_is_projected(monkeypatch):
+    out, x, real = setup()
+    seen, spy = counted(out)
+    monkeypatch.setattr(nn.Linear, "forward", spy)
+    records, _ = measure([variant(out, x, "same"), variant(out, x, "other", lambda y: y.mul_(2.0))], real, out)
+    assert seen == [12]
+    assert (records["qk_rope"][:, 1] > 0).all()
+
+
+def test_a_nan_row_counts_as_changed_and_can_never_pass():
+    out, x, real = setup()
+
+    def nan_row(y):
+        y[0, 3, 0] = float("nan")
+
+    records, _ = measure([baseline(variant(out, x, "none").run), variant(out, x, "nan", nan_row)], real, out)
+    d = records["qk_rope"][:, 0]
+    assert d[3] == np.finfo(np.float32).max and (np.delete(d, 3) == 0).all()
