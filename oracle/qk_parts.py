@@ -9,8 +9,11 @@ attention module again once per wrong variant of each part (rotary disabled or a
 in its other form, the current key masked out, another window, no sink) and records, per row, how far the
 variant's attn row lies from the real one.
 
-Record: `/evidence/qk_<part>` float32 [T, V], column v = max_i |variant_v attn_i - attn_i| of that row (rounded
-toward zero, so a variant is never recorded as farther than it is), and `evidence_rules["qk_parts"]` =
+Record: `/evidence/qk_<part>` float32 [T, V], column v = max_i |variant_v attn_i - attn_i| of that row over the
+measured columns i (rounded toward zero, so a variant is never recorded as farther than it is): every column up to
+MEASURED_COLUMNS wide, else every ⌈D / MEASURED_COLUMNS⌉-th (the output projection runs on those alone: at
+Qwen3.5-27B's D = 5120 it was half the records' time). A lower bound of the max over all columns, so a row is
+never taken for evidence it would not be: a variant counts as caught only where even that bound fails, and `evidence_rules["qk_parts"]` =
 {part: [variant names, in column order]} (inside the evidence digest). The probe judges each column with the attn
 stage's own tolerance rule (max_rel = max_abs / max|attn row|): a row evidences variant v of a part only where v
 would fail there (probe/evidence.py). A part is evidenced when each of its variants is caught at some compared row.
@@ -31,11 +34,13 @@ import torch
 from torch import nn
 
 from oracle.attention_evidence import replayed_projections, reused_projections
+from oracle.families.torch_parts import UpcastLinear
 from oracle.trace import QK_PARTS
 
 PARTS = QK_PARTS  # part -> what a row that evidences it rules out (oracle/trace.py: the record's schema)
 PREFIX = "qk_"
 BASELINE = "baseline"  # a family's pass without a variant (`baseline`): never recorded, see measure
+MEASURED_COLUMNS = 512  # output columns a variant row is measured over, at most (_Deferred.finish)
 
 
 def dataset_name(part: str) -> str:
@@ -143,17 +148,43 @@ class _Deferred:
         # NaN != NaN: a NaN row counts as changed and is projected, never taken for the real row
         changed = [(x != base).any(dim=1) if base is not None and x.shape == base.shape
                    else torch.ones(len(x), dtype=torch.bool) for x in flat]
-        # the class's own forward: no memo (attention_evidence) can hold these rows, and none should copy them
         todo = torch.cat([x[c] for x, c in zip(flat, changed)])
-        out = type(self.linear).forward(self.linear, todo) if len(todo) else todo.new_zeros(0, real.shape[-1])
+        columns = measured_columns(self.linear)
+        out = _project(self.linear, todo, columns) if len(todo) else None
         results, start = [], 0
         for x, c in zip(flat, changed):
-            rows = np.array(real, dtype=np.float32).reshape(len(x), -1)
+            rows = np.array(real, dtype=np.float32).reshape(len(x), -1)  # the real row where nothing is measured
             picked = int(c.sum())
-            rows[c.numpy()] = out[start:start + picked].to(torch.float32).numpy()
+            if picked:
+                got = out[start:start + picked].to(torch.float32).numpy()
+                if columns is None:
+                    rows[c.numpy()] = got
+                else:
+                    changed_rows = rows[c.numpy()]
+                    changed_rows[:, columns] = got
+                    rows[c.numpy()] = changed_rows
             results.append(rows)
             start += picked
         return results
+
+
+def measured_columns(linear: nn.Module) -> np.ndarray | None:
+    """The output columns a variant row is measured over (None: all): every ⌈D / MEASURED_COLUMNS⌉-th where the
+    linear is wider and a plain bias-free linear whose weight rows can be taken alone; all columns otherwise."""
+    weight = getattr(linear, "weight", None)
+    plain = (type(linear) is nn.Linear and linear.bias is None) or type(linear) is UpcastLinear
+    if not plain or not isinstance(weight, torch.Tensor) or weight.dim() != 2 or len(weight) <= MEASURED_COLUMNS:
+        return None
+    return np.arange(0, len(weight), -(-len(weight) // MEASURED_COLUMNS))
+
+
+def _project(linear: nn.Module, x: torch.Tensor, columns: np.ndarray | None) -> torch.Tensor:
+    """linear(x), or its `columns` alone (the weight's rows, widened exactly where stored bf16). The class's own
+    forward: no memo (attention_evidence) can hold these rows, and none should copy them."""
+    if columns is None:
+        return type(linear).forward(linear, x)
+    rows = linear.weight[torch.from_numpy(columns)]
+    return torch.nn.functional.linear(x, rows if rows.dtype == x.dtype else rows.to(x.dtype))
 
 
 @contextmanager

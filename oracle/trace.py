@@ -107,7 +107,8 @@ EVIDENCE_DOCS = {
                     "where it passes the tolerance rule against attn, that attn row cannot witness q, k, q_norm, "
                     "k_norm or RoPE",
     **{f"qk_{part}": f"[T, V] per token and wrong variant of {what}, in the order evidence_rules.qk_parts "
-                     f"names them: max |variant attn row - attn row| (oracle/qk_parts.py). Judged by the attn "
+                     f"names them: max |variant attn row - attn row| over the measured columns (all up to 512, "
+                     f"else every ceil(D/512)-th: a lower bound; oracle/qk_parts.py). Judged by the attn "
                      f"tolerance (max_rel = that / max|attn row|): where a variant passes, the row cannot witness "
                      f"that part" for part, what in QK_PARTS.items()},
     "topk_margin": "[T, 1] per token, the k-th selected expert's selection score minus the best unselected one's, "

@@ -5,6 +5,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from oracle import qk_parts
 from oracle.qk_parts import PartVariant, baseline, measure
 
 
@@ -72,3 +73,52 @@ def test_a_nan_row_counts_as_changed_and_can_never_pass():
     records, _ = measure([baseline(variant(out, x, "none").run), variant(out, x, "nan", nan_row)], real, out)
     d = records["qk_rope"][:, 0]
     assert d[3] == np.finfo(np.float32).max and (np.delete(d, 3) == 0).all()
+
+
+def wide_setup(rows: int = 6, width: int = 8, columns: int = 12):
+    torch.manual_seed(1)
+    out = nn.Linear(width, columns, bias=False)
+    x = torch.randn(1, rows, width)
+    with torch.no_grad():
+        real = out(x)[0].numpy()
+    return out, x, real
+
+
+def test_a_wide_output_projection_is_measured_over_every_kth_column_a_lower_bound(monkeypatch):
+    """Past MEASURED_COLUMNS the distance is the max over every k-th output column: never above the full max (a
+    row is never taken for evidence it is not), equal to the max over exactly those columns."""
+    out, x, real = wide_setup()
+
+    def scaled(y):
+        y[0, 2:] *= 1.5
+
+    variants = [baseline(variant(out, x, "none").run), variant(out, x, "scaled", scaled)]
+    full, _ = measure(variants, real, out)
+    monkeypatch.setattr(qk_parts, "MEASURED_COLUMNS", 4)
+    assert list(qk_parts.measured_columns(out)) == [0, 3, 6, 9]
+    part, _ = measure(variants, real, out)
+    with torch.no_grad():
+        y = x.clone()
+        scaled(y)
+        moved = np.abs(out(y)[0].numpy().astype(np.float64) - real)
+    np.testing.assert_allclose(part["qk_rope"][:, 0], moved[:, [0, 3, 6, 9]].max(axis=1), rtol=1e-6)
+    assert (part["qk_rope"] <= full["qk_rope"]).all() and (part["qk_rope"][:2] == 0).all()
+    assert (part["qk_rope"][2:] < full["qk_rope"][2:]).any()  # the price: a bound, not the max
+
+
+def test_twin_a_narrow_or_unusual_projection_is_measured_over_every_column(monkeypatch):
+    monkeypatch.setattr(qk_parts, "MEASURED_COLUMNS", 4)
+    out, _, _ = wide_setup(columns=4)
+    assert qk_parts.measured_columns(out) is None  # no wider than the limit
+    biased = nn.Linear(8, 12, bias=True)
+    assert qk_parts.measured_columns(biased) is None  # a bias: the weight's rows alone are not its output
+
+
+def test_a_bf16_upcast_projection_measures_its_columns_widened_exactly(monkeypatch):
+    from oracle.families.torch_parts import UpcastLinear
+
+    monkeypatch.setattr(qk_parts, "MEASURED_COLUMNS", 4)
+    w = torch.randn(12, 8).bfloat16()
+    x = torch.randn(5, 8)
+    got = qk_parts._project(UpcastLinear(w), x, np.array([0, 3, 6, 9]))
+    np.testing.assert_array_equal(got.numpy(), torch.nn.functional.linear(x, w.float()[[0, 3, 6, 9]]).numpy())
