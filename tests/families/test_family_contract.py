@@ -22,6 +22,7 @@ from oracle.checkpoint import Checkpoint
 from oracle.cli import cli as oracle_cli
 from oracle.errors import CheckpointError
 from oracle.families.registry import FAMILIES, head_module
+from oracle.qk_parts import BASELINE
 from oracle.trace import read_trace
 from probe.diff import diff_traces
 from tests.helpers import load_script, run_cli
@@ -104,6 +105,9 @@ def test_export_measures_each_qk_part_from_the_familys_own_variants(family):
     impl = head_module(checkpoint.family)
     head, rotary = impl.build_head(checkpoint.config, impl.torch_weights(checkpoint.read_head(widen=False)))
     variants = impl.qk_part_variants(head, rotary, inputs, stages["ah"])
+    for base in [v for v in variants if v.part == BASELINE]:  # the pass without a variant is the real one
+        np.testing.assert_allclose(base.rows(), stages["attn"], rtol=1e-5, atol=1e-6 * np.abs(stages["attn"]).max())
+    variants = [v for v in variants if v.part != BASELINE]
     with read_trace(batched) as trace:
         parts = trace.attrs["evidence_rules"]["qk_parts"]
         records = {p: trace.evidence_rows(f"qk_{p}") for p in parts}

@@ -122,3 +122,22 @@ def test_a_bf16_upcast_projection_measures_its_columns_widened_exactly(monkeypat
     x = torch.randn(5, 8)
     got = qk_parts._project(UpcastLinear(w), x, np.array([0, 3, 6, 9]))
     np.testing.assert_array_equal(got.numpy(), torch.nn.functional.linear(x, w.float()[[0, 3, 6, 9]]).numpy())
+
+
+def test_qwen_variant_passes_run_sdpa_only_under_an_explicit_mask_and_restore_eager():
+    from types import SimpleNamespace
+
+    from oracle.families.qwen3_5_stem import fused_attention
+
+    attention = SimpleNamespace(config=SimpleNamespace(_attn_implementation="eager"))
+    with fused_attention(attention, torch.zeros(1, 1, 2, 2)):
+        assert attention.config._attn_implementation == "sdpa"
+    assert attention.config._attn_implementation == "eager"
+    with fused_attention(attention, None):  # twin: without a mask SDPA would be causal where eager is not
+        assert attention.config._attn_implementation == "eager"
+    try:
+        with fused_attention(attention, torch.zeros(1, 1, 2, 2)):
+            raise KeyError("a failing variant")
+    except KeyError:
+        pass
+    assert attention.config._attn_implementation == "eager"
