@@ -1,6 +1,7 @@
 """`mtp-oracle export` as a library call: checkpoint + inputs -> an `mtp-trace/1` reference trace."""
 
 import contextlib
+import dataclasses
 import datetime
 import functools
 import importlib.metadata
@@ -118,7 +119,8 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     finally:
         reads.join()  # from here on only this thread touches the checkpoint
         heap.release()  # its pages, faulted on the thread, serve the forward's tensors
-    weights = reads.head.result()  # bf16 stays bf16: half the memory; routed experts mapped, read where routed
+    # bf16 stays bf16: half the memory; routed experts mapped, read where routed; the digest of the same bytes
+    weights = dataclasses.replace(reads.head.result(), digest=reads.digest.result())
     from oracle.attention_evidence import qk_blind_tokens, qk_warning, reused_projections  # torch: loaded already
 
     # a family whose head has its own embedding copy (DeepSeek/GLM) reads it, and says which table it used
@@ -407,23 +409,26 @@ def _chain_qk_parts(ckpt: Checkpoint, head, rotary, inputs: TraceInputs, stages:
 
 
 class _Prefetch:
-    """What the export reads before it needs torch, on one thread while the heavy imports run: synthetic H (when
-    `hidden` is given), the shared embedding's rows, the head (its dense tensors read with pread, then hashed:
-    reads and hashlib run without the GIL), the producer version and git commit (a subprocess); last, it faults in
-    the memory the forward will use (`touch`, oracle/heap.py).
+    """What the export reads before it needs torch, on two threads while the heavy imports run: synthetic H (when
+    `hidden` is given), the shared embedding's rows, the head (its dense tensors read with pread) and, beside the
+    read, its digest (reads and hashlib run without the GIL; Checkpoint._stored reads each tensor once, under its
+    lock, for whichever thread asks first, so the hash of tensor i runs while tensor i+1 is read: Step-3.7's 1.5 GB
+    took 2.1 s to read and 1.1 s to hash one after the other), the producer version and git commit (a subprocess);
+    last, it faults in the memory the forward will use (`touch`, oracle/heap.py).
 
-    `join` waits for all of it, so the checkpoint is never used by two threads at once. A result is read only
-    where it is needed: the rows of a family that reads its own embedding copy are a page-cache warm-up, and an
-    error there (no shared table) is never raised."""
+    `join` waits for all of it, so the checkpoint is used by no other thread once the forward starts. A result is
+    read only where it is needed: the rows of a family that reads its own embedding copy are a page-cache warm-up,
+    and an error there (no shared table) is never raised."""
 
     def __init__(self, ckpt: Checkpoint, token_ids: np.ndarray, hidden: Callable[[], np.ndarray] | None,
                  touch: Callable[[], None] = lambda: None) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="export-prefetch")
+        self.pool = ThreadPoolExecutor(2, thread_name_prefix="export-prefetch")
         self.hidden = self.pool.submit(hidden) if hidden is not None else None
         self.rows = self.pool.submit(ckpt.embedding_rows, token_ids)
-        self.head = self.pool.submit(ckpt.read_head, widen=False, digest=True)
+        self.head = self.pool.submit(ckpt.read_head, widen=False, digest=False)
+        self.digest = self.pool.submit(ckpt.head_digest)
         self.producer, self.commit = self.pool.submit(_producer), self.pool.submit(_git_commit)
         self.pool.submit(touch)  # last: memory for the forward (oracle/heap.py)
 
