@@ -25,6 +25,7 @@ those stay as stored (mapped) and are read and widened one expert at a time, onl
 tests/families/test_mtp_model_lazy_experts.py). Widened before the load, the dense parts need their float32 size in memory.
 """
 
+import contextlib
 import copy
 import importlib
 import re
@@ -477,7 +478,7 @@ def qk_part_variants(head: MtpModelHead, rotary, inputs: TraceInputs, ah: np.nda
     sinks (absent: sink logits -inf). Each layer's own rope type,
     partial factor and window (per-layer in Step-3.7), so two layers may list different parts. A part the layer
     lacks (Inkling's rotary, a full-attention layer's window) is not listed, so it is never claimed."""
-    from oracle.qk_parts import baseline, kv_append_variants, other_norm_form, skipped
+    from oracle.qk_parts import baseline, fused_attention, kv_append_variants, other_norm_form, skipped
 
     attention = head.mtp.layers[layer].mtp_block.self_attn
     embed, _, positions = step_tensors(inputs)
@@ -485,9 +486,14 @@ def qk_part_variants(head: MtpModelHead, rotary, inputs: TraceInputs, ah: np.nda
     mask_of = mask_of or (lambda w: layer_mask(positions[0], w))  # a chain's rows: oracle/qk_parts.py
     rope, mask = head.rope(rotary, x, positions, layer), mask_of(window)
 
+    fused = _sdpa_is_exchangeable(head, attention, rope)
+
     def run(position_embeddings=rope, attention_mask=mask):
-        return lambda: attention(hidden_states=x, position_embeddings=position_embeddings,
+        def go():
+            with fused_attention(attention, attention_mask) if fused else contextlib.nullcontext():
+                return attention(hidden_states=x, position_embeddings=position_embeddings,
                                  attention_mask=attention_mask, position_ids=positions, cache=head.pass_cache())[0][0]
+        return go
 
     def under(context, *args):
         def go():
@@ -515,6 +521,14 @@ def qk_part_variants(head: MtpModelHead, rotary, inputs: TraceInputs, ah: np.nda
         no_sink = nn.Parameter(torch.full_like(sinks, -torch.inf), requires_grad=False)
         variants.append(PartVariant("sink", "absent", under(swapped, attention, "sinks", no_sink)))
     return variants
+
+
+def _sdpa_is_exchangeable(head: MtpModelHead, attention, rope) -> bool:
+    """Whether the variant passes may run this attention through SDPA (oracle/qk_parts.py fused_attention): the
+    official model class supports it, and the module has nothing SDPA lacks (sinks: MiMo; no rotary but relative
+    position logits: Inkling) nor a conv state read from the cache."""
+    return (bool(getattr(type(head.main), "_supports_sdpa", False)) and rope is not None and not head.conv_states
+            and getattr(attention, "sinks", None) is None)
 
 
 def _rope_variants(head: MtpModelHead, attention, rope, positions, run, under, layer: int) -> list[PartVariant]:

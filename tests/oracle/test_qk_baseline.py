@@ -127,7 +127,7 @@ def test_a_bf16_upcast_projection_measures_its_columns_widened_exactly(monkeypat
 def test_qwen_variant_passes_run_sdpa_only_under_an_explicit_mask_and_restore_eager():
     from types import SimpleNamespace
 
-    from oracle.families.qwen3_5_stem import fused_attention
+    from oracle.qk_parts import fused_attention
 
     attention = SimpleNamespace(config=SimpleNamespace(_attn_implementation="eager"))
     with fused_attention(attention, torch.zeros(1, 1, 2, 2)):
