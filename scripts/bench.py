@@ -42,7 +42,7 @@ def run_child(cmd: list[str], env: dict | None = None) -> tuple[float, float, st
     wall = time.perf_counter() - start
     out, err = proc.stdout.read(), proc.stderr.read()
     code = os.waitstatus_to_exitcode(status)
-    if code not in (0, 1, 3):
+    if code not in (0, 1, 3) or "Traceback (most recent call last)" in err:  # 1: a diverged CLI, or a Python error
         raise RuntimeError(f"{' '.join(map(str, cmd))} exited {code}:\n{err[-3000:]}")
     return wall, usage.ru_maxrss / 1e6, out
 
@@ -347,11 +347,13 @@ def float32_argmax(head, rows: np.ndarray) -> np.ndarray:
     """The pre-screen algorithm: float32 chunks widened into one buffer, float32 GEMM, running argmax."""
     import torch
 
+    from oracle import lm_head
+
     vocab, width = head.checkpoint.entry(head.name).shape
     x, wide = torch.from_numpy(rows), torch.empty(8192, width)
     best, ids = torch.full((len(x),), -torch.inf), torch.zeros(len(x), dtype=torch.int64)
     for start in range(0, vocab, 8192):
-        stored = head._stored(start, min(start + 8192, vocab))
+        stored = lm_head._as_torch(*head.checkpoint.stored_rows(head.name, start, min(start + 8192, vocab)))
         value, index = (x @ wide[: len(stored)].copy_(stored).T).max(dim=1)  # (R, D) x (D, n) -> (R,)
         better = value > best
         best, ids = torch.where(better, value, best), torch.where(better, index + start, ids)
