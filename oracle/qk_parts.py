@@ -14,8 +14,8 @@ measured columns i (rounded toward zero, so a variant is never recorded as farth
 MEASURED_COLUMNS wide, else every ⌈D / MEASURED_COLUMNS⌉-th (the output projection runs on those alone: at
 Qwen3.5-27B's D = 5120 it was half the records' time). A lower bound of the max over all columns, so a row is
 never taken for evidence it would not be: a variant counts as caught only where even that bound fails), and
-`evidence_rules["qk_parts"]` = {part: [variant names, in column order]} (inside the evidence digest). The probe judges each column with the attn
-stage's own tolerance rule (max_rel = max_abs / max|attn row|): a row evidences variant v of a part only where v
+`evidence_rules["qk_parts"]` = {part: [variant names, in column order]} (inside the evidence digest). The probe
+judges each column with the attn stage's own tolerance rule (max_rel = max_abs / max|attn row|): a row evidences variant v of a part only where v
 would fail there (probe/evidence.py). A part is evidenced when each of its variants is caught at some compared row.
 
 Families own their variants (oracle/families/*.py `qk_part_variants`: which parts the head has, and how each is

@@ -22,7 +22,8 @@ bit-identical), the rest is float32. Otherwise they are widened to float32 befor
 routed experts of a sparse layer (Step-3.5/3.7's stacked `moe.{gate,up,down}_proj.weight` [E, I, D] / [E, D, I]):
 those stay as stored (mapped) and are read and widened one expert at a time, only where the tokens route, by
 `StackedExperts` (oracle/families/moe_experts.py's RoutedExperts machinery; bit-identical to the widened module,
-tests/families/test_mtp_model_lazy_experts.py). Widened before the load, the dense parts need their float32 size in memory.
+tests/families/test_mtp_model_lazy_experts.py). Widened before the load, the dense parts need their float32 size in
+memory.
 """
 
 import contextlib
