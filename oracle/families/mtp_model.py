@@ -524,12 +524,17 @@ def qk_part_variants(head: MtpModelHead, rotary, inputs: TraceInputs, ah: np.nda
     return variants
 
 
+# model types whose attention was checked to pass SDPA nothing it drops (transformers' sdpa_attention_forward ignores
+# unknown keyword arguments: an unchecked module's sinks or bias under another name would vanish without an error)
+SDPA_CHECKED = frozenset({"step3p7"})
+
+
 def _sdpa_is_exchangeable(head: MtpModelHead, attention, rope) -> bool:
-    """Whether the variant passes may run this attention through SDPA (oracle/qk_parts.py fused_attention): the
-    official model class supports it, and the module has nothing SDPA lacks (sinks: MiMo; no rotary but relative
-    position logits: Inkling) nor a conv state read from the cache."""
-    return (bool(getattr(type(head.main), "_supports_sdpa", False)) and rope is not None and not head.conv_states
-            and getattr(attention, "sinks", None) is None)
+    """Whether the variant passes may run this attention through SDPA (oracle/qk_parts.py fused_attention): a
+    checked model type (SDPA_CHECKED) whose official class supports it, and a module with nothing SDPA lacks
+    (sinks: MiMo; no rotary but relative position logits: Inkling) nor a conv state read from the cache."""
+    return (head.cfg.family in SDPA_CHECKED and bool(getattr(type(head.main), "_supports_sdpa", False))
+            and rope is not None and not head.conv_states and getattr(attention, "sinks", None) is None)
 
 
 def _rope_variants(head: MtpModelHead, attention, rope, positions, run, under, layer: int) -> list[PartVariant]:

@@ -233,3 +233,39 @@ def test_the_registry_refuses_an_unknown_family_listing_the_supported_ones(tmp_p
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(CheckpointError, match="not a supported MTP family. Supported: .*qwen3_5"):
         Checkpoint(tmp_path)
+
+
+FUSED = {"qwen3_5", "qwen3_5_moe", "qwen3_next", "step3p7"}  # families whose variant passes run SDPA
+
+
+def test_variant_passes_through_sdpa_equal_the_eager_ones(family, monkeypatch):
+    """The variant passes' SDPA (oracle/qk_parts.py fused_attention) computes what the official eager attention
+    does, within float32 rounding, for every variant of every family that uses it; the others never call it."""
+    import contextlib
+
+    import oracle.families.qwen3_5_stem as stem
+    import oracle.qk_parts as qk_parts
+
+    name, ckpt, batched, _ = family
+    inputs, stages = load_trace(batched)
+    checkpoint = Checkpoint(ckpt)
+    impl = head_module(checkpoint.family)
+    head, rotary = impl.build_head(checkpoint.config, impl.torch_weights(checkpoint.read_head(widen=False)))
+    fused_calls = []
+    real = qk_parts.fused_attention
+
+    def counted(attention, mask):
+        fused_calls.append(mask is not None)
+        return real(attention, mask)
+
+    monkeypatch.setattr(qk_parts, "fused_attention", counted)
+    monkeypatch.setattr(stem, "fused_attention", counted)
+    fused = [v.rows() for v in impl.qk_part_variants(head, rotary, inputs, stages["ah"])]
+    assert any(fused_calls) == (name in FUSED), fused_calls
+    eager_only = lambda attention, mask: contextlib.nullcontext()  # noqa: E731 - the twin: no SDPA anywhere
+    monkeypatch.setattr(qk_parts, "fused_attention", eager_only)
+    monkeypatch.setattr(stem, "fused_attention", eager_only)
+    eager = [v.rows() for v in impl.qk_part_variants(head, rotary, inputs, stages["ah"])]
+    scale = np.abs(stages["attn"]).max()
+    for a, b in zip(fused, eager):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * scale)
