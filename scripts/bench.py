@@ -782,11 +782,17 @@ def bench_deepseek_chain(ckpt: Path, work: Path, rows: list, t: int = 32, k: int
 STEP3P7_TARGETS = {"time": 1.5, "rss": 1.5}
 
 
+def mtp_heads(text: dict) -> int:
+    """The MTP layers' query heads: the synthetic head's MTP layers are all sliding, so attention_other_setting's
+    count where the config has one (the release's 96), else num_attention_heads."""
+    return (text.get("attention_other_setting") or {}).get("num_attention_heads", text["num_attention_heads"])
+
+
 def step3p7_linears(cfg: dict) -> dict[str, list[tuple[int, int]]]:
     """Per MTP layer, the (out, in) shapes of the matmuls every token runs ("dense"), and of one routed expert
     ("expert", run top-k times per token) where the layers are MoE."""
     t = cfg["text_config"]
-    d, hd, h, kv = t["hidden_size"], t["head_dim"], t["num_attention_heads"], t["num_key_value_heads"]
+    d, hd, h, kv = t["hidden_size"], t["head_dim"], mtp_heads(t), t["num_key_value_heads"]
     attn = [(d, 2 * d), (h * hd, d), (kv * hd, d), (kv * hd, d), (d, h * hd), (h, d)]
     n, moe = t["num_hidden_layers"], {int(x) for x in t["moe_layers_enum"].split(",")}
     if n not in moe:  # dense MTP layers (as released)
@@ -802,7 +808,7 @@ def step3p7_flops(cfg: dict, rows: int) -> float:
     t, shapes = cfg["text_config"], step3p7_linears(cfg)
     routed = t["num_experts_per_tok"] * sum(o * i for o, i in shapes["expert"])
     per_row = sum(o * i for o, i in shapes["dense"]) + routed
-    attention = 2.0 * 2 * t["num_attention_heads"] * t["head_dim"] * rows * (rows + 1) / 2
+    attention = 2.0 * 2 * mtp_heads(t) * t["head_dim"] * rows * (rows + 1) / 2
     return 2.0 * rows * per_row + attention
 
 

@@ -14,6 +14,7 @@ itself). Dims are small but not degenerate: GQA (4 heads, 2 KV heads), head_dim 
 partial rotary (8 of 32 dims).
 """
 
+import copy
 import json
 import os
 import sys
@@ -460,16 +461,20 @@ def mtp_model_release_shapes(family: str, config: dict, copies: bool = True) -> 
 
 
 def write_mtp_model_checkpoint(out_dir: Path, family: str = "step3p7", overrides: dict | None = None,
-                               seed: int = 0) -> Path:
+                               seed: int = 0, shape_overrides: dict | None = None) -> Path:
     """A tiny multi-layer MtpModel head (issue 25) as released, bf16 (router bias, Inkling's MLP global_scale
-    f32): every MTP layer, their shared_head.head copies (Step), the main embedding and lm_head."""
+    f32): every MTP layer, their shared_head.head copies (Step), the main embedding and lm_head. `shape_overrides`
+    go into the text config the tensor shapes are built from, not into config.json (a release whose shapes the
+    official class does not build from its config: Step-3.7's sliding MTP layers with their own head count)."""
     from oracle.families.registry import family as family_spec
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = family_spec(family).tiny_config(**(overrides or {}))
+    shaped = copy.deepcopy(config)
+    (shaped["text_config"] if "text_config" in shaped else shaped).update(shape_overrides or {})
     tensors = {}
-    for name, shape in sorted(mtp_model_release_shapes(family, config).items()):
+    for name, shape in sorted(mtp_model_release_shapes(family, shaped).items()):
         flat = shape if len(shape) < 3 else (shape[0] * shape[1], shape[2])  # stacked experts: rows of [out, in]
         value = torch.from_numpy(mtp_layer_values(name, flat, seed)).reshape(shape)
         keep_f32 = name.endswith(("router_bias", "mlp.global_scale"))  # Inkling's global_scale: a scalar near 1

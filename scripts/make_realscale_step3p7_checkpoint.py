@@ -4,7 +4,7 @@ Never committed.
     python scripts/make_realscale_step3p7_checkpoint.py OUT_DIR [--moe [--experts N]]
 
 Text dims as released (transformers' Step3p7TextConfig defaults and the hub config): hidden 4096, 45 main layers
-and 3 MTP layers (model.layers.45..47), 64 heads, 8 kv heads (num_attention_groups), head_dim 128, head-wise
+and 3 MTP layers (model.layers.45..47), 64 heads (96 on sliding layers), 8 kv heads (num_attention_groups), head_dim 128, head-wise
 attention gate (g_proj), q/k norms, dense intermediate 11264, 288 routed experts top-8 of moe_intermediate 1280
 with a shared expert of 1280, vocab 128815, sliding window 512, layer types full on every 4th layer and sliding
 otherwise (the MTP layers 45..47 are sliding), rope theta 5e6 (full, partial 0.5) / 1e4 (sliding, partial 1.0).
@@ -18,11 +18,10 @@ oracle reads with lazily widened experts; all 288 experts x 3 layers are ~27 GB 
 (default 64 with --moe: ~6.5 GB in all) keeps it within a shared machine's disk and page cache.
 
 Attention heads of the sliding MTP layers: the hub config's `attention_other_setting` gives sliding layers 96
-heads, and transformers 5.24 applies it to the main model's sliding layers only (`per_layer_config`);
-`get_mtp_config` replaces it by `mtp_per_layer_config` (unset), so its MtpModel builds the MTP layers with 64
-heads. The oracle loads strictly through MtpModel, so this checkpoint has the 64-head shapes MtpModel builds; a
-release whose MTP layers hold 96-head q_proj/g_proj/o_proj would be refused by the strict load (not verified
-against the released weights here).
+heads (64 on full ones), and the released code and vLLM (step3p5_mtp: each MTP layer built at its own index into
+`layer_types`) build the sliding MTP layers 45..47 with 96, so this checkpoint stores 96-head q_proj/g_proj/o_proj
+there. transformers 5.24's MtpModel alone would build 64 (`get_mtp_config` swaps `per_layer_config` for the unset
+`mtp_per_layer_config`); the oracle reads the count from the stored q_proj (mtp_model.sliding_heads_as_stored).
 
 The layer's own vocabulary copies (shared_head.head, embed_tokens) are left out, as the layout allows. Shards: the
 embedding, the lm_head, then one per MTP layer, with an index. Written tensor by tensor, 4 MiB at a time, with
@@ -42,7 +41,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_realscale_checkpoint import exponent_for  # noqa: E402
 
-D, HEADS, KV, HEAD_DIM, VOCAB, FF = 4096, 64, 8, 128, 128815, 11264
+D, HEADS, SLIDING_HEADS, KV, HEAD_DIM, VOCAB, FF = 4096, 64, 96, 8, 128, 128815, 11264
 EXPERTS, TOP_K, MOE_I, SHARED_I = 288, 8, 1280, 1280
 MAIN, MTP, WINDOW = 45, 3, 512
 CHUNK = 4 << 20
@@ -53,12 +52,13 @@ def layer_tensors(layer: int, experts: int | None) -> dict[str, tuple[str, tuple
     """One MTP layer's tensors, name -> (dtype, shape); `experts` None: dense (as released)."""
     p = f"model.layers.{layer}."
     a = p + "self_attn."
+    heads = SLIDING_HEADS  # every MTP layer (45..47) is a sliding one
     out = {p + "enorm.weight": ("BF16", (D,)), p + "hnorm.weight": ("BF16", (D,)),
            p + "eh_proj.weight": ("BF16", (D, 2 * D)), p + "shared_head.norm.weight": ("BF16", (D,)),
            p + "input_layernorm.weight": ("BF16", (D,)), p + "post_attention_layernorm.weight": ("BF16", (D,)),
-           a + "q_proj.weight": ("BF16", (HEADS * HEAD_DIM, D)), a + "k_proj.weight": ("BF16", (KV * HEAD_DIM, D)),
-           a + "v_proj.weight": ("BF16", (KV * HEAD_DIM, D)), a + "o_proj.weight": ("BF16", (D, HEADS * HEAD_DIM)),
-           a + "g_proj.weight": ("BF16", (HEADS, D)), a + "q_norm.weight": ("BF16", (HEAD_DIM,)),
+           a + "q_proj.weight": ("BF16", (heads * HEAD_DIM, D)), a + "k_proj.weight": ("BF16", (KV * HEAD_DIM, D)),
+           a + "v_proj.weight": ("BF16", (KV * HEAD_DIM, D)), a + "o_proj.weight": ("BF16", (D, heads * HEAD_DIM)),
+           a + "g_proj.weight": ("BF16", (heads, D)), a + "q_norm.weight": ("BF16", (HEAD_DIM,)),
            a + "k_norm.weight": ("BF16", (HEAD_DIM,))}
     if experts is None:
         m = p + "mlp."
@@ -82,6 +82,8 @@ def config(experts: int | None) -> dict:
             "vocab_size": VOCAB, "moe_intermediate_size": MOE_I, "n_routed_experts": experts or EXPERTS,
             "num_experts_per_tok": TOP_K, "share_expert_dim": SHARED_I, "num_nextn_predict_layers": MTP,
             "sliding_window": WINDOW, "max_position_embeddings": 262144, "layer_types": kinds,
+            "attention_other_setting": {"attention_type": "sliding_attention", "num_attention_heads": SLIDING_HEADS,
+                                        "num_attention_groups": KV, "head_dim": HEAD_DIM},
             "moe_layers_enum": ",".join(map(str, moe)), "moe_router_scaling_factor": 3.0,
             "rope_theta": [5000000.0 if k == "full_attention" else 10000.0 for k in kinds],
             "partial_rotary_factors": [0.5 if k == "full_attention" else 1.0 for k in kinds],

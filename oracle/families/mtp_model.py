@@ -28,6 +28,7 @@ memory.
 
 import contextlib
 import copy
+import dataclasses
 import importlib
 import re
 from collections.abc import Callable
@@ -154,8 +155,11 @@ class MtpModelHead(nn.Module):
                     "mismatched": sorted(map(str, info.mismatched_keys)), "conversion errors": info.conversion_errors,
                     "errors": info.error_msgs}
         if any(problems.values()):
+            hint = (" (each: MtpModel's name, the checkpoint's shape, the shape config.json builds); make config.json "
+                    "describe the stored head: head counts, head_dim, widths, expert counts" if info.mismatched_keys
+                    else "")
             raise CheckpointError("the head's tensors do not load into transformers' MtpModel through its own weight "
-                                  "conversions: " + "; ".join(f"{k} {v}" for k, v in problems.items() if v))
+                                  "conversions: " + "; ".join(f"{k} {v}" for k, v in problems.items() if v) + hint)
         left = [n for n, t in self.mtp.named_parameters() if t.is_meta and n not in TIED | lazy]
         if left:
             raise RuntimeError(f"parameters never loaded: {left}")  # a bug: the check above should prevent it
@@ -334,8 +338,38 @@ def _upcast_plain_linears(module: nn.Module) -> None:
         raise RuntimeError(f"parameters left in bf16 outside a plain linear: {wrong}")  # a bug, not the input's
 
 
+def sliding_heads_as_stored(cfg, weights: dict[str, torch.Tensor]):
+    """`cfg`, or where a sliding MTP layer's stored q_proj holds `num_sliding_attention_heads` heads, `cfg` with
+    transformers' own `mtp_per_layer_config` giving that layer those heads.
+
+    Why: a Step-3.5/3.7 config gives sliding layers their own head count (`attention_other_setting`: 96 against 64
+    for full layers), and the released code and vLLM (step3p5_mtp builds each MTP layer at its own index into
+    `layer_types`) build the sliding MTP layers with it. transformers 5.24's `get_mtp_config` swaps the main stack's
+    `per_layer_config` for `mtp_per_layer_config`, unset in the hub config, so its MtpModel builds every MTP layer
+    with num_attention_heads and the strict load refuses the release. The stored q_proj decides between the two
+    builds (their row counts differ whenever the counts do); a q_proj matching neither is left to the strict load,
+    which names both shapes. A config that sets `mtp_per_layer_config` itself is read as it is."""
+    if cfg.family not in MODELS:  # it builds its own official config (MiMo: one SWA attention on every layer)
+        return cfg
+    text = official_config(cfg).get_text_config(decoder=True)
+    kinds, sliding = getattr(text, "mtp_layer_types", None), getattr(text, "num_sliding_attention_heads", None)
+    if (not kinds or not sliding or sliding == cfg.num_attention_heads
+            or getattr(text, "mtp_per_layer_config", None) is not None):
+        return cfg
+    override = {}
+    for layer, kind in enumerate(kinds):
+        q = weights.get(cfg.layer_prefix(layer) + "self_attn.q_proj.weight")
+        if kind == "sliding_attention" and q is not None and q.shape[0] == sliding * cfg.head_dim:
+            override[layer] = {"num_attention_heads": sliding}
+    if not override:
+        return cfg
+    raw = copy.deepcopy(cfg.text)
+    (raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw)["mtp_per_layer_config"] = override
+    return dataclasses.replace(cfg, text=raw)
+
+
 def build_head(cfg, weights: dict[str, torch.Tensor], head_class: type[MtpModelHead] = MtpModelHead):
-    head = head_class(cfg)
+    head = head_class(sliding_heads_as_stored(cfg, weights))
     head.load(weights)
     head.install_hooks()
     official = getattr(head.main.get_decoder(), "rotary_emb", None)

@@ -13,7 +13,8 @@ What it transcribes, per MTP layer i (depth i + 1):
 - Step3p7Attention: q_norm/k_norm per head over head_dim before rope; rope on the first int(head_dim x
   partial_rotary_factor) dims, rotate-half (NeoX) pairs, theta and factor of the layer's type (layer_types[N + i]),
   each type's values read from the first *main* layer of that type (Step3p7TextConfig trims the per-layer lists
-  to the main layers and builds rope_parameters per type from them); GQA (query head h reads KV head h // g);
+  to the main layers and builds rope_parameters per type from them); GQA (query head h reads KV head h // g)
+  over the heads the layer's q_proj stores (a release's sliding layers: attention_other_setting's count);
   scores scaled by query_pre_attn_scalar ** -0.5 (default head_dim); a sliding_attention layer sees the keys
   q - k < sliding_window (itself included); the output of each head times sigmoid(g_proj(x)) of that head
   (`gating` true: one gate per head), then o_proj;
@@ -118,8 +119,9 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, factor: float) 
 def attention(head: Head, layer: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     cfg, p, eps = head.cfg, head.prefix(layer) + "self_attn.", head.cfg["rms_norm_eps"]
     t = head.t
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    # the heads the stored q_proj holds: a release's sliding layers have their own count (attention_other_setting)
+    heads, kv_heads = t[p + "q_proj.weight"].shape[0] // d, cfg["num_key_value_heads"]
     n = len(x)
     kind = layer_type(head, layer)
     theta, factor = rope_of(head, kind)

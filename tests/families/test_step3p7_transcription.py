@@ -158,3 +158,51 @@ def test_dense_mtp_layers_equal_the_transcription_at_every_depth(tmp_path):
     trace = _export(ckpt, tmp_path / "chain.h5", 3)
     ref, parts, order = _loop(head, trace)
     assert "router_logits" not in order and first_difference(ref, parts, order) is None
+
+
+# Step-3.7-Flash's hub config gives sliding layers their own head count (96 against 64); the released MTP layers
+# 45..47 are sliding and built with it (vLLM's step3p5_mtp), while transformers 5.24's MtpModel builds num_attention_heads
+SLIDING_HEADS = dict(HELD_OUT["two_layers"], attention_other_setting={
+    "attention_type": "sliding_attention", "num_attention_heads": 10, "num_attention_groups": 1, "head_dim": 12})
+RELEASE_SHAPES = {"mtp_per_layer_config": {0: {"num_attention_heads": 10}}}  # MTP layer 0 is the sliding one
+
+
+def _q_rows(ckpt, layer: int) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        return f.get_slice(f"model.layers.{3 + layer}.self_attn.q_proj.weight").get_shape()[0]
+
+
+@pytest.mark.parametrize("shapes", ["release", "transformers"])
+def test_sliding_mtp_layers_with_their_own_head_count_equal_the_transcription(tmp_path, shapes):
+    """A sliding MTP layer stored with attention_other_setting's 10 heads (the release) and one stored with
+    num_attention_heads' 5 (what transformers' MtpModel builds from the same config.json) both export, and every
+    stage and draft at both depths equals the transcription, which reads the heads from the stored q_proj."""
+    ckpt = FIXTURES.write_mtp_model_checkpoint(tmp_path / "ckpt", "step3p7", SLIDING_HEADS,
+                                               shape_overrides=RELEASE_SHAPES if shapes == "release" else None)
+    assert (_q_rows(ckpt, 0), _q_rows(ckpt, 1)) == ((10 if shapes == "release" else 5) * 12, 5 * 12)
+    trace = _export(ckpt, tmp_path / "chain.h5", 2)
+    ref, parts, order = _loop(transcription.load(ckpt), trace)
+    assert first_difference(ref, parts, order) is None
+
+
+def test_twin_without_reading_the_stored_head_count_the_release_is_refused(tmp_path, monkeypatch):
+    """Twin: built from config.json alone, as transformers' MtpModel builds it, the release's sliding layer does
+    not load: the strict load refuses it, exit 2, naming the tensor."""
+    from oracle.families import mtp_model
+
+    ckpt = FIXTURES.write_mtp_model_checkpoint(tmp_path / "ckpt", "step3p7", SLIDING_HEADS,
+                                               shape_overrides=RELEASE_SHAPES)
+    monkeypatch.setattr(mtp_model, "sliding_heads_as_stored", lambda cfg, weights: cfg)
+    result = run_cli(oracle_cli, ["export", ckpt, "--out", tmp_path / "t.h5", "--tokens", TOKENS, "--hidden-seed", "1", "-q"])
+    assert result.exit_code == 2 and "q_proj" in result.output, result.output
+    assert not (tmp_path / "t.h5").exists()
+
+
+def test_a_sliding_q_proj_matching_neither_head_count_is_refused_naming_its_shape(tmp_path):
+    """A q_proj of 7 heads, neither the config's 5 nor the sliding layers' 10: exit 2, the tensor named."""
+    ckpt = FIXTURES.write_mtp_model_checkpoint(tmp_path / "ckpt", "step3p7", SLIDING_HEADS,
+                                               shape_overrides={"mtp_per_layer_config": {0: {"num_attention_heads": 7}}})
+    result = run_cli(oracle_cli, ["export", ckpt, "--out", tmp_path / "t.h5", "--tokens", TOKENS, "--hidden-seed", "1", "-q"])
+    assert result.exit_code == 2 and "q_proj" in result.output, result.output
