@@ -367,8 +367,7 @@ def _float32_of(tensors: dict[str, torch.Tensor], name: str, block: tuple[int, i
 def _depth_layers(ckpt: Checkpoint, k: int) -> tuple[int, ...]:
     """The MTP layer each depth 1..k runs: j-1 on an N-layer head (transformers' MtpModel), 0 on a one-layer head.
     k > N is refused here, before the main model runs: accept drafts depth j with layer j-1 only."""
-    count = getattr(ckpt.family, "layer_count", None)
-    layers = int(count(ckpt.config)) if count else 1
+    layers = ckpt.family.layer_count(ckpt.config)
     if layers == 1:
         return (0,) * k
     if k > layers:

@@ -259,8 +259,7 @@ LAYER_CONVENTIONS = {"per-depth": "depth j runs layer j-1 (transformers' MtpMode
 
 
 def _layer_count(ckpt: Checkpoint) -> int:
-    layer_count = getattr(ckpt.family, "layer_count", None)
-    return layer_count(ckpt.config) if layer_count else 1
+    return ckpt.family.layer_count(ckpt.config)
 
 
 def _layer_of(chain: "ChainOptions", num_layers: int, depth: int) -> int:

@@ -108,8 +108,7 @@ def draft_terms(head_bytes: dict[str, int], expert_bytes: list[int], top_k: int,
 
 def head_layers(ckpt) -> int:
     """N, the head's MTP layers (transformers' MtpModel heads: depth j runs layer j-1); 1 for one-layer heads."""
-    count = getattr(ckpt.family, "layer_count", None)
-    return int(count(ckpt.config)) if count else 1
+    return ckpt.family.layer_count(ckpt.config)
 
 
 def depth_layer(layers: int, depth: int) -> int:
@@ -161,8 +160,8 @@ def head_draft_terms(ckpt, draft_lm_head: str, context: int, kv_bytes: int = 2,
     stored = stored or {}
     nbytes = stored_nbytes(ckpt)
     size = lambda n: stored.get(n, nbytes(n))  # noqa: E731
-    prefix = cfg.layer_prefix(layer) if head_layers(ckpt) > 1 else ""
-    dense = {n: ckpt.entry(n) for n in layout.dense if n in ckpt.names() and n.startswith(prefix)}
+    one = head_layers(ckpt) == 1  # N-layer heads: layer `layer`'s tensors and any the layers share (Qwen's stem)
+    dense = {n: ckpt.entry(n) for n in layout.dense if n in ckpt.names() and (one or cfg.in_layer(n, layer))}
     tables = {n for n, e in dense.items() if len(e.shape) == 2 and e.shape[0] == vocab}  # embedding/head copies
     routed = int(getattr(cfg, "num_experts", 0) or 0)
     top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0) if routed else 0

@@ -46,7 +46,8 @@ def release_config(dims: dict) -> dict:
         "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "hidden_act": "silu",
         "rms_norm_eps": dims["rms_norm_eps"], "max_position_embeddings": 4096, "attention_bias": False,
-        "tie_word_embeddings": False, "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False,
+        "tie_word_embeddings": False, "mtp_num_hidden_layers": dims.get("mtp_num_hidden_layers", 1),
+        "mtp_use_dedicated_embeddings": False,
         "rope_parameters": {"rope_type": "default", "rope_theta": dims["rope_theta"],
                             "partial_rotary_factor": dims["partial_rotary_factor"],
                             "mrope_section": dims["mrope_section"], "mrope_interleaved": True},
@@ -60,17 +61,22 @@ def release_config(dims: dict) -> dict:
 
 
 def mtp_shapes(dims: dict) -> dict[str, tuple[int, ...]]:
-    """The release's 15 head tensors ([out, in] for linears; q_proj holds query and gate per head)."""
+    """The release's 15 head tensors ([out, in] for linears; q_proj holds query and gate per head). With
+    `mtp_num_hidden_layers` N > 1 (vLLM's Qwen3_5MultiTokenPredictor: `mtp.layers.{i}` for i < N over one fc, one
+    pair of pre-fc norms and one final norm), 11 more per layer."""
     d, hd, ff = dims["hidden_size"], dims["head_dim"], dims["intermediate_size"]
     q, kv = dims["num_attention_heads"] * hd, dims["num_key_value_heads"] * hd
-    attn = "mtp.layers.0.self_attn."
-    return {"mtp.fc.weight": (d, 2 * d), "mtp.pre_fc_norm_embedding.weight": (d,),
-            "mtp.pre_fc_norm_hidden.weight": (d,), "mtp.norm.weight": (d,),
-            "mtp.layers.0.input_layernorm.weight": (d,), "mtp.layers.0.post_attention_layernorm.weight": (d,),
-            attn + "q_proj.weight": (2 * q, d), attn + "k_proj.weight": (kv, d), attn + "v_proj.weight": (kv, d),
-            attn + "o_proj.weight": (d, q), attn + "q_norm.weight": (hd,), attn + "k_norm.weight": (hd,),
-            "mtp.layers.0.mlp.gate_proj.weight": (ff, d), "mtp.layers.0.mlp.up_proj.weight": (ff, d),
-            "mtp.layers.0.mlp.down_proj.weight": (d, ff)}
+    shapes = {"mtp.fc.weight": (d, 2 * d), "mtp.pre_fc_norm_embedding.weight": (d,),
+              "mtp.pre_fc_norm_hidden.weight": (d,), "mtp.norm.weight": (d,)}
+    for i in range(dims.get("mtp_num_hidden_layers", 1)):
+        layer = f"mtp.layers.{i}."
+        attn = layer + "self_attn."
+        shapes |= {layer + "input_layernorm.weight": (d,), layer + "post_attention_layernorm.weight": (d,),
+                   attn + "q_proj.weight": (2 * q, d), attn + "k_proj.weight": (kv, d), attn + "v_proj.weight": (kv, d),
+                   attn + "o_proj.weight": (d, q), attn + "q_norm.weight": (hd,), attn + "k_norm.weight": (hd,),
+                   layer + "mlp.gate_proj.weight": (ff, d), layer + "mlp.up_proj.weight": (ff, d),
+                   layer + "mlp.down_proj.weight": (d, ff)}
+    return shapes
 
 
 def main_model_shapes(config: dict) -> dict[str, tuple[int, ...]]:

@@ -72,6 +72,10 @@ class HeadConfig:
             return NESTED_LAYER.format(prefix=self.mtp_prefix, layer=layer)
         return f"model.layers.{self.num_hidden_layers + layer}."
 
+    def in_layer(self, name: str, layer: int) -> bool:
+        """Whether tensor `name` is read when MTP layer `layer` runs (each layer holds all it reads)."""
+        return name.startswith(self.layer_prefix(layer))
+
     def layer_index(self, name: str) -> int | None:
         """The MTP layer a checkpoint tensor belongs to (None: not a layer tensor of the head); an index past the
         layer count is returned as is (the layout names it as an extra layer)."""
@@ -218,10 +222,7 @@ def dims(cfg: HeadConfig) -> Dims:
 
 @dataclass(frozen=True)
 class MtpModelSpec(FamilySpec):
-    """A FamilySpec over N layers: depth j runs layer j-1; `layer_count` tells the draft loop N."""
-
-    def layer_count(self, cfg: HeadConfig) -> int:
-        return cfg.num_mtp_layers
+    """A FamilySpec over N layers (`layer_count`, the base's: cfg.num_mtp_layers): depth j runs layer j-1."""
 
     def kv_values_per_token(self, cfg: HeadConfig) -> int:
         """Values one MTP layer's KV cache holds per token (oracle/speedup.py): K and V of its KV heads, V at

@@ -14,6 +14,7 @@ head dequantizes (oracle/families/qwen3_5_stem.py).
 """
 
 import math
+import re
 from dataclasses import asdict, dataclass
 
 from oracle.errors import CheckpointError
@@ -28,6 +29,8 @@ MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 MAIN_MODEL_PREFIXES = ("model.language_model.", "model.")
 LM_HEAD = MAIN_LM_HEAD
 SCALE = "weight_scale_inv"  # X.weight_scale_inv beside an FP8 X.weight
+LAYERS = "mtp.layers."  # the MTP decoder layers: mtp.layers.{i}.*
+_LAYER = re.compile(r"mtp\.layers\.(\d+)\.")
 # transformers' Qwen3_5TextConfig defaults for fields a config.json may omit; they equal the released models'.
 _TEXT_DEFAULTS = {"head_dim": 256, "rms_norm_eps": 1e-6, "hidden_act": "silu", "attention_bias": False,
                   "partial_rotary_factor": 0.25, "max_position_embeddings": 32768}
@@ -56,6 +59,10 @@ class HeadConfig:
     norm_topk_prob: bool = True  # renormalise the top-k weights to sum 1 (an engine convention: recorded)
     mrope: bool = True  # Qwen3.5 builds mrope rotary (3 equal sections for text); Qwen3-Next plain rotary
     weight_block_size: tuple[int, int] | None = None  # FP8 block scales (quantization_config); None: not quantised
+    # mtp_num_hidden_layers: N MTP decoder layers `mtp.layers.{0..N-1}` over ONE stem (pre-fc norms, fc) and ONE
+    # final `mtp.norm`, as vLLM's Qwen3_5/Qwen3NextMultiTokenPredictor builds them; depth j runs layer j-1 (left out
+    # of to_dict when 1, so one-layer traces keep their config)
+    num_mtp_layers: int = 1
 
     @property
     def rotary_dim(self) -> int:
@@ -66,11 +73,21 @@ class HeadConfig:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    def layer_prefix(self, layer: int) -> str:
+        return f"{LAYERS}{layer}."
+
+    def in_layer(self, name: str, layer: int) -> bool:
+        """Whether tensor `name` is read when MTP layer `layer` runs: its own layer's, or the shared stem and final
+        norm every layer's step reads (oracle/speedup.py prices one depth by these)."""
+        return not name.startswith(LAYERS) or name.startswith(self.layer_prefix(layer))
+
     def to_dict(self) -> dict:
         d = asdict(self)
         block = d.pop("weight_block_size")
         if block is not None:  # left out unquantised, so bf16 traces keep their config
             d["weight_block_size"] = list(block)
+        if d["num_mtp_layers"] == 1:
+            d.pop("num_mtp_layers")
         if not d.pop("mrope"):
             d.pop("mrope_section"), d.pop("mrope_interleaved")
         if self.is_moe:
@@ -107,10 +124,10 @@ def parse_qwen_config(raw: dict, source: str, family: str, model_types: tuple[st
     if model_type not in model_types:
         raise CheckpointError(f"{source}: model_type {model_type!r} is not a {family} model "
                               f"(expected one of {', '.join(model_types)}).")
-    for key, expected in (("mtp_num_hidden_layers", 1), ("num_nextn_predict_layers", 1), ("hidden_act", "silu"),
-                          ("attention_bias", False)):
+    layers = _layer_count(text, source, moe)
+    for key, expected in (("hidden_act", "silu"), ("attention_bias", False)):
         value = text.get(key, _TEXT_DEFAULTS.get(key, expected))
-        if value != expected or type(value) is not type(expected):  # 1.0 or true is not the layer count 1
+        if value != expected or type(value) is not type(expected):
             raise CheckpointError(f"{source}: {key} = {value!r}; this oracle supports only {key} = {expected!r}.")
     rope = _rope_fields(text, source)
     moe_fields = _moe_fields(text, source, norm_topk_default) if moe else {}
@@ -124,7 +141,7 @@ def parse_qwen_config(raw: dict, source: str, family: str, model_types: tuple[st
         vocab_size=_required_int(text, "vocab_size", source),
         rms_norm_eps=_number(text.get("rms_norm_eps", _TEXT_DEFAULTS["rms_norm_eps"]), "rms_norm_eps", source),
         max_position_embeddings=_optional_int(text, "max_position_embeddings", source),
-        family=family, mrope=mrope, weight_block_size=block, **rope, **moe_fields,
+        family=family, mrope=mrope, weight_block_size=block, num_mtp_layers=layers, **rope, **moe_fields,
     )
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         raise CheckpointError(f"{source}: num_attention_heads {cfg.num_attention_heads} is not a multiple of "
@@ -134,6 +151,26 @@ def parse_qwen_config(raw: dict, source: str, family: str, model_types: tuple[st
                               f"{cfg.partial_rotary_factor} gives rotary dim {cfg.rotary_dim}; it must be even "
                               f"and in 2..head_dim.")
     return cfg
+
+
+def _layer_count(text: dict, source: str, moe: bool) -> int:
+    """N from `mtp_num_hidden_layers` (vLLM's Qwen3_5/Qwen3Next MTP read it; default 1), a positive integer (1.0 or
+    true is not a layer count). A `num_nextn_predict_layers` beside it must agree. A MoE head has one layer: its
+    routed experts are laid out (read, hashed, widened where tokens route) for layer 0 only."""
+    layers = text.get("mtp_num_hidden_layers", 1)
+    if not _is_int(layers) or layers < 1:
+        raise CheckpointError(f"{source}: mtp_num_hidden_layers = {layers!r}; it must be a positive integer (the "
+                              f"head's MTP decoder layers mtp.layers.0..N-1).")
+    other = text.get("num_nextn_predict_layers", layers)
+    if other != layers or not _is_int(other):
+        raise CheckpointError(f"{source}: num_nextn_predict_layers = {other!r} disagrees with mtp_num_hidden_layers = "
+                              f"{layers!r}; a Qwen head's MTP layer count is mtp_num_hidden_layers (fix or drop one).")
+    if moe and layers > 1:
+        raise CheckpointError(f"{source}: mtp_num_hidden_layers = {layers}: this oracle builds multi-layer Qwen heads "
+                              f"with dense MLPs only; a MoE head's routed experts are read for one MTP layer. "
+                              f"Export the one-layer head (mtp_num_hidden_layers 1, mtp.layers.0.* only), or file an "
+                              f"issue with the release's layout.")
+    return layers
 
 
 def fp8_block_size(raw: dict, text: dict, source: str) -> tuple[int, int] | None:
@@ -247,14 +284,19 @@ def _json_type(value) -> str:
 
 
 def stem_and_attention_shapes(cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
-    """The Qwen stem, gated attention, layer norms and final norm: every `mtp.*` tensor but the MLP's."""
+    """The Qwen stem, gated attention, layer norms and final norm: every `mtp.*` tensor but the MLP's (each MTP
+    layer's attention and norms; one stem and one final norm for all of them)."""
+    d = cfg.hidden_size
+    shared = {"mtp.pre_fc_norm_embedding.weight": (d,), "mtp.pre_fc_norm_hidden.weight": (d,),
+              "mtp.fc.weight": (d, 2 * d), "mtp.norm.weight": (d,)}
+    return shared | {k: v for i in range(cfg.num_mtp_layers) for k, v in _attention_shapes(cfg, i).items()}
+
+
+def _attention_shapes(cfg: HeadConfig, i: int) -> dict[str, tuple[int, ...]]:
     d, hd = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    layer = "mtp.layers.0."
+    layer = cfg.layer_prefix(i)
     return {
-        "mtp.pre_fc_norm_embedding.weight": (d,),
-        "mtp.pre_fc_norm_hidden.weight": (d,),
-        "mtp.fc.weight": (d, 2 * d),
         layer + "input_layernorm.weight": (d,),
         layer + "self_attn.q_proj.weight": (2 * q, d),  # rows per head: [q_h (hd) | gate_h (hd)]
         layer + "self_attn.k_proj.weight": (kv, d),
@@ -263,15 +305,30 @@ def stem_and_attention_shapes(cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
         layer + "self_attn.k_norm.weight": (hd,),
         layer + "self_attn.o_proj.weight": (d, q),
         layer + "post_attention_layernorm.weight": (d,),
-        "mtp.norm.weight": (d,),
     }
 
 
 def head_tensor_shapes(cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
-    """The 15 `mtp.*` tensors of the dense head and the shape the config implies for each ([out, in] for linears)."""
-    d, ff, mlp = cfg.hidden_size, cfg.intermediate_size, "mtp.layers.0.mlp."
-    return stem_and_attention_shapes(cfg) | {mlp + "gate_proj.weight": (ff, d), mlp + "up_proj.weight": (ff, d),
-                                             mlp + "down_proj.weight": (d, ff)}
+    """The `mtp.*` tensors of the dense head (15 for one layer; 4 + 11 per layer) and the shape the config implies
+    for each ([out, in] for linears)."""
+    d, ff = cfg.hidden_size, cfg.intermediate_size
+    mlps = {f"{cfg.layer_prefix(i)}mlp.{p}_proj.weight": (d, ff) if p == "down" else (ff, d)
+            for i in range(cfg.num_mtp_layers) for p in ("gate", "up", "down")}
+    return stem_and_attention_shapes(cfg) | mlps
+
+
+def check_layer_count(cfg: HeadConfig, names: set[str]) -> None:
+    """The MTP layers the checkpoint holds (`mtp.layers.{i}.*`) are exactly the config's 0..N-1: a layer past N
+    (most often a head whose config leaves its count out, so it defaults to 1 and a layer would be dropped in
+    silence) or one missing is refused, naming both."""
+    held = sorted({int(m.group(1)) for n in names if (m := _LAYER.match(n))})
+    if held == list(range(cfg.num_mtp_layers)):
+        return
+    shown = ", ".join(map(str, held)) if held else "none"
+    raise CheckpointError(f"config.json declares mtp_num_hidden_layers = {cfg.num_mtp_layers} (MTP layers "
+                          f"{LAYERS}0..{cfg.num_mtp_layers - 1}), but the checkpoint holds MTP layer(s) {shown} "
+                          f"({LAYERS}{{i}}.*). Set mtp_num_hidden_layers in config.json's text config to the layers "
+                          f"the release has, or restore the missing shards.")
 
 
 # Known wiring mistakes of the Qwen stem and gated attention that still run (shared/reference/mtp_wiring.md §8).
@@ -303,6 +360,7 @@ def tiny_config(**overrides) -> dict:
 
 
 def dense_layout(cfg: HeadConfig, names: set[str]) -> TensorLayout:
+    check_layer_count(cfg, names)
     shapes = head_tensor_shapes(cfg)
     return TensorLayout(shapes | fp8_scale_shapes(cfg, shapes, names))
 
@@ -321,16 +379,17 @@ def fp8_scale_shapes(cfg: HeadConfig, linears: dict[str, tuple[int, ...]], names
 
 
 def attention_fusions(cfg: HeadConfig, layout: TensorLayout) -> dict[str, Fusion]:
-    """vLLM's fused attention input: `qkv_proj` = cat(q_proj (q and gate rows), k_proj, v_proj) along rows."""
-    attn = "mtp.layers.0.self_attn."
-    return {attn + "qkv_proj.weight": Fusion(tuple(attn + p + "_proj.weight" for p in "qkv"))}
+    """vLLM's fused attention input of each layer: `qkv_proj` = cat(q_proj (q and gate rows), k_proj, v_proj)
+    along rows."""
+    attns = [f"{cfg.layer_prefix(i)}self_attn." for i in range(cfg.num_mtp_layers)]
+    return {a + "qkv_proj.weight": Fusion(tuple(a + p + "_proj.weight" for p in "qkv")) for a in attns}
 
 
 def dense_fusions(cfg: HeadConfig, layout: TensorLayout) -> dict[str, Fusion]:
-    """The attention fusion plus the dense MLP's `gate_up_proj` = cat(gate_proj, up_proj) rows."""
-    mlp = "mtp.layers.0.mlp."
-    return attention_fusions(cfg, layout) | {mlp + "gate_up_proj.weight": Fusion((mlp + "gate_proj.weight",
-                                                                          mlp + "up_proj.weight"))}
+    """The attention fusions plus each dense MLP's `gate_up_proj` = cat(gate_proj, up_proj) rows."""
+    mlps = [f"{cfg.layer_prefix(i)}mlp." for i in range(cfg.num_mtp_layers)]
+    return attention_fusions(cfg, layout) | {m + "gate_up_proj.weight": Fusion((m + "gate_proj.weight",
+                                                                        m + "up_proj.weight")) for m in mlps}
 
 
 def spine_dims(cfg: HeadConfig) -> Dims:
@@ -376,6 +435,7 @@ def moe_layout(cfg: HeadConfig, names: set[str]) -> TensorLayout:
                               "(experts.{e}.*_proj.weight) expert tensors; keep one layout.")
     experts = ExpertLayout("fused" if fused else "per_expert", cfg.num_experts, cfg.moe_intermediate_size,
                            cfg.hidden_size, FUSED if fused else PER_EXPERT)
+    check_layer_count(cfg, names)
     dense = stem_and_attention_shapes(cfg) | moe_block_shapes(cfg)
     # expert scales (small) are digested with the dense tensors, as DeepSeek's are
     return TensorLayout(dense | fp8_scale_shapes(cfg, dense | experts.shapes(), names), experts)

@@ -59,9 +59,10 @@ __all__ = ["MtpHead", "attention_with_uniform_weights", "causal_mask", "main_mod
 
 
 def stem_text_config(cfg: HeadConfig, classes: QwenClasses, **family_keys):
-    """A one-layer config of the family's class for the head: layer 0 is full attention (the MTP layer always is),
-    attention is eager with our mask, experts (a MoE head's) eager. `family_keys`: the MLP's keys (the dense
-    `intermediate_size`, or the MoE block's) and whatever else the family's config class reads."""
+    """A config of the family's class for the head's N MTP layers (one for every release): each is full attention
+    (an MTP layer always is), attention is eager with our mask, experts (a MoE head's) eager. `family_keys`: the
+    MLP's keys (the dense `intermediate_size`, or the MoE block's) and whatever else the family's config class
+    reads."""
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta,  # never the 1e4 default
             "partial_rotary_factor": cfg.partial_rotary_factor}
     if cfg.mrope:  # Qwen3.5's text mrope (3 sections); Qwen3-Next has plain partial RoPE
@@ -70,7 +71,8 @@ def stem_text_config(cfg: HeadConfig, classes: QwenClasses, **family_keys):
         hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, vocab_size=cfg.vocab_size,
         rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_position_embeddings, hidden_act="silu",
-        attention_bias=False, num_hidden_layers=1, layer_types=["full_attention"], rope_parameters=rope,
+        attention_bias=False, num_hidden_layers=cfg.num_mtp_layers,
+        layer_types=["full_attention"] * cfg.num_mtp_layers, rope_parameters=rope,
         **family_keys)
     # Eager is not causal without a mask, so the batched pass passes an explicit one (causal_mask).
     text._attn_implementation = "eager"
@@ -89,8 +91,11 @@ def moe_keys(cfg: HeadConfig) -> dict:
 class MtpHead(nn.Module):
     """Module names mirror the checkpoint (`mtp.` stripped), so the state dict loads strictly by name.
 
-    The decoder layer and norms are the family's official classes (`classes`). For a MoE layer, `tail` also records the MoE stages its block computes, through hooks on the
-    official router, experts, shared expert and shared-expert gate (`moe_capture`)."""
+    The decoder layers and norms are the family's official classes (`classes`). For a MoE layer, `tail` also
+    records the MoE stages its block computes, through hooks on the official router, experts, shared expert and
+    shared-expert gate (`moe_capture`). N layers (mtp_num_hidden_layers, vLLM's Qwen3_5MultiTokenPredictor): one
+    stem and one final norm, and `layers[l]` between them at the depth that runs layer l (oracle/draft_loop.py);
+    each layer's attention writes its own index of a cache (layer_idx = l), so the layers keep their own K/V."""
 
     def __init__(self, text, classes: QwenClasses):
         super().__init__()
@@ -99,8 +104,13 @@ class MtpHead(nn.Module):
         self.pre_fc_norm_embedding = classes.rms_norm(d, eps=eps)
         self.pre_fc_norm_hidden = classes.rms_norm(d, eps=eps)
         self.fc = nn.Linear(2 * d, d, bias=False)
-        self.layers = nn.ModuleList([classes.decoder_layer(text, layer_idx=0)])
+        self.layers = nn.ModuleList([classes.decoder_layer(text, layer_idx=i) for i in range(text.num_hidden_layers)])
         self.norm = classes.rms_norm(d, eps=eps)
+        self.num_layers = len(self.layers)
+
+    def window(self, layer: int = 0) -> None:
+        """Keys a query of `layer` sees: every earlier one of its cache (Qwen's MTP layers are full attention)."""
+        return None
 
     def stem(self, embed: torch.Tensor, hidden: torch.Tensor) -> Stages:
         s = {}
@@ -114,8 +124,8 @@ class MtpHead(nn.Module):
         return s
 
     def tail(self, fc: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
-             cache: DynamicCache | None) -> Stages:
-        layer, s = self.layers[0], {}
+             cache: DynamicCache | None, layer: int = 0) -> Stages:
+        layer, s = self.layers[layer], {}
         s["ah"] = layer.input_layernorm(fc)
         # The official gated attention: q_proj rows are per-head [q_h | gate_h] and are split per head inside it,
         # then q_norm/k_norm (1+w), partial NeoX RoPE, GQA, and attn * sigmoid(gate) before o_proj.
@@ -130,27 +140,28 @@ class MtpHead(nn.Module):
         return s
 
     def forward(self, embed: torch.Tensor, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                mask: torch.Tensor | None = None, cache: DynamicCache | None = None) -> Stages:
+                mask: torch.Tensor | None = None, cache: DynamicCache | None = None, layer: int = 0) -> Stages:
         stem = self.stem(embed, hidden)
-        return stem | self.tail(stem["fc"], rope, mask, cache)
+        return stem | self.tail(stem["fc"], rope, mask, cache, layer)
 
     def steps(self, rotary, embed: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-              mask: torch.Tensor | None, cache: DynamicCache | None) -> Stages:
-        """Steps (1, n, ·) at `positions` under an additive `mask` through `cache`: the call every family's head
-        answers (oracle/accept.py drafts through it)."""
-        return self(embed, hidden, rotary(embed, positions), mask, cache)
+              mask: torch.Tensor | None, cache: DynamicCache | None, layer: int = 0) -> Stages:
+        """Steps (1, n, ·) at `positions` under an additive `mask` through MTP layer `layer` and `cache`: the call
+        every family's head answers (oracle/accept.py drafts through it)."""
+        return self(embed, hidden, rotary(embed, positions), mask, cache, layer)
 
-    def hidden_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Stage `h` of a hidden (1, n, D): what the draft loop records for a recycle it did not choose."""
+    def hidden_norm(self, hidden: torch.Tensor, layer: int = 0) -> torch.Tensor:
+        """Stage `h` of a hidden (1, n, D): what the draft loop records for a recycle it did not choose (the one
+        stem every layer shares: `layer` changes nothing)."""
         return self.pre_fc_norm_hidden(hidden)
 
     def uniform_attention(self, rotary, ah: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                          cache: DynamicCache | None) -> torch.Tensor:
-        """`attn` (1, n, D) of these `ah` rows through `cache` with uniform weights over the keys `mask` lets
-        through (oracle/attention_evidence.py): the draft loop's attention evidence per depth."""
+                          cache: DynamicCache | None, layer: int = 0) -> torch.Tensor:
+        """`attn` (1, n, D) of these `ah` rows through MTP layer `layer` and `cache` with uniform weights over the
+        keys `mask` lets through (oracle/attention_evidence.py): the draft loop's attention evidence per depth."""
         with uniform_weights(self.text_config):
-            return self.layers[0].self_attn(ah, position_embeddings=rotary(ah, positions), attention_mask=mask,
-                                            cache=cache)[0]
+            return self.layers[layer].self_attn(ah, position_embeddings=rotary(ah, positions), attention_mask=mask,
+                                                cache=cache)[0]
 
 
 FP8_SCALE = "weight_scale_inv"  # X.weight_scale_inv: the block scale beside an FP8 X.weight
@@ -259,20 +270,23 @@ def attention_with_uniform_weights(head: MtpHead, rotary, inputs: TraceInputs,
     return attn[0].numpy()
 
 
-def qk_output_projection(head: MtpHead) -> nn.Module:
-    """The attention module's last linear, whose output it returns as is (oracle/qk_parts.py `measure`)."""
-    return head.layers[0].self_attn.o_proj
+def qk_output_projection(head: MtpHead, layer: int = 0) -> nn.Module:
+    """MTP layer `layer`'s attention's last linear, whose output it returns as is (oracle/qk_parts.py `measure`)."""
+    return head.layers[layer].self_attn.o_proj
 
 
-def qk_part_variants(head: MtpHead, rotary, inputs: TraceInputs, ah: np.ndarray, mask_of=None) -> list[PartVariant]:
+def qk_part_variants(head: MtpHead, rotary, inputs: TraceInputs, ah: np.ndarray, mask_of=None,
+                     layer: int = 0) -> list[PartVariant]:
     """The wrong variants of each q/k-path part of a Qwen gated-attention head (oracle/qk_parts.py), each one pass
     of the official attention module on the trace's own `ah` rows: RoPE (cos = 1 and sin = 0; NeoX over all head
     dims; interleaved pairs on the rotary slice), q_norm and k_norm ((1+w) norms: skipped, or scaling by w) and the
     KV append (each step's own key masked out; each step seeing only its own key). Any Qwen-stem family (3.5,
     3.5-MoE, Next): RoPE's function is swapped in the attention class's own module.
     `mask_of(window)`: the additive mask of these rows for a window (None: none), when they are not the trace's own
-    causal steps (a chain's rows stacked on the bridge's, oracle/qk_parts.py chain_part_records)."""
-    attention = head.layers[0].self_attn
+    causal steps (a chain's rows stacked on the bridge's, oracle/qk_parts.py chain_part_records). `layer`: the MTP
+    layer whose attention runs (an N-layer head's depth j: layer j-1, oracle/qk_parts.py layer_part_records), on
+    that depth's own rows and positions (`inputs`)."""
+    attention = head.layers[layer].self_attn
     embed, _, positions = step_tensors(inputs)
     mask = causal_mask(inputs.num_tokens) if mask_of is None else mask_of(None)
     rope, x = rotary(embed, positions), torch.from_numpy(np.ascontiguousarray(ah))[None]

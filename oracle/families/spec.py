@@ -136,6 +136,11 @@ class FamilySpec:
     # the shared embedding's name after its main-model prefix (Inkling's release: model.llm.embed.weight)
     embedding: str = "embed_tokens.weight"
 
+    def layer_count(self, cfg: HeadConfig) -> int:
+        """N, the head's MTP layers (depth j runs layer j-1 where N > 1): the config's `num_mtp_layers` where the
+        family records one, else 1."""
+        return int(getattr(cfg, "num_mtp_layers", 1))
+
     def hidden_width(self, cfg: HeadConfig) -> int:
         """Width of the hidden H one step consumes: hc·D (DeepSeek-V4: the main model's hc_mult residual streams),
         D for every family without hyper-connection streams."""

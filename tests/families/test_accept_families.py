@@ -21,6 +21,7 @@ from oracle.checkpoint import Checkpoint
 from oracle.cli import cli as oracle_cli
 from oracle.export import HiddenSource
 from oracle.families import deepseek_v4
+from oracle.families.mtp_model_layout import MtpModelSpec
 from oracle.families.registry import FAMILIES, head_module
 from oracle.inputs import hidden_from_seed
 from tests.families.main_layers import with_hf_main_layers, with_v4_main_layers
@@ -196,7 +197,7 @@ def stepwise_through_steps(ckpt, head, rotary, lm, x, h, i: int, k: int, shift: 
 
 
 # N-layer heads (transformers' MtpModel) draft as MtpModel.forward does: tests/families/test_mtp_model_families.py
-@pytest.mark.parametrize("name", sorted(n for n, spec in FAMILIES.items() if not hasattr(spec, "layer_count")))
+@pytest.mark.parametrize("name", sorted(n for n, spec in FAMILIES.items() if not isinstance(spec, MtpModelSpec)))
 def test_every_family_drafts_as_its_head_steps_one_at_a_time(name, tmp_path):
     from oracle.draft_loop import draft_projection as _lm_head
 

@@ -23,6 +23,7 @@ from oracle.attention_evidence import uniform_weights
 from oracle.checkpoint import Checkpoint
 from oracle.draft_loop import draft_projection
 from oracle.export import ChainOptions, HiddenSource, export_trace
+from oracle.families.mtp_model_layout import MtpModelSpec
 from oracle.families.registry import FAMILIES, head_module
 from oracle.inputs import hidden_from_seed
 from oracle.stages import INDEX_SET
@@ -59,9 +60,10 @@ T, K, START = 9, 4, 3  # chains from 9 bridge steps, depths 2..4; positions from
 RTOL, ATOL = 1e-5, 1e-5  # the batched loop and one query at a time round differently (measured: < 2e-6)
 
 
-# N-layer heads (transformers' MtpModel: depth j on layer j-1) have their chains held equal to MtpModel.forward in
-# tests/families/test_mtp_model_families.py; the one-token-at-a-time reference here is the one-layer loop's
-ONE_LAYER = sorted(name for name, spec in FAMILIES.items() if not hasattr(spec, "layer_count"))
+# MtpModel families (transformers' MtpModel: depth j on layer j-1) have their chains held equal to MtpModel.forward in
+# tests/families/test_mtp_model_families.py; the one-token-at-a-time reference here is the one-layer loop's (Qwen3.5's
+# N-layer heads: tests/families/test_qwen_multi_layer.py)
+ONE_LAYER = sorted(name for name, spec in FAMILIES.items() if not isinstance(spec, MtpModelSpec))
 
 
 def test_every_registered_family_has_held_out_dims():
