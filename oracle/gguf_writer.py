@@ -54,6 +54,11 @@ def architecture(ckpt: Checkpoint) -> str:
     if arch is None:
         raise CheckpointError(f"{ckpt.path} is a {ckpt.family.name} head; llama.cpp's MTP GGUF layout is written for "
                               f"{', '.join(ARCH)} (the architectures whose MTP graph this oracle has checked).")
+    layers = ckpt.family.layer_count(ckpt.config)
+    if layers > 1:  # llama.cpp's Qwen3.5 MTP graph runs one nextn block (blk.N.nextn.*)
+        raise CheckpointError(f"{ckpt.path} holds {layers} MTP layers (mtp_num_hidden_layers); llama.cpp's MTP GGUF "
+                              f"layout has one nextn block, so this writer handles one-layer heads only (a GGUF "
+                              f"with layer 0 alone would drop layers 1..{layers - 1}).")
     return arch
 
 

@@ -174,6 +174,8 @@ class LoopVariants:
                 return ("its layers keep short-convolution states along their own rows (an MtpCache): not "
                         "reproduced for such heads")
             return None
+        if getattr(head, "one_final_norm", False):
+            return "the head has one final norm (mtp.norm) shared by every layer by design"
         layers = getattr(getattr(head, "mtp", None), "layers", None)
         if layers is None or getattr(head.mtp, "use_shared_post_norm", False):
             return "the head has one norm shared by every layer by design (chain_hidden_post_norm)"

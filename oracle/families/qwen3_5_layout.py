@@ -325,10 +325,15 @@ def check_layer_count(cfg: HeadConfig, names: set[str]) -> None:
     if held == list(range(cfg.num_mtp_layers)):
         return
     shown = ", ".join(map(str, held)) if held else "none"
-    raise CheckpointError(f"config.json declares mtp_num_hidden_layers = {cfg.num_mtp_layers} (MTP layers "
+    declared = range(cfg.num_mtp_layers)
+    missing, extra = [i for i in declared if i not in held], [i for i in held if i not in declared]
+    wrong = "; ".join(f"{what} {LAYERS}{{{', '.join(map(str, ids))}}}" for what, ids in
+                      (("missing", missing), ("extra", extra)) if ids)
+    absent = " (1 where the key is absent)" if cfg.num_mtp_layers == 1 else ""
+    raise CheckpointError(f"config.json declares mtp_num_hidden_layers = {cfg.num_mtp_layers}{absent} (MTP layers "
                           f"{LAYERS}0..{cfg.num_mtp_layers - 1}), but the checkpoint holds MTP layer(s) {shown} "
-                          f"({LAYERS}{{i}}.*). Set mtp_num_hidden_layers in config.json's text config to the layers "
-                          f"the release has, or restore the missing shards.")
+                          f"({wrong}). Set mtp_num_hidden_layers in config.json's text config to the layers the "
+                          f"release has, or restore the missing shards.")
 
 
 # Known wiring mistakes of the Qwen stem and gated attention that still run (shared/reference/mtp_wiring.md §8).

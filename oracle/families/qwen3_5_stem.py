@@ -107,6 +107,7 @@ class MtpHead(nn.Module):
         self.layers = nn.ModuleList([classes.decoder_layer(text, layer_idx=i) for i in range(text.num_hidden_layers)])
         self.norm = classes.rms_norm(d, eps=eps)
         self.num_layers = len(self.layers)
+        self.one_final_norm = True  # every layer's output goes through `norm` (loop_variants: shared_head_shared)
 
     def window(self, layer: int = 0) -> None:
         """Keys a query of `layer` sees: every earlier one of its cache (Qwen's MTP layers are full attention)."""
