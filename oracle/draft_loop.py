@@ -186,6 +186,10 @@ class ChainSpec:
     # N-layer heads, teacher-forced: depth j -> (keys, values) of another layer's pass (layer_caches_swapped): row s
     # of depth j attends over those rows r < s and its own row s, instead of its own rows <= s
     past_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+    # N-layer heads: run layer 0 through its one cache at every depth, as a one-layer head's loop does (bridge
+    # entries, then the chain's own, dropped after it): layer0_reused as vLLM's proposer without spec_step_idx
+    # runs it (the drafts' K/V land in layer 0's cache slots, which the next bridge step overwrites)
+    one_cache: bool = False
 
     def offset(self, depth: int) -> int:
         """Depth j's position minus its bridge's: j - 1 (0 for a frozen chain position)."""
@@ -206,7 +210,7 @@ def run_chains(head: Head, rotary: Rotary, bridge: Bridge, spec: ChainSpec,
     j-1 (`first_drafts`: the bridge's, depth 1's)."""
     if spec.tokens == ARGMAX and spec.fed is None and (draft is None or first_drafts is None):
         raise ValueError("argmax chain tokens need the draft projection and depth 1's drafts")  # a caller bug
-    if getattr(head, "num_layers", 1) > 1:
+    if getattr(head, "num_layers", 1) > 1 and not spec.one_cache:
         yield from _layer_chains(head, rotary, bridge, spec, embedding_rows, draft, first_drafts)
         return
     blocks = [(a, min(a + spec.chain_block, bridge.rows)) for a in range(0, spec.rows(2), spec.chain_block)]

@@ -8,8 +8,14 @@ the bridge step, with its `draft`), which the probe compares with a candidate's 
                         vLLM 0.33.0's GLM-4.5 MTP recycles its un-normed residual. Shows at depth 2 `h`.
 - recycle_main_hidden   ChainSpec.recycle_main: every depth reads the main model's H_i again. Depth 2 `h`.
 - position_frozen       ChainSpec.position_step = 0: every depth at its bridge's position p_i. Depth 2 `attn`.
-- layer0_reused         ChainSpec.layers = 0 at every depth (vLLM's proposer without spec_step_idx, vllm#52688).
-                        N-layer heads only; depth 2 from its first stage (each layer has its own norms).
+- layer0_reused         layer 0 at every depth (vLLM's proposer without spec_step_idx, vllm#52688), N-layer heads
+                        only, in two forms (`rows` gives both; the probe names the variant where either
+                        reproduces the candidate, and says which): "one cache" (ChainSpec.one_cache: layer 0 and
+                        its one cache, the chain's entries dropped at the next bridge, as vLLM's KV slots are
+                        overwritten; not for conv-state heads) and "per-depth caches" (ChainSpec.layers = 0: layer
+                        0's weights, each depth its own cache, as an engine that loads layer 0 into every layer).
+                        Depth 2 from the first stage a layer owns (MtpModel heads: e, their enorm is per layer;
+                        Qwen's shared stem: ah).
 - draft_embed_tokens    the draft through the main embed_tokens instead of the draft projection (one llama.cpp
                         fork's token_embd): every float stage matches, the `draft` stage differs (depth 1 on).
 - enorm_hnorm_swap      the head built with its embedding and hidden pre-norm weights swapped (Qwen:
@@ -99,8 +105,9 @@ class LoopVariants:
     def multi_layer(self) -> bool:
         return getattr(self.head, "num_layers", 1) > 1
 
-    def rows(self, name: str) -> "Rows | str":
-        """Every depth's stages under variant `name`, or why it does not apply to this reference."""
+    def rows(self, name: str) -> "Rows | list[tuple[str, Rows]] | str":
+        """Every depth's stages under variant `name` (a list of (form, rows) where the bug has several forms:
+        layer0_reused), or why it does not apply to this reference."""
         why = self._not_applicable(name)
         if why:
             return why
@@ -122,8 +129,17 @@ class LoopVariants:
         elif name == "position_frozen":
             spec = _replace(spec, position_step=0)
         elif name == "layer0_reused":
-            spec = _replace(spec, layers=lambda depth: 0)
+            return self._layer0_forms(spec)
         return self.loop(spec=spec)
+
+    def _layer0_forms(self, spec) -> "list[tuple[str, Rows]]":
+        """layer0_reused's two forms (module docstring): (form, rows) each."""
+        forms = []
+        if not getattr(self.head, "conv_states", False):  # a conv-state head's cache is an MtpCache per layer
+            window = self.head.window(0) if hasattr(self.head, "window") else spec.window
+            forms.append(("one cache", self.loop(spec=_replace(spec, one_cache=True, window=window))))
+        forms.append(("per-depth caches", self.loop(spec=_replace(spec, layers=lambda depth: 0))))
+        return forms
 
     def _not_applicable(self, name: str) -> str | None:
         info, family = self.info, self.family

@@ -94,8 +94,9 @@ class Explanation:
             f"all {matched} captured stage{'s' if matched != 1 else ''}"
         if best.get("depths"):
             where += f" at depth{'s' if len(best['depths']) > 1 else ''} {_depth_list(best['depths'])}"
-        line = (f"DIAGNOSIS | {best['variant']} reproduces the candidate at {where} (max rel {best['max_rel']:.1g}): "
-                f"{self.descriptions.get(best['variant'], '')}")
+        form = f" [{best['form']}]" if best.get("form") else ""  # which form of a bug with several
+        line = (f"DIAGNOSIS | {best['variant']}{form} reproduces the candidate at {where} (max rel "
+                f"{best['max_rel']:.1g}): {self.descriptions.get(best['variant'], '')}")
         if rest:
             line += (" | also reproduced by " + ", ".join(f"{d['variant']} (max rel {d['max_rel']:.1g})" for d in rest)
                      + ": these variants are indistinguishable on these inputs")
@@ -334,6 +335,11 @@ def _loop_variants(runner, captured: dict[int, dict[str, np.ndarray]], order: tu
         rows = runner.rows(name)
         if isinstance(rows, str):
             results.append({"variant": name, "status": "not applicable", "reason": rows})
+            continue
+        if isinstance(rows, list):  # one bug in several forms (layer0_reused): the first that reproduces, said
+            found = [_loop_match(name, form_rows, captured, order, row_ok, max_rel) | {"form": form}
+                     for form, form_rows in rows]
+            results.append(next((r for r in found if r["status"] == "reproduces"), found[0]))
             continue
         results.append(_loop_match(name, rows, captured, order, row_ok, max_rel))
     return results

@@ -16,6 +16,11 @@ candidate trace then goes through `mtp-probe diff --explain` (the CLI's own comm
 --explain loads torch and transformers, which the probe's process never imports): its DIAGNOSIS must name the case's
 variant first, and a correct candidate must get none; anything else fails the case, shown in the table's diagnosis
 column.
+
+Heads with several MTP layers (LAYERED_CASES): the same two candidates on the bundled 3-layer Qwen3.5 fixture
+(fixtures/qwen3_5_tiny_3layer, `--chain 3` of the reference's inputs): run correctly (depth j on layer j-1, each
+layer its own cache) they pass at every depth, and their layer0_reused mutants (layer 0 at every depth, vllm#52688)
+are caught at depth 2 `ah` (the stem is shared; layer 0's input_layernorm is not layer 1's) and named.
 """
 
 import dataclasses
@@ -50,6 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CANDIDATES = ROOT / "fixtures" / "candidates"
 BUNDLED_REFERENCE = ROOT / "fixtures" / "qwen3_5_tiny_ref.h5"
 BUNDLED_CHECKPOINT = ROOT / "fixtures" / "qwen3_5_tiny"
+BUNDLED_LAYERED = ROOT / "fixtures" / "qwen3_5_tiny_3layer"  # 3 MTP layers: LAYERED_CASES
 QK_BLIND = "inconclusive"  # what a mutant that only shows at t >= 1 must give on a T=1 trace
 
 
@@ -141,8 +147,15 @@ LOOP_CASES = (
     LoopCase("C without mtp2_draft_step", "c", "", ("inconclusive", "-"), mutant="MTP_NO_DRAFT_STEP",
              why="a v2 library from before the loop: the loop was not checked, never a pass about it"),
 )
-# No layer0_reused case: both candidates implement a one-layer head (mtp_step_v2.c refuses any other), where layer 0
-# at every depth is right; a multi-layer head's candidate would need its own (issue 25).
+# On a one-layer head layer 0 at every depth is right; layer0_reused needs a head with several MTP layers:
+LAYERED_DEPTHS = 3  # the 3-layer fixture's chain: depth j on layer j-1
+LAYERED_CASES = (
+    LoopCase("C draft loop, 3 layers", "c", "", ("pass", "-"),
+             why="num_mtp_layers 3: the bridge on layer 0, depth j on layer j-1, each layer its own cache"),
+    LoopCase("python draft loop, 3 layers", "python:numpy_step:make_head", "", ("pass", "-"), why="the same"),
+    # the stem (e, h, fc_in, fc) is shared by every layer; layer 0's input_layernorm gives another ah
+    *_loop("layer0_reused", "ah@d2:0", "layer 0 at every depth of the 3-layer head: ah at depth 2 differs"),
+)
 ONLY_DRAFT = "draft_embed_tokens"  # its every other stage must match at every depth
 
 
@@ -174,6 +187,7 @@ def run_selftest(reference: Path | None = None, checkpoint: Path | None = None, 
             log(f"selftest: {case.name}")
             rows += _run_case(case, reference, one_step, checkpoint, builds)
         rows += run_loop_cases(reference, checkpoint, builds, Path(tmp), log)
+        rows += run_layered_cases(reference, builds, Path(tmp) / "layered", log)
     return rows
 
 
@@ -266,11 +280,41 @@ def run_loop_cases(reference: Path, checkpoint: Path, builds: Path, tmp: Path,
         return [LoopRow(c, "-", "-", c.expect[1], "-", None, skip, diagnosis="skipped") for c in LOOP_CASES]
     log("selftest: exporting the chained reference (mtp-oracle export --chain)")
     chained = chained_reference(reference, checkpoint, tmp / "chain.h5")
+    return _loop_rows(LOOP_CASES, chained, checkpoint, builds, tmp, log)
+
+
+def run_layered_cases(reference: Path, builds: Path, tmp: Path,
+                      log: Callable[[str], None] = lambda msg: None) -> list[LoopRow]:
+    """Every LAYERED_CASES candidate on the 3-layer fixture's chained reference (`reference`'s inputs)."""
+    skip = _loop_skip_reason(reference) or _layered_skip_reason(reference)
+    if skip:
+        return [LoopRow(c, "-", "-", c.expect[1], "-", None, skip, diagnosis="skipped") for c in LAYERED_CASES]
+    tmp.mkdir(parents=True, exist_ok=True)
+    log("selftest: exporting the 3-layer head's chained reference (mtp-oracle export --chain 3)")
+    chained = chained_reference(reference, BUNDLED_LAYERED, tmp / "chain.h5", LAYERED_DEPTHS)
+    return _loop_rows(LAYERED_CASES, chained, BUNDLED_LAYERED, builds, tmp, log)
+
+
+def _layered_skip_reason(reference: Path) -> str:
+    if not (BUNDLED_LAYERED / "config.json").is_file():
+        return f"skipped: the 3-layer fixture {BUNDLED_LAYERED} is missing (python scripts/make_fixtures.py)"
+    with read_trace(reference) as ref:
+        width = ref.inputs().hidden.shape[-1]
+    wanted = Checkpoint(BUNDLED_LAYERED).config.hidden_size
+    if width != wanted:
+        return (f"skipped: the reference's hidden is {width} wide, the bundled 3-layer fixture's {wanted}; run "
+                f"selftest on the bundled reference to check layer0_reused")
+    return ""
+
+
+def _loop_rows(cases, chained: Path, checkpoint: Path, builds: Path, tmp: Path,
+               log: Callable[[str], None]) -> list[LoopRow]:
+    """Each case driven on `chained`, then its trace through --explain."""
     tables = write_draft_tables(checkpoint, tmp / "draft_tables.bin")
     embed_first = embed_draft_first(chained, checkpoint)
     rows, traces = [], []
     with _candidates_see(tables):
-        for i, case in enumerate(tracked(LOOP_CASES, "selftest loop", len(LOOP_CASES), unit="case")):
+        for i, case in enumerate(tracked(cases, "selftest loop", len(cases), unit="case")):
             log(f"selftest: {case.name}")
             row, written = _run_loop_case(case, chained, checkpoint, builds, embed_first, tmp / f"loop{i}.h5")
             rows.append(row)
@@ -289,9 +333,9 @@ def _loop_skip_reason(reference: Path) -> str:
     return ""
 
 
-def chained_reference(reference: Path, checkpoint: Path, out: Path) -> Path:
-    """`mtp-oracle export --chain K` on `reference`'s own tokens, H and start position (K = min(4, T)), in a child
-    process; ProbeError with its message when the export fails."""
+def chained_reference(reference: Path, checkpoint: Path, out: Path, chain_depths: int = CHAIN_DEPTHS) -> Path:
+    """`mtp-oracle export --chain K` on `reference`'s own tokens, H and start position (K = min(chain_depths, T)),
+    in a child process; ProbeError with its message when the export fails."""
     with read_trace(reference) as ref:
         inputs = ref.inputs()
     positions = np.asarray(inputs.positions)
@@ -301,7 +345,7 @@ def chained_reference(reference: Path, checkpoint: Path, out: Path) -> Path:
                          f"reference from mtp-oracle export.")
     np.save(out.with_name("tokens.npy"), np.asarray(inputs.token_ids, dtype=np.int64))
     np.save(out.with_name("hidden.npy"), np.ascontiguousarray(inputs.hidden, dtype=np.float32))
-    depths = min(CHAIN_DEPTHS, len(positions))
+    depths = min(chain_depths, len(positions))
     cmd = [sys.executable, "-m", "oracle", "export", str(checkpoint), "--out", str(out), "--tokens-file",
            str(out.with_name("tokens.npy")), "--hidden", str(out.with_name("hidden.npy")), "--start-pos",
            str(int(positions[0])), "--chain", str(depths), "-q"]

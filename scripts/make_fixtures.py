@@ -171,6 +171,10 @@ FAMILY_FIXTURES = {
     "step3p7_tiny": lambda out: write_mtp_model_checkpoint(out, "step3p7", STEP3P7_FIXTURE),  # 3 MTP layers
     "inkling_tiny": lambda out: write_mtp_model_checkpoint(out, "inkling"),
     "mimo_v2_flash_tiny": lambda out: write_mimo_v2_flash_checkpoint(out),
+    # Qwen3.5 with 3 MTP layers (mtp_num_hidden_layers), the bundled head's D = 64: `mtp-probe selftest`'s N-layer
+    # loop cases (layer0_reused); a one-layer main model (its MTP head never reads the main layers)
+    "qwen3_5_tiny_3layer": lambda out: write_checkpoint(out, {"mtp_num_hidden_layers": 3, "num_hidden_layers": 1,
+                                                             "intermediate_size": 64}),
 }
 
 

@@ -105,10 +105,16 @@ class OfficialEngine:
         return rows
 
     def run(self, tokens, hidden, positions, depths: int, layer_of=lambda j: j - 1) -> dict[int, list[dict]]:
-        """{depth: [rows of each bridge c that has that depth]}: bridge c, its chain, then bridge c + 1."""
-        caches = [DynamicCache() for _ in self.layers]  # one per layer, never cropped
+        """{depth: [rows of each bridge c that has that depth]}: bridge c, its chain, then bridge c + 1. Layer 0's
+        cache is cut back to the bridge entries before each bridge step (vLLM's slots for the draft positions are
+        overwritten): a no-op for the correct engine, whose chains never run layer 0; with `layer_of` = 0 this is
+        layer0_reused as vLLM runs it."""
+        caches = [DynamicCache() for _ in self.layers]  # one per layer; layers >= 1 never cropped
         found = {j: [] for j in range(1, depths + 1)}
         for c in range(len(tokens)):
+            extra = caches[0].get_seq_length() - c  # the previous chain's entries in layer 0
+            if extra > 0:
+                caches[0].crop(-extra)
             row = self.step(0, int(tokens[c]), torch.from_numpy(hidden[c]), int(positions[c]), caches[0])
             found[1].append(row)
             for j in range(2, depths + 1):
@@ -148,8 +154,7 @@ def test_every_depth_equals_official_layers_stepped_in_the_engines_order(held_ou
         reused = engine.run(tokens, hidden, positions, 2, layer_of=lambda j: 0)[2]
         ref = _rows(f, 2, "ah")
         assert np.abs(np.stack([r["ah"] for r in reused]) - ref).max() > 1e-2 * np.abs(ref).max()
-        # ... and not before: bridge 0's depth-2 stem is the same (later rows differ: layer 0's one cache then holds
-        # depth-2 entries too, so later bridges recycle other outs)
+        # ... and not before: bridge 0's depth-2 stem is the same
         np.testing.assert_allclose(reused[0]["fc"], _rows(f, 2, "fc")[0], rtol=0, atol=1e-6)
 
 
@@ -196,6 +201,27 @@ def test_layer0_reused_is_caught_at_depth_2_ah_and_named(tiny3, tmp_path):
     assert statuses["shared_head_shared"] == ("not applicable", "the head has one final norm (mtp.norm) shared by "
                                                                 "every layer by design")
     assert statuses["chain_kv_kept"][0] == "not applicable"
+
+
+def _official_dump(ckpt, ref, tmp_path, name, layer_of):
+    """The independent OfficialEngine's rows as a raw candidate dump (depths 1..3)."""
+    inputs, _ = load_trace(ref)
+    found = OfficialEngine(ckpt).run(inputs.token_ids, inputs.hidden, inputs.positions, 3, layer_of=layer_of)
+    parts = {j: {n: np.stack([np.atleast_1d(r[n]) for r in rows]).astype(np.int64 if n == "draft" else np.float32)
+                 for n in rows[0]} for j, rows in found.items()}
+    return _dump(ref, tmp_path, parts[1], {j: p for j, p in parts.items() if j > 1}, name=name)
+
+
+def test_layer0_reused_as_vllm_runs_it_is_named_in_its_one_cache_form(tiny3, tmp_path):
+    """The independent engine with layer 0 (and its one cache) at every depth: caught at depth 2 `ah`, named
+    layer0_reused [one cache]; twin: the same engine with depth j on layer j-1 passes with no DIAGNOSIS."""
+    ckpt, ref = tiny3
+    result, report = explained(ref, _official_dump(ckpt, ref, tmp_path, "vllm", lambda j: 0), tmp_path)
+    assert result.exit_code == 1, result.output
+    assert "first divergent stage: ah at depth 2 bridge 0" in last_line(result), result.output
+    assert diagnosis(result).startswith("DIAGNOSIS | layer0_reused [one cache] reproduces"), diagnosis(result)
+    result, report = explained(ref, _official_dump(ckpt, ref, tmp_path, "right", lambda j: j - 1), tmp_path)
+    assert result.exit_code == 0 and report["diagnosis"] == [], result.output
 
 
 def test_twin_each_layer_at_its_own_depth_passes(tiny3, tmp_path):

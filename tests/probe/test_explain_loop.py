@@ -275,7 +275,10 @@ def test_layer0_reused_is_caught_at_depth_2_and_named(step3p7, tmp_path):
     assert result.exit_code == 1, result.output
     assert "first divergent stage: e at depth 2 bridge 0" in last_line(result), result.output  # enorm is per layer
     assert named(report)[:1] == ["layer0_reused"], diagnosis(result)
-    assert diagnosis(result).startswith("DIAGNOSIS | layer0_reused reproduces the candidate"), diagnosis(result)
+    # layer 0's weights, each depth its own cache (an engine loading layer 0 into every layer); vLLM's one-cache
+    # form: tests/probe/test_explain_loop_layers.py
+    assert diagnosis(result).startswith("DIAGNOSIS | layer0_reused [per-depth caches] reproduces the candidate"), \
+        diagnosis(result)
     statuses = {v["variant"]: v["status"] for v in report["variants"]}
     assert statuses["chain_kv_kept"] == "not applicable"  # each layer keeps its own cache
 

@@ -5,7 +5,8 @@ Each buggy candidate is written by an engine of the test's own, never by the ora
   engine's order (bridge c on layer 0, then its chain: depth j on layer j-1), teacher-forced, each layer's K/V
   entries stored in a list per layer and handed back through a transformers DynamicCache (a sliding layer keeps
   its last W-1). `swap`: depths 2 and 3 read each other's layer's stored entries (each writes its own), the bug
-  `layer_caches_swapped` names;
+  `layer_caches_swapped` names; `layer0_one_cache`: layer 0 at every depth through its one list of entries (the
+  bridge's, then the chain's own, which the next bridge step drops), `layer0_reused` as vLLM runs it;
 - `layered_engine` (tests/probe/test_explain_loop.py) with every layer's shared_head.norm / final_layernorm loaded
   from layer 0's tensor, the bug `shared_head_shared` names.
 The candidate is a raw dump (d{j}/) diffed with `mtp-probe diff --explain`: caught at the right (depth, stage),
@@ -40,7 +41,7 @@ def layered(request, tmp_path_factory):
 
 
 @torch.inference_mode()
-def stepwise_engine(ckpt_dir, inputs, depths: int, swap: bool = False):
+def stepwise_engine(ckpt_dir, inputs, depths: int, swap: bool = False, layer0_one_cache: bool = False):
     """(depth-1 stages, {j: stages}), teacher-forced, one token at a time (module docstring)."""
     ckpt = Checkpoint(ckpt_dir)
     impl = head_module(ckpt.family)
@@ -50,8 +51,12 @@ def stepwise_engine(ckpt_dir, inputs, depths: int, swap: bool = False):
     reads = {1: 2, 2: 1} if swap else {}
     total, rows = inputs.num_tokens, {j: [] for j in range(1, depths + 1)}
 
+    chain: list = []  # layer0_one_cache: this chain's own entries in layer 0's cache
+
     def step(layer: int, c: int, embed, hidden, position: int) -> dict:
         past = stored[reads.get(layer, layer)][:c]  # entries of bridge steps before c
+        if layer0_one_cache and position > int(inputs.positions[c]):  # a chain step on layer 0's one cache
+            layer, past = 0, stored[0][:c + 1] + chain
         window = head.window(layer)
         if window is not None:
             past = past[-(window - 1):] if window > 1 else []
@@ -61,10 +66,12 @@ def stepwise_engine(ckpt_dir, inputs, depths: int, swap: bool = False):
         out = head.steps(rotary, torch.from_numpy(np.ascontiguousarray(embed, dtype=np.float32)).reshape(1, 1, -1),
                          torch.as_tensor(hidden).reshape(1, 1, -1), torch.tensor([[position]]), None, cache,
                          layer=layer)
-        stored[layer].append((cache.layers[layer].keys[:, :, -1:], cache.layers[layer].values[:, :, -1:]))
+        entry = (cache.layers[layer].keys[:, :, -1:], cache.layers[layer].values[:, :, -1:])
+        (chain if layer0_one_cache and position > int(inputs.positions[c]) else stored[layer]).append(entry)
         return {n: v[0, 0].numpy().copy() for n, v in out.items()}
 
     for c in range(total):
+        chain.clear()  # the next bridge step drops the chain's entries (layer0_one_cache)
         row = step(0, c, inputs.embed[c], inputs.hidden[c], int(inputs.positions[c]))
         rows[1].append(row)
         for j in range(2, depths + 1):
@@ -104,6 +111,18 @@ def test_swapped_layer_caches_are_caught_at_depth_2_and_named(layered, tmp_path)
     assert "first divergent stage: attn at depth 2 bridge 1" in last_line(result), result.output
     assert named(report)[:1] == ["layer_caches_swapped"], diagnosis(result)
     assert diagnosis(result).startswith("DIAGNOSIS | layer_caches_swapped reproduces the candidate"), diagnosis(result)
+
+
+def test_layer0_reused_through_its_one_cache_is_named_in_that_form(layered, tmp_path):
+    """vLLM's form (layer 0 and its one cache at every depth): depth 2 differs from its first per-layer stage, and
+    DIAGNOSIS names layer0_reused [one cache]."""
+    ckpt, ref = layered
+    inputs, _ = load_trace(ref)
+    cand = _dump(ref, tmp_path, *stepwise_engine(ckpt, inputs, 3, layer0_one_cache=True))
+    result, report = explained(ref, cand, tmp_path)
+    assert result.exit_code == 1, result.output
+    assert "first divergent stage: e at depth 2 bridge 0" in last_line(result), result.output
+    assert diagnosis(result).startswith("DIAGNOSIS | layer0_reused [one cache] reproduces"), diagnosis(result)
 
 
 def test_twin_stepwise_engine_with_each_layer_its_own_cache_passes(layered, tmp_path):

@@ -19,16 +19,20 @@ def test_selftest_passes_on_the_bundled_fixture():
     rows = [line for line in result.output.splitlines() if line.startswith(("NO_QK_NORM", "POS_PLUS_ONE"))]
     assert any("diverged     attn@1" in r and "match" in r for r in rows)  # matches at t=0, caught at t=1
     assert any(r.startswith("POS_PLUS_ONE") and " 8  pass" in r for r in rows)
+    cases = selftest.LOOP_CASES + selftest.LAYERED_CASES
     loop = {line.split("  ")[0]: line.split() for line in result.output.splitlines()
-            if line.startswith(tuple(c.name for c in selftest.LOOP_CASES))}
-    assert len(loop) == len(selftest.LOOP_CASES)
+            if line.startswith(tuple(c.name for c in cases))}
+    assert len(loop) == len(cases)
     assert all(fields[-1] == "ok" for fields in loop.values()), loop
     for impl in ("C", "python"):
         assert loop[f"recycle_prenorm ({impl})"][2:4] == ["diverged", "h@d2:0"]
         assert loop[f"chain_kv_kept ({impl})"][2:4] == ["diverged", "attn@d1:1"]
     assert loop["C draft loop"][3:5] == ["pass", "-"] and loop["C draft loop"][-3] == "1-4"
+    assert loop["C draft loop, 3 layers"][-3] == "1-3"  # the 3-layer head: every depth on its own layer
+    for impl in ("C", "python"):
+        assert loop[f"layer0_reused ({impl})"][2:4] == ["diverged", "ah@d2:0"]
     # --explain's DIAGNOSIS (the diagnosis column): each variant's mutants named as it, correct loops as none
-    for case in selftest.LOOP_CASES:
+    for case in cases:
         assert loop[case.name][-2] == (case.variant or "none"), (case.name, loop[case.name])
 
 
@@ -37,6 +41,7 @@ def test_selftest_fails_when_a_mutant_is_not_caught_as_expected(monkeypatch):
     wrong = dataclasses.replace(by_name["ROPE_GPTJ"], expect=("diverged", "attn@0"))  # it really shows at t=1
     monkeypatch.setattr(selftest, "CASES", (by_name["C reference"], wrong))
     monkeypatch.setattr(selftest, "LOOP_CASES", ())
+    monkeypatch.setattr(selftest, "LAYERED_CASES", ())
     result = run_cli(cli, ["selftest"])
     assert result.exit_code == 1
     assert result.output.strip().splitlines()[-1].startswith("SELFTEST FAILED | 3/4 runs as expected, 1 not")
@@ -45,12 +50,13 @@ def test_selftest_fails_when_a_mutant_is_not_caught_as_expected(monkeypatch):
 # --- the draft loop's cases (issue 24) -------------------------------------------------------------------------
 
 LOOP_BY_NAME = {c.name: c for c in selftest.LOOP_CASES}
-VARIANTS = ("recycle_prenorm", "recycle_main_hidden", "position_frozen", "chain_kv_kept", "draft_embed_tokens")
+VARIANTS = ("recycle_prenorm", "recycle_main_hidden", "position_frozen", "chain_kv_kept", "draft_embed_tokens",
+            "layer0_reused")
 
 
 def test_every_loop_variant_has_a_c_and_a_python_mutant():
     for variant in VARIANTS:
-        cases = [c for c in selftest.LOOP_CASES if c.variant == variant]
+        cases = [c for c in selftest.LOOP_CASES + selftest.LAYERED_CASES if c.variant == variant]
         assert {c.impl.split(":")[0] for c in cases} == {"c", "python"}, variant
         assert len({c.expect for c in cases}) == 1  # both caught at the same place
     correct = [c for c in selftest.LOOP_CASES if not c.variant and c.expect[0] == "pass"]
@@ -177,3 +183,18 @@ def test_without_transformers_the_loop_cases_and_their_diagnosis_are_skipped(mon
     assert table[-1].endswith(f"0/{len(rows)} runs as expected, {len(rows)} skipped")
     shown = [line for line in table if line.startswith(tuple(c.name for c in selftest.LOOP_CASES))]
     assert len(shown) == len(rows) and all("skipped" in line and " ok" not in line for line in shown)
+
+
+def test_the_layered_cases_run_on_a_three_layer_head_and_skip_with_a_reason_elsewhere(tmp_path):
+    """The 3-layer fixture is what LAYERED_CASES check (a one-layer head would make layer0_reused right); a
+    reference whose hidden does not fit it skips them, said, never passed."""
+    from oracle.checkpoint import Checkpoint
+    from tests.probe.tracekit import synthetic, write_h5
+
+    ckpt = Checkpoint(selftest.BUNDLED_LAYERED)
+    assert ckpt.family.layer_count(ckpt.config) == selftest.LAYERED_DEPTHS == 3
+    inputs, stages = synthetic(4, 32)
+    other = write_h5(tmp_path / "d32.h5", inputs, stages)
+    rows = selftest.run_layered_cases(other, tmp_path, tmp_path / "layered")
+    assert len(rows) == len(selftest.LAYERED_CASES)
+    assert all(r.ok is None and "32 wide" in r.note for r in rows), rows
