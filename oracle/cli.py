@@ -98,17 +98,25 @@ Examples:
 @click.option("--chain-layers", type=click.Choice(["per-depth", "modulo"]), default="per-depth", show_default=True,
               help="With --chain on an N-layer head: depth j runs layer j-1 (transformers' MtpModel; K <= N), or "
                    "layer (j-1) % N (vLLM's spec_step_idx % N, which allows K > N).")
+@click.option("--chain-kv", type=click.Choice(["teacher-forced", "engine"]), default="teacher-forced",
+              show_default=True,
+              help="With --chain-tokens argmax on an N-layer head: what each layer's cache holds of the earlier "
+                   "chains. teacher-forced: their teacher-forced rows (transformers' MtpModel recomputes them over "
+                   "the prefix); engine: the rows those chains wrote at that depth, in the engine's order (bridge "
+                   "i, its chain, bridge i+1: vLLM).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress messages.")
 @click.pass_obj
 def export(obj, checkpoint, out, tokens, tokens_file, hidden_file, hidden_seed, main_model, first_token, start_pos,
-           norm_topk_prob, mask_pos0_embedding, mode, chain, chain_tokens, recycle, chain_layers, quiet) -> None:
+           norm_topk_prob, mask_pos0_embedding, mode, chain, chain_tokens, recycle, chain_layers, chain_kv,
+           quiet) -> None:
     """Run the head on T teacher-forced steps and write every stage to an mtp-trace/1 file."""
     from oracle.export import ChainOptions, HiddenSource, export_trace  # no torch: export_trace loads it later
     from oracle.inputs import token_ids_from_file, token_ids_from_text
 
     _exactly_one({"--tokens": tokens, "--tokens-file": tokens_file})
     given = [o for o, v in (("--chain-tokens argmax", chain_tokens == "argmax" or None), ("--recycle", recycle),
-                            ("--chain-layers modulo", chain_layers == "modulo" or None)) if v]
+                            ("--chain-layers modulo", chain_layers == "modulo" or None),
+                            ("--chain-kv engine", chain_kv == "engine" or None)) if v]
     if chain is None and given:  # else silently ignored
         raise click.UsageError(f"{' and '.join(given)} appl{'ies' if len(given) == 1 else 'y'} only with --chain K.")
     _exactly_one({"--hidden": hidden_file, "--hidden-seed": hidden_seed, "--main-model": main_model or None})
@@ -122,7 +130,8 @@ def export(obj, checkpoint, out, tokens, tokens_file, hidden_file, hidden_seed, 
     with reporting(enabled=not quiet):
         path = export_trace(checkpoint, out, ids, source, start_pos=start_pos, mode=mode, config_overrides=overrides,
                             command=obj["command"], log=log, warn=lambda msg: click.echo(msg, err=True),
-                            chain=None if chain is None else ChainOptions(chain, chain_tokens, recycle, chain_layers))
+                            chain=None if chain is None else ChainOptions(chain, chain_tokens, recycle, chain_layers,
+                                                                                  chain_kv))
     from oracle.output import staged_path
     from oracle.trace import read_trace
 

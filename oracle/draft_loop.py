@@ -190,6 +190,11 @@ class ChainSpec:
     # entries, then the chain's own, dropped after it): layer0_reused as vLLM's proposer without spec_step_idx
     # runs it (the drafts' K/V land in layer 0's cache slots, which the next bridge step overwrites)
     one_cache: bool = False
+    # N-layer argmax chains: each layer's cache holds the rows the chains wrote at its depth, in the engine's order
+    # (bridge i, its chain, bridge i+1: vLLM), instead of the teacher-forced rows MtpModel.forward over the prefix
+    # recomputes (`export --chain-kv engine`; teacher-forced chains: the two are the same)
+    engine_kv: bool = False
+    record_layer0: bool = False  # N-layer heads: out_if_layer0, the out of layer 0 at a depth that runs another
 
     def offset(self, depth: int) -> int:
         """Depth j's position minus its bridge's: j - 1 (0 for a frozen chain position)."""
@@ -266,6 +271,7 @@ def _layer_chains(head, rotary: Rotary, bridge: Bridge, spec: ChainSpec,
     row c is the chain's row m = d (position p_c + d)."""
     layer_of = spec.layers or (lambda depth: depth - 1)
     teacher, chain_rows_prev, drafts = bridge.stages, None, first_drafts
+    own = bridge.stages  # engine_kv: the previous depth's rows of every chain (row c = chain c)
     chain_drafts = None if drafts is None else drafts[:, None].astype(np.int64)  # (n, 1): d_1 of each chain
     for depth in range(2, spec.depths + 1):
         n = spec.rows(depth)
@@ -276,6 +282,25 @@ def _layer_chains(head, rotary: Rotary, bridge: Bridge, spec: ChainSpec,
             raise InputError(f"depth {depth} would run MTP layer {layer}, and the head has {head.num_layers} "
                              f"(depth j runs layer j-1): use at most {head.num_layers} depths (accept --k, export "
                              f"--chain), or export --chain-layers modulo (vLLM's spec_step_idx % N).")
+        if spec.tokens != TEACHER and spec.engine_kv:
+            # Engine order: depth j of chain c attends over the entries depth j of chains 0..c-1 left in the
+            # layer's cache and its own, so the depth is one causal pass of the layer over the chains' own rows
+            # (row c: chain c's token, recycling chain c's previous depth row c).
+            tokens = (spec.fed(depth)[:n] if spec.fed is not None else drafts[:n]).astype(np.int64)
+            positions = bridge.positions[:n] + spec.offset(depth)
+            result = _layer_pass(head, rotary, layer, positions, tokens, spec.recycled(own, bridge, n),
+                                 embedding_rows, spec, depth)
+            if spec.record_layer0 and layer != 0:
+                result.evidence["out_if_layer0"] = _layer_pass(
+                    head, rotary, 0, positions, tokens, spec.recycled(own, bridge, n), embedding_rows,
+                    _evidence_spec(spec), depth).stages["out"].numpy()
+            result.depth, previous, own = depth, own, result.stages
+            _depth_evidence(head, bridge, previous, spec, n, layer, result)
+            if draft is not None:
+                result.drafts, result.margins = draft(result.stages["out"].numpy())
+                drafts = result.drafts
+            yield result
+            continue
         n_tf = n if spec.tokens == TEACHER else max(n - d, 0)
         if spec.tokens != TEACHER and (spec.recycle_main or spec.position_step != 1):
             raise ValueError("recycle_main / position_step are teacher-forced loop variants on N-layer heads")
@@ -284,27 +309,47 @@ def _layer_chains(head, rotary: Rotary, bridge: Bridge, spec: ChainSpec,
                   else spec.token_ids[d:d + n_tf]).astype(np.int64)
         tf = _layer_pass(head, rotary, layer, positions, tokens, spec.recycled(teacher, bridge, n_tf), embedding_rows,
                          spec, depth)
+        tf0 = None  # record_layer0: the same teacher-forced rows through layer 0 (its weights, its own pass)
+        if spec.record_layer0 and layer != 0:
+            tf0 = _layer_pass(head, rotary, 0, positions, tokens, spec.recycled(teacher, bridge, n_tf),
+                              embedding_rows, _evidence_spec(spec), depth)
         if spec.tokens == TEACHER:
             result, previous = tf, teacher
+            if tf0 is not None:
+                result.evidence["out_if_layer0"] = tf0.stages["out"].numpy()
         else:
             if spec.fed is not None:  # the chains' drafts d_1..d_d are the recorded tokens of depths 2..j
                 chain_drafts = np.stack([spec.fed(m + 1)[:n] for m in range(1, depth)], axis=1).astype(np.int64)
             # a head whose layers keep conv states runs each chain apart (oracle/families/mtp_model.py own_rows)
             own_rows = getattr(head, "own_rows", _own_rows)
+            if tf0 is not None:  # before the chains' rows of this depth replace chain_rows_prev
+                alt = own_rows(head, rotary, 0, d, n, bridge, tf0, teacher, chain_rows_prev, chain_drafts,
+                               embedding_rows, _evidence_spec(spec))[0]
             result, chain_rows_prev, previous = own_rows(head, rotary, layer, d, n, bridge, tf, teacher,
                                                          chain_rows_prev, chain_drafts, embedding_rows, spec)
+            if tf0 is not None:
+                result.evidence["out_if_layer0"] = alt.stages["out"].numpy()
         result.depth = depth
-        if spec.prenorm is not None:
-            result.evidence["h_if_prenorm"] = head.hidden_norm(previous[spec.prenorm][:n][None],
-                                                               layer=layer)[0].numpy()
-        if spec.record_main:
-            result.evidence["h_if_main"] = head.hidden_norm(bridge.hidden[:n][None], layer=layer)[0].numpy()
+        _depth_evidence(head, bridge, previous, spec, n, layer, result)
         if draft is not None:
             result.drafts, result.margins = draft(result.stages["out"].numpy())
             if chain_drafts is not None:
                 chain_drafts = np.concatenate([chain_drafts[:n], result.drafts[:, None].astype(np.int64)], axis=1)
         teacher = tf.stages
         yield result
+
+
+def _evidence_spec(spec: ChainSpec) -> ChainSpec:
+    """`spec` for an evidence pass: no uniform attention, no swapped caches, nothing recorded."""
+    return dataclasses.replace(spec, uniform=False, past_kv=None, prenorm=None, record_main=False)
+
+
+def _depth_evidence(head, bridge: Bridge, previous: Stages, spec: ChainSpec, n: int, layer: int, result: Depth) -> None:
+    """h_if_prenorm / h_if_main of an N-layer depth (see _recycle_alternatives), through `layer`'s hidden norm."""
+    if spec.prenorm is not None:
+        result.evidence["h_if_prenorm"] = head.hidden_norm(previous[spec.prenorm][:n][None], layer=layer)[0].numpy()
+    if spec.record_main:
+        result.evidence["h_if_main"] = head.hidden_norm(bridge.hidden[:n][None], layer=layer)[0].numpy()
 
 
 def _layer_pass(head, rotary: Rotary, layer: int, positions: torch.Tensor, tokens: np.ndarray,

@@ -75,6 +75,7 @@ class ChainOptions:
     tokens: str = "teacher"
     recycle: str | None = None
     layers: str = "per-depth"  # N-layer heads: depth j runs layer j-1 ("per-depth") or (j-1) % N ("modulo")
+    kv: str = "teacher-forced"  # N-layer argmax chains: the layers' caches as MtpModel fills them, or "engine"
 
 
 def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden: HiddenSource,
@@ -226,7 +227,7 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
         num_layers = _layer_count(ckpt)
         chain_record = {"depths": chain.depths, "tokens": TOKEN_MODES[chain.tokens], "recycle": recycle,
                         "layers": [_layer_of(chain, num_layers, j) for j in range(2, chain.depths + 1)],
-                        "num_layers": num_layers, "kv": KV_DROPPED if num_layers == 1 else KV_PER_LAYER}
+                        "num_layers": num_layers, "kv": KV_DROPPED if num_layers == 1 else KV_CONVENTIONS[chain.kv]}
         if num_layers > 1:
             chain_record["layer_convention"] = LAYER_CONVENTIONS[chain.layers]
         attrs["provenance"]["chain"] = {"depths": chain.depths, "tokens": chain.tokens, "recycle": recycle,
@@ -254,6 +255,9 @@ KV_DROPPED = "dropped_after_chain"  # one-layer heads: a chain's KV entries live
 
 
 KV_PER_LAYER = "per_layer_teacher_forced"  # N-layer heads: layer l caches the teacher-forced depth-(l+1) entries
+# N-layer argmax chains (--chain-kv engine): layer l caches the entries depth l+1 of the earlier chains wrote
+KV_ENGINE_ORDER = "per_layer_engine_order"
+KV_CONVENTIONS = {"teacher-forced": KV_PER_LAYER, "engine": KV_ENGINE_ORDER}
 LAYER_CONVENTIONS = {"per-depth": "depth j runs layer j-1 (transformers' MtpModel)",
                      "modulo": "depth j runs layer (j-1) % N (vLLM's spec_step_idx % N)"}
 
@@ -287,7 +291,14 @@ def _checked_chain(ckpt: Checkpoint, chain: "ChainOptions | None", num_tokens: i
         raise InputError(f"--chain-tokens {chain.tokens!r}: use one of {', '.join(TOKEN_MODES)}.")
     if chain.layers not in LAYER_CONVENTIONS:
         raise InputError(f"--chain-layers {chain.layers!r}: use one of {', '.join(LAYER_CONVENTIONS)}.")
+    if chain.kv not in KV_CONVENTIONS:
+        raise InputError(f"--chain-kv {chain.kv!r}: use one of {', '.join(KV_CONVENTIONS)}.")
     num_layers = _layer_count(ckpt)
+    if chain.kv != "teacher-forced" and (num_layers == 1 or chain.tokens != "argmax"):
+        why = ("a one-layer head drops each chain's KV entries after it" if num_layers == 1 else
+               "on teacher-forced chains the layers' caches are the same either way")
+        raise InputError(f"--chain-kv {chain.kv}: {why}; it applies to --chain-tokens argmax on a head with several "
+                         f"MTP layers. Leave --chain-kv out.")
     if num_layers > 1 and k > num_layers and chain.layers != "modulo":
         raise InputError(f"--chain {k}: this {ckpt.family.name} head has {num_layers} MTP layers and depth j runs "
                          f"layer j-1, so --chain is at most {num_layers}. Pass --chain {num_layers} or less, "
@@ -357,7 +368,7 @@ def _chain_records(ckpt: Checkpoint, head, rotary, inputs: TraceInputs, bridge, 
     spec = ChainSpec(depths=chain.depths, rows=lambda j: chain_rows(num_steps, j),
                      tokens=ARGMAX if chain.tokens == "argmax" else TEACHER, token_ids=inputs.token_ids,
                      recycle=recycle, window=family.attention_window(ckpt.config), prenorm=family.recycle_prenorm,
-                     record_main=True, uniform=True,
+                     record_main=True, uniform=True, engine_kv=chain.kv == "engine", record_layer0=True,
                      layers=lambda j: _layer_of(chain, _layer_count(ckpt), j))
     draft = None if projection is None else lambda rows: projection.argmax_margin(rows)
     first = None if projection is None else stages["draft"][:, 0]

@@ -34,6 +34,11 @@ the bridge step, with its `draft`), which the probe compares with a candidate's 
                         over layer 1's (ChainSpec.past_kv; `swapped_caches_loop` reruns the loop until the
                         exchanged K/V are fixed). On step3p7_tiny and mimo_v2_flash_tiny: depth 2 `attn` bridge 1
                         (row 0 has no past rows).
+- layer_caches_other_convention  N-layer argmax chains: the layers' caches under the other KV convention
+                        (ChainSpec.engine_kv flipped): the engine order's own chain entries (vLLM) where the
+                        reference holds MtpModel's teacher-forced rows, or the other way round. A convention, not a
+                        bug: DIAGNOSIS naming it says to export with the engine's --chain-kv. Depth 2 `attn`
+                        bridge 1 (row 0 sees no earlier chain).
 - shared_head_shared    N-layer heads: every layer's post_norm (shared_head.norm; MiMo final_layernorm) is layer
                         0's (MtpModel drafts every depth through the one main lm_head already). On both fixtures:
                         depth 2 `out` bridge 0 (every stage up to res2 matches).
@@ -52,6 +57,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from oracle.export import KV_ENGINE_ORDER
 from oracle.families.spec import Variant
 from oracle.trace import ChainInfo, TraceInputs
 
@@ -68,13 +74,17 @@ LOOP_VARIANTS = (
                                 "pre_fc_norm_embedding <-> pre_fc_norm_hidden)"),
     Variant("layer_caches_swapped", "depths 2 and 3 attend over each other's layer's KV cache (each past row the "
                                     "other layer's entry, the current row its own)"),
+    Variant("layer_caches_other_convention", "the N-layer head's caches hold what the other --chain-kv convention "
+                                             "puts there (its chains' own entries in engine order, vLLM, vs "
+                                             "transformers' teacher-forced rows): a convention, not a bug; export "
+                                             "the reference with the engine's --chain-kv"),
     Variant("shared_head_shared", "every depth normalizes through layer 0's shared_head (one shared_head.norm / "
                                   "post_norm for all layers)"),
 )
 NAMES = tuple(v.name for v in LOOP_VARIANTS)
 DESCRIPTIONS = {v.name: v.description for v in LOOP_VARIANTS}
 NEEDS_CHAIN = ("recycle_prenorm", "recycle_main_hidden", "position_frozen", "chain_kv_kept", "layer0_reused",
-               "layer_caches_swapped", "shared_head_shared")
+               "layer_caches_swapped", "shared_head_shared", "layer_caches_other_convention")
 SWAPPED = (2, 3)  # layer_caches_swapped: the depths whose layers' caches are exchanged
 # N-layer argmax chains: their chain rows (oracle/draft_loop.py _own_rows) have no recycle/position hooks
 TEACHER_ONLY_N_LAYER = ("recycle_main_hidden", "position_frozen", "layer_caches_swapped")
@@ -122,6 +132,8 @@ class LoopVariants:
         if name == "layer_caches_swapped":
             return self.swapped_caches_loop()
         spec = self.spec()
+        if name == "layer_caches_other_convention":
+            return self.loop(spec=_replace(spec, engine_kv=not spec.engine_kv))
         if name == "recycle_prenorm":
             spec = _replace(spec, recycle=self.family.recycle_prenorm)
         elif name == "recycle_main_hidden":
@@ -159,6 +171,11 @@ class LoopVariants:
                 return f"the {family.name} head has no pre-norm tensor of the recycled width"
             if info.recycle == family.recycle_prenorm:
                 return f"the reference itself recycles {info.recycle}"
+        if name == "layer_caches_other_convention":
+            if not self.multi_layer:
+                return "a one-layer head drops each chain's entries: one convention"
+            if not argmax:
+                return "on teacher-forced chains both --chain-kv conventions fill the layers' caches alike"
         if name == "chain_kv_kept" and self.multi_layer:
             return "an N-layer head's layers keep their own caches (one-layer heads only)"
         if name == "layer0_reused":
@@ -215,7 +232,7 @@ class LoopVariants:
         fed = None if info.tokens == TEACHER else (lambda j: self.chain_tokens[j])
         return ChainSpec(depths=info.depths, rows=lambda j: chain_rows(total, j), tokens=info.tokens,
                          token_ids=self.inputs.token_ids, recycle=info.recycle, window=self.window,
-                         layers=lambda j: info.layers[j - 2], fed=fed)
+                         layers=lambda j: info.layers[j - 2], fed=fed, engine_kv=info.kv == KV_ENGINE_ORDER)
 
     def loop(self, spec=None, head=None, draft=None, caches: dict | None = None) -> Rows:
         """The oracle's own loop (oracle/draft_loop.py) under `spec` (default: the reference's) with `head` and the

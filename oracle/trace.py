@@ -130,6 +130,10 @@ EVIDENCE_DOCS = {
     "h_if_main": "[n_j, width of h] chain depths only: the h this depth would have had, had the engine fed the main "
                  "model's H_i at every depth; a row evidences the recycle choice only where this fails the "
                  "tolerance rule against stage h",
+    "out_if_layer0": "[n_j, width of out] chain depths of an N-layer head that run a layer other than 0: the out this "
+                     "depth would have had, had the engine run MTP layer 0 there (its weights on the same inputs; "
+                     "vLLM without spec_step_idx); a row evidences the layer choice only where this fails the "
+                     "tolerance rule against stage out",
 }
 _JSON_ATTRS = ("versions", "config", "provenance", "dims", "evidence_rules", "experts", "embedding",
                "stage_checksums")
@@ -872,9 +876,10 @@ def _dataset_names(f: h5py.File) -> list[str]:
     return names[:20] + ([f"… {len(names) - 20} more"] if len(names) > 20 else [])
 
 
-# --- Chains (issue 24; the schema: /work/wt/CHAIN_SCHEMA.md, summarised here) ----------------------------------------
+# --- Chains (issue 24; the schema, summarised here) --------------------------------------------------------------------
 # Root attribute `chain` (JSON; absent: the trace records depth 1 only) {"depths": K >= 2, "tokens": "teacher_forced" |
-# "argmax", "recycle": stage name, "layers": [l_2..l_K], "num_layers": N, "kv": "dropped_after_chain"}. Depth j = 2..K
+# "argmax", "recycle": stage name, "layers": [l_2..l_K], "num_layers": N, "kv": "dropped_after_chain" (one layer) |
+# "per_layer_teacher_forced" | "per_layer_engine_order" (N layers: oracle/export.py KV_CONVENTIONS)}. Depth j = 2..K
 # lives in /chain/d{j} with n_j = T - j + 1 rows, row r = bridge position r (bridge i has depth j iff i + j - 1 <= T-1):
 #     inputs/{bridge, token_ids, positions, layer} int64 [n_j]; inputs/recycled float32 [n_j, w]; inputs/embed [n_j, D]
 #     stages/<name>    [n_j, width], every stage of the family, with depth 1's names, attributes and order
@@ -883,6 +888,7 @@ def _dataset_names(f: h5py.File) -> list[str]:
 #                      N-layer head's layer j-1), measured on this depth's own attn rows) plus
 #                      h_if_<alt> [n_j, width of h]:
 #                      the `h` this depth would have had had the engine recycled <alt> ("prenorm", "main") instead
+#                      and, where an N-layer head runs a layer other than 0, out_if_layer0 [n_j, width of out]
 # Root `stage_checksums` holds "d{j}/<name>" for chain stages; root `chain_digest` ("sha256:...") covers every
 # /chain/d{j}/inputs dataset, in depth then CHAIN_INPUT_NAMES order. The root `evidence_digest` covers chain evidence
 # too where the writer includes it (keys "d{j}/<name>" among /evidence's names, see evidence_covers_chain): chain

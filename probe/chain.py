@@ -36,6 +36,8 @@ from probe.selfcheck import layout_problem
 
 RECYCLE_PREFIX = "h_if_"
 HIDDEN_STAGE = "h"  # the first stage that sees the recycled hidden: where the recycle choice shows
+LAYER_ALTERNATIVE = "out_if_layer0"  # N-layer heads: the out of layer 0 at a depth that runs another layer
+LAYER_STAGE = "out"
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,8 @@ class DepthDiff:
     recycle: tuple[RecycleEvidence, ...]
     recycle_note: str | None  # why the recycle choice is not evidenced at this depth (None: it is, or diverged)
     layer_note: str | None = None  # the candidate records another physical layer than the reference ran here
+    layer_evidence: RecycleEvidence | None = None  # alt "layer 0": rows where running layer 0 would have failed
+    layer_evidence_note: str | None = None  # why this depth does not evidence its layer (None: it does, or n/a)
 
 
 @dataclass(frozen=True)
@@ -165,8 +169,11 @@ def _diff_one_depth(ref, cand, depth: int, tols, fail_fast: bool) -> DepthDiff:
     check_candidate_depth(ref_part, cand_part, depth)
     report = never_written_hint(diff_depth(ref_part, cand_part, tols, fail_fast, depth=depth), depth)
     recycle = recycle_evidence(ref_part, report, tols[HIDDEN_STAGE])
+    layer = _ran_layer(ref_part)
+    evidence = layer_evidence(ref_part, report, tols[LAYER_STAGE]) if layer else None
     return DepthDiff(depth, report, recycle, _recycle_note(ref_part, report, recycle, depth),
-                     _layer_note(ref_part, cand_part, depth))
+                     _layer_note(ref_part, cand_part, depth), evidence,
+                     _layer_evidence_note(report, evidence, depth, layer))
 
 
 def _layer_note(ref_part, cand_part, depth: int) -> str | None:
@@ -235,24 +242,62 @@ def recycle_evidence(ref_part, report, tol) -> tuple[RecycleEvidence, ...]:
         return ()
     names = [n for n in ref_part.evidence_names() if n.startswith(RECYCLE_PREFIX)]
     names = [n for n in names if ref_part.has_evidence(n)]  # verified only
-    total, out = ref_part.num_tokens, []
-    h_rows = report.rows.get(HIDDEN_STAGE)
-    ok = h_rows.has_status({"ok"}) if h_rows is not None else np.zeros(total, dtype=bool)
-    width = ref_part.stage_shape(HIDDEN_STAGE)[1]
+    return tuple(_alternative(ref_part, report, HIDDEN_STAGE, name, name[len(RECYCLE_PREFIX):], tol)
+                 for name in names)
+
+
+def layer_evidence(ref_part, report, tol) -> RecycleEvidence | None:
+    """Rows where out_if_layer0 (layer 0's out at this depth) fails the out tolerance, and those where the
+    candidate's out row is also within tolerance (it evidences the layer choice there); None: not recorded."""
+    if tol is None or LAYER_STAGE not in ref_part.stages or not ref_part.has_evidence(LAYER_ALTERNATIVE):
+        return None
+    return _alternative(ref_part, report, LAYER_STAGE, LAYER_ALTERNATIVE, "layer 0", tol)
+
+
+def _alternative(ref_part, report, stage: str, name: str, alt_name: str, tol) -> RecycleEvidence:
+    """One recorded alternative of `stage` (/chain/d{j}/evidence/<name>), read a block of rows at a time."""
+    total = ref_part.num_tokens
+    found = report.rows.get(stage)
+    ok = found.has_status({"ok"}) if found is not None else np.zeros(total, dtype=bool)
+    width = ref_part.stage_shape(stage)[1]
     step = max(1, (4 << 20) // (4 * max(width, 1)))
-    for name in names:
-        sensitive = np.zeros(total, dtype=bool)
-        for start in range(0, total, step):
-            stop = min(start + step, total)
-            alt, h = ref_part.evidence_rows(name, start, stop), ref_part.stage_rows(HIDDEN_STAGE, start, stop)
-            if alt.shape != h.shape or alt.dtype != np.float32:
-                raise ReferenceTraceError(f"reference {ref_part.path}: /chain/d{report.depth}/evidence/{name} is "
-                                          f"{alt.dtype} {alt.shape}, expected float32 {h.shape} (stage h). "
-                                          f"Regenerate it with mtp-oracle export.")
-            rows = rows_from_sums(HIDDEN_STAGE, start, width, RULE.sums(alt, h, tol), tol, zero_is_unwritten=False)
-            sensitive[start:stop] = ~rows.has_status({"ok"})
-        out.append(RecycleEvidence(name[len(RECYCLE_PREFIX):], sensitive, sensitive & ok))
-    return tuple(out)
+    sensitive = np.zeros(total, dtype=bool)
+    for start in range(0, total, step):
+        stop = min(start + step, total)
+        alt, rows_ref = ref_part.evidence_rows(name, start, stop), ref_part.stage_rows(stage, start, stop)
+        if alt.shape != rows_ref.shape or alt.dtype != np.float32:
+            raise ReferenceTraceError(f"reference {ref_part.path}: /chain/d{report.depth}/evidence/{name} is "
+                                      f"{alt.dtype} {alt.shape}, expected float32 {rows_ref.shape} (stage {stage}). "
+                                      f"Regenerate it with mtp-oracle export.")
+        rows = rows_from_sums(stage, start, width, RULE.sums(alt, rows_ref, tol), tol, zero_is_unwritten=False)
+        sensitive[start:stop] = ~rows.has_status({"ok"})
+    return RecycleEvidence(alt_name, sensitive, sensitive & ok)
+
+
+def _ran_layer(ref_part) -> int:
+    """The physical layer the reference ran at this depth (0 where it records none: one-layer heads)."""
+    if "layer" not in getattr(ref_part, "chain_input_names", tuple)():
+        return 0
+    layers = np.asarray(ref_part.chain_input_rows("layer"))
+    return int(layers.max()) if layers.size else 0
+
+
+def _layer_evidence_note(report, evidence: RecycleEvidence | None, depth: int, layer: int) -> str | None:
+    """Why this depth does not evidence that it ran layer `layer` rather than layer 0 (vLLM without
+    spec_step_idx); None when it does, when it diverged, or when it runs layer 0 itself."""
+    if not layer or report.verdict.name in ("diverged", "invalid"):
+        return None
+    if LAYER_STAGE not in report.captured:
+        return (f"depth {depth}: out not captured, so running layer {layer} rather than layer 0 is not evidenced "
+                f"there; capture out at every depth")
+    if evidence is None:
+        return (f"depth {depth}: the reference records no layer evidence (/chain/d{depth}/evidence/"
+                f"{LAYER_ALTERNATIVE}), so running layer {layer} rather than layer 0 is not evidenced there; "
+                f"re-export it with this mtp-oracle")
+    if evidence.evidencing.any():
+        return None
+    return (f"depth {depth}: no out row evidences the layer choice (layer 0 gives the same out as layer {layer} "
+            f"within tolerance at every row: equal weights?), so a candidate running layer 0 here would pass too")
 
 
 def _recycle_note(ref_part, report, recycle: tuple[RecycleEvidence, ...], depth: int) -> str | None:
@@ -284,6 +329,7 @@ def combined_verdict(chain: ChainDiff) -> Verdict:
     reasons = [_at(j, r) for j, v in parts if v.name == "inconclusive" for r in v.reasons]
     reasons += [d.recycle_note for d in chain.depths if d.recycle_note]
     reasons += [d.layer_note for d in chain.depths if d.layer_note]
+    reasons += [d.layer_evidence_note for d in chain.depths if d.layer_evidence_note]
     if chain.copied:
         reasons.append(f"depth(s) {_list(chain.copied)} not counted as passed: every row of every stage there is "
                        f"bit-identical to the reference's while depth 1's are not, so those rows were copied, not "

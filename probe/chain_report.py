@@ -79,6 +79,12 @@ def _recycle_lines(part: DepthDiff) -> list[str]:
                         if blind else ""))
     if part.recycle_note:
         lines.append(part.recycle_note)
+    layer = part.layer_evidence
+    if layer is not None:
+        lines.append(f"depth {part.depth}: layer choice vs layer 0: evidenced by {int(layer.evidencing.sum())} of "
+                     f"{len(layer.sensitive)} out rows (where running layer 0 would have failed)")
+    if part.layer_evidence_note:
+        lines.append(part.layer_evidence_note)
     return lines
 
 
@@ -129,5 +135,9 @@ def _depth_json(depth: int, report: DiffReport, verdict, part: DepthDiff | None 
         entry["recycle_evidence"] = {e.alt: {"evidencing_rows": e.evidencing.nonzero()[0].tolist(),
                                              "not_evidential_rows": e.not_evidential.tolist()} for e in part.recycle}
         entry["recycle_note"] = part.recycle_note
+        if part.layer_evidence is not None:
+            entry["layer_evidence"] = {"evidencing_rows": part.layer_evidence.evidencing.nonzero()[0].tolist(),
+                                       "not_evidential_rows": part.layer_evidence.not_evidential.tolist()}
+        entry["layer_evidence_note"] = part.layer_evidence_note
         entry["qk_parts"] = depth_qk_lines(report)  # judged with this depth's own /chain/d{j}/evidence/qk_<part>
     return entry

@@ -327,11 +327,11 @@ def check_layer_count(cfg: HeadConfig, names: set[str]) -> None:
     shown = ", ".join(map(str, held)) if held else "none"
     declared = range(cfg.num_mtp_layers)
     missing, extra = [i for i in declared if i not in held], [i for i in held if i not in declared]
-    wrong = "; ".join(f"{what} {LAYERS}{{{', '.join(map(str, ids))}}}" for what, ids in
+    wrong = "; ".join(f"{what} {', '.join(f'{LAYERS}{i}.*' for i in ids)}" for what, ids in
                       (("missing", missing), ("extra", extra)) if ids)
     absent = " (1 where the key is absent)" if cfg.num_mtp_layers == 1 else ""
-    raise CheckpointError(f"config.json declares mtp_num_hidden_layers = {cfg.num_mtp_layers}{absent} (MTP layers "
-                          f"{LAYERS}0..{cfg.num_mtp_layers - 1}), but the checkpoint holds MTP layer(s) {shown} "
+    raise CheckpointError(f"config.json: mtp_num_hidden_layers = {cfg.num_mtp_layers}{absent} declares MTP layers "
+                          f"{LAYERS}0..{cfg.num_mtp_layers - 1}, but the checkpoint holds MTP layer(s) {shown} "
                           f"({wrong}). Set mtp_num_hidden_layers in config.json's text config to the layers the "
                           f"release has, or restore the missing shards.")
 

@@ -32,7 +32,7 @@ from oracle.export import ChainOptions, HiddenSource, export_trace
 from tests.helpers import load_script, run_cli
 from tests.probe.test_explain_loop import diagnosis, explained, layered_engine, named
 from tests.probe.test_explain_loop_layers import stepwise_engine
-from tests.probe.tracekit import last_line, load_trace, write_chain_raw
+from tests.probe.tracekit import diff_cli, last_line, load_trace, write_chain_raw
 
 F = load_script("make_fixtures")
 # held-out dims: no fixture uses them (4 MTP layers, 6 heads over 2 KV heads of 16, half-rotary mrope)
@@ -104,11 +104,13 @@ class OfficialEngine:
         rows["draft"] = int(np.argmax(self.lm_head.numpy() @ rows["out"].astype(np.float64)))
         return rows
 
-    def run(self, tokens, hidden, positions, depths: int, layer_of=lambda j: j - 1) -> dict[int, list[dict]]:
+    def run(self, tokens, hidden, positions, depths: int, layer_of=lambda j: j - 1,
+            fed: dict | None = None) -> dict[int, list[dict]]:
         """{depth: [rows of each bridge c that has that depth]}: bridge c, its chain, then bridge c + 1. Layer 0's
         cache is cut back to the bridge entries before each bridge step (vLLM's slots for the draft positions are
         overwritten): a no-op for the correct engine, whose chains never run layer 0; with `layer_of` = 0 this is
-        layer0_reused as vLLM runs it."""
+        layer0_reused as vLLM runs it. `fed`: {depth j: the token ids (n_j,) chain c is fed there} (an argmax
+        reference's recorded drafts), else teacher-forced x_{c+j}."""
         caches = [DynamicCache() for _ in self.layers]  # one per layer; layers >= 1 never cropped
         found = {j: [] for j in range(1, depths + 1)}
         for c in range(len(tokens)):
@@ -121,7 +123,8 @@ class OfficialEngine:
                 if c + j - 1 >= len(tokens):
                     break
                 layer = layer_of(j)
-                row = self.step(layer, int(tokens[c + j - 1]), torch.from_numpy(row["out"]),
+                token = int(fed[j][c]) if fed is not None else int(tokens[c + j - 1])
+                row = self.step(layer, token, torch.from_numpy(row["out"]),
                                 int(positions[c]) + j - 1, caches[layer])
                 found[j].append(row)
         return found
@@ -245,7 +248,7 @@ def test_swapped_layer_caches_are_caught_at_depth_2_attn_bridge_1_and_named(tiny
 
 def test_a_candidate_without_depths_is_inconclusive_on_a_chained_reference(tiny3, tmp_path):
     """Depth 1 alone matches, and the loop (layers 1 and 2) was never seen: never PASS."""
-    from tests.probe.tracekit import diff_cli, write_raw
+    from tests.probe.tracekit import write_raw
 
     ckpt, ref = tiny3
     inputs, stages = load_trace(ref)
@@ -278,7 +281,7 @@ def _export(ckpt, out, *extra):
 
 def test_a_layer_count_disagreeing_with_the_tensors_exits_2_naming_both(tiny3, tmp_path):
     ckpt, _ = tiny3
-    for case, count, named in (("fewer", 2, "extra mtp.layers.{2}"), ("more", 4, "missing mtp.layers.{3}")):
+    for case, count, named in (("fewer", 2, "extra mtp.layers.2.*"), ("more", 4, "missing mtp.layers.3.*")):
         bad = _with_text(ckpt, tmp_path / case, mtp_num_hidden_layers=count)
         result = _export(bad, tmp_path / f"{case}.h5")
         assert result.exit_code == 2, result.output
@@ -289,7 +292,7 @@ def test_a_layer_count_disagreeing_with_the_tensors_exits_2_naming_both(tiny3, t
     absent = _with_text(ckpt, tmp_path / "absent", mtp_num_hidden_layers=None)  # the silent-drop case
     result = _export(absent, tmp_path / "a.h5")
     assert result.exit_code == 2 and "1 where the key is absent" in result.output, result.output
-    assert "extra mtp.layers.{1, 2}" in result.output, result.output
+    assert "extra mtp.layers.1.*, mtp.layers.2.*" in result.output, result.output
     nextn = _with_text(ckpt, tmp_path / "nextn", num_nextn_predict_layers=2)
     result = _export(nextn, tmp_path / "n.h5")
     assert result.exit_code == 2 and "num_nextn_predict_layers" in result.output, result.output
@@ -304,7 +307,7 @@ def test_a_one_layer_checkpoint_whose_config_claims_two_exits_2(tmp_path):
     bad = _with_text(TINY, tmp_path / "two", mtp_num_hidden_layers=2)
     result = _export(bad, tmp_path / "t.h5")
     assert result.exit_code == 2 and "mtp_num_hidden_layers = 2" in result.output, result.output
-    assert "missing mtp.layers.{1}" in result.output, result.output
+    assert "missing mtp.layers.1.*" in result.output, result.output
 
 
 def test_a_moe_head_with_several_layers_exits_2_saying_it_is_not_supported(tmp_path):
@@ -379,3 +382,121 @@ def test_gguf_of_an_n_layer_head_exits_2_instead_of_dropping_layers(tiny3, tmp_p
     assert result.exit_code == 2 and "3 MTP layers" in result.output, result.output
     assert not (tmp_path / "h.gguf").exists()
     assert run_cli(oracle_cli, ["gguf", TINY, "--out", tmp_path / "one.gguf"]).exit_code == 0  # twin: one layer
+
+
+# ---- argmax chains: the two conventions for what each layer's cache holds -----------------------------------------
+
+
+def _argmax_export(ckpt, out, *kv, depths=4):
+    result = run_cli(oracle_cli, ["export", ckpt, "--out", out, "--tokens", ",".join(map(str, TOKENS)),
+                                  "--hidden-seed", "2", "--start-pos", "3", "--chain", str(depths), "--chain-tokens",
+                                  "argmax", "-q", *kv])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def _fed(f, depths):
+    return {j: f[f"chain/d{j}/inputs/token_ids"][:] for j in range(2, depths + 1)}
+
+
+def test_engine_order_argmax_chains_equal_the_official_engine_fed_their_drafts(held_out, tmp_path):
+    """--chain-kv engine: every depth equals the independent engine stepping bridge c then its chain, each layer
+    keeping the entries its depth's chains wrote, fed the recorded drafts, which are the previous depth's argmax.
+    Twin: the default (teacher-forced caches, MtpModel) reference differs from that engine at depth 2 past bridge 0
+    and agrees at bridge 0 (no earlier chain), and --explain names the convention, not a bug."""
+    ckpt, _ = held_out
+    engine = OfficialEngine(ckpt)
+    for kv, same in (("engine", True), ("teacher-forced", False)):
+        trace = _argmax_export(ckpt, tmp_path / f"{kv}.h5", "--chain-kv", kv)
+        with h5py.File(trace) as f:
+            assert json.loads(f.attrs["chain"])["kv"] == ("per_layer_engine_order" if same else
+                                                          "per_layer_teacher_forced")
+            tokens, hidden, positions = (f[f"inputs/{k}"][:] for k in ("token_ids", "hidden", "positions"))
+            fed = _fed(f, 4)
+            for j in range(3, 5):  # argmax: depth j is fed depth j-1's draft
+                np.testing.assert_array_equal(fed[j], _rows(f, j - 1, "draft")[:len(fed[j]), 0])
+            found = engine.run(tokens, hidden, positions, 4, fed=fed)
+            for depth in range(2, 5):
+                ref = _rows(f, depth, "attn")
+                official = np.stack([r["attn"] for r in found[depth]])
+                close = np.abs(official - ref).max(axis=1) <= 2e-6 * np.abs(ref).max()
+                assert close[0], (kv, depth)  # bridge 0's chain sees no earlier chain: the same either way
+                assert close.all() == same, (kv, depth)
+                if same:
+                    for stage in STAGES:
+                        ref = _rows(f, depth, stage)
+                        np.testing.assert_allclose(np.stack([r[stage] for r in found[depth]]), ref, rtol=0,
+                                                   atol=2e-6 * np.abs(ref).max(), err_msg=f"{depth} {stage}")
+                    assert [r["draft"] for r in found[depth]] == _rows(f, depth, "draft")[:, 0].tolist()
+
+
+def test_a_vllm_style_engine_on_a_teacher_forced_cache_reference_is_named_the_other_convention(tiny3, tmp_path):
+    """The C candidate (engine order) on the default argmax reference: diverges at depth 2 `attn` bridge 1 and
+    --explain names layer_caches_other_convention; on the --chain-kv engine reference it passes (twin)."""
+    from probe.adapters.cabi import build_library
+    from probe.cli import cli as probe_cli
+    from tests.helpers import ROOT
+
+    ckpt, _ = tiny3
+    library = build_library(ROOT / "fixtures" / "candidates" / "mtp_step_v2.c", tmp_path)
+    for kv, verdict in (("teacher-forced", 1), ("engine", 0)):
+        ref = _argmax_export(ckpt, tmp_path / f"{kv}.h5", "--chain-kv", kv, depths=3)
+        result = run_cli(probe_cli, ["run", ref, "--impl", f"c:{library}", "--explain", "--checkpoint", ckpt])
+        assert result.exit_code == verdict, result.output
+        if verdict:
+            assert "first divergent stage: attn at depth 2 bridge 1" in last_line(result), result.output
+            assert diagnosis(result).startswith("DIAGNOSIS | layer_caches_other_convention reproduces"), \
+                diagnosis(result)
+
+
+def test_chain_kv_engine_outside_n_layer_argmax_chains_exits_2(tiny3, tmp_path):
+    from tests.helpers import TINY
+
+    ckpt, _ = tiny3
+    for where, extra in ((ckpt, []), (TINY, ["--chain-tokens", "argmax"])):
+        result = run_cli(oracle_cli, ["export", where, "--out", tmp_path / "x.h5", "--tokens", "5,6,7", "--hidden-seed",
+                                      "0", "--chain", "2", "--chain-kv", "engine", *extra])
+        assert result.exit_code == 2 and "--chain-kv" in result.output and "Traceback" not in result.output, \
+            result.output
+        assert not (tmp_path / "x.h5").exists()
+
+
+# ---- the layer choice is evidenced, never assumed ----------------------------------------------------------------
+
+
+def test_layers_with_equal_weights_leave_the_layer_choice_unevidenced_never_passed(tiny3, tmp_path):
+    """A head whose three layers hold layer 0's tensors: layer 0's weights at every depth give the same rows, so
+    neither the correct engine nor one loading layer 0 into every layer may PASS (INCONCLUSIVE, saying why). Twin:
+    on the head with distinct layers the correct engine passes, every out row evidencing its layer."""
+    from safetensors.torch import save_file
+
+    from probe.adapters.cabi import build_library
+    from probe.cli import cli as probe_cli
+    from tests.helpers import ROOT
+
+    ckpt, ref = tiny3
+    same = tmp_path / "same"
+    same.mkdir()
+    (same / "config.json").write_text((ckpt / "config.json").read_text())
+    tensors = load_file(ckpt / "model.safetensors")
+    for name in list(tensors):
+        if name.startswith(("mtp.layers.1.", "mtp.layers.2.")):
+            tensors[name] = tensors["mtp.layers.0." + name.split(".", 3)[3]].clone()
+    save_file(tensors, same / "model.safetensors", metadata={"format": "pt"})
+    same_ref = export_trace(same, tmp_path / "same.h5", TOKENS[:10], HiddenSource(seed=0), chain=ChainOptions(3))
+    source = ROOT / "fixtures" / "candidates" / "mtp_step_v2.c"
+    right, reused = build_library(source, tmp_path), build_library(source, tmp_path, ("MTP_MUTANT_LAYER0_REUSED",))
+    result = run_cli(probe_cli, ["run", same_ref, "--impl", f"c:{right}"])
+    assert result.exit_code == 3, result.output
+    assert "depth 2: no out row evidences the layer choice" in last_line(result), result.output
+    # layer 0's weights at every depth, each depth its own cache: the same rows, so not passed either
+    inputs, _ = load_trace(same_ref)
+    cand = _dump(same_ref, tmp_path, *layered_engine(same, inputs, 3, lambda j: 0), name="weights")
+    result = diff_cli(same_ref, cand)
+    assert result.exit_code == 3 and "no out row evidences the layer choice" in last_line(result), result.output
+    # vLLM's form still shows: layer 0's one cache holds the bridge entries, which layer 1's never does
+    result = run_cli(probe_cli, ["run", same_ref, "--impl", f"c:{reused}"])
+    assert result.exit_code == 1 and "attn at depth 2 bridge 0" in last_line(result), result.output
+    result = run_cli(probe_cli, ["run", ref, "--impl", f"c:{right}"])
+    assert result.exit_code == 0, result.output
+    assert "depth 2: layer choice vs layer 0: evidenced by 9 of 9 out rows" in result.output, result.output

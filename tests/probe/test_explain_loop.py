@@ -186,7 +186,8 @@ def test_twin_loop_variants_need_the_depths_they_show_at(qwen, tmp_path):
 
 def test_variant_names_are_the_agreed_ones():
     assert NAMES == ("recycle_prenorm", "recycle_main_hidden", "position_frozen", "chain_kv_kept", "layer0_reused",
-                     "draft_embed_tokens", "enorm_hnorm_swap", "layer_caches_swapped", "shared_head_shared")
+                     "draft_embed_tokens", "enorm_hnorm_swap", "layer_caches_swapped",
+                     "layer_caches_other_convention", "shared_head_shared")
 
 
 # --- GLM-4.5: vLLM 0.33.0's MTP head recycles its un-normed residual --------------------------------------------

@@ -41,8 +41,11 @@ def layered(request, tmp_path_factory):
 
 
 @torch.inference_mode()
-def stepwise_engine(ckpt_dir, inputs, depths: int, swap: bool = False, layer0_one_cache: bool = False):
-    """(depth-1 stages, {j: stages}), teacher-forced, one token at a time (module docstring)."""
+def stepwise_engine(ckpt_dir, inputs, depths: int, swap: bool = False, layer0_one_cache: bool = False,
+                    fed_embed: dict | None = None):
+    """(depth-1 stages, {j: stages}), teacher-forced (or fed `fed_embed`: {j: the embedding rows of the tokens an
+    argmax reference fed depth j}), one token at a time (module docstring): each layer's entries are the ones its
+    depth's chains wrote, in the engine's order."""
     ckpt = Checkpoint(ckpt_dir)
     impl = head_module(ckpt.family)
     head, rotary = impl.build_head(ckpt.config, impl.torch_weights(ckpt.read_head(widen=False)))
@@ -77,7 +80,8 @@ def stepwise_engine(ckpt_dir, inputs, depths: int, swap: bool = False, layer0_on
         for j in range(2, depths + 1):
             if c + j - 1 > total - 1:
                 break
-            row = step(j - 1, c, inputs.embed[c + j - 1], row["out"], int(inputs.positions[c]) + j - 1)
+            embed = fed_embed[j][c] if fed_embed is not None else inputs.embed[c + j - 1]  # argmax: the recorded
+            row = step(j - 1, c, embed, row["out"], int(inputs.positions[c]) + j - 1)
             rows[j].append(row)
 
     def stacked(found):
@@ -198,3 +202,28 @@ def test_n_layer_variants_say_why_they_cannot_apply(tmp_path):
 
     short = statuses(step, 2, nudged_step)
     assert short["layer_caches_swapped"][0] == "not applicable" and "--chain 3" in short["layer_caches_swapped"][1]
+
+
+def test_engine_order_argmax_references_pass_the_stepwise_engine_and_the_default_names_the_convention(layered,
+                                                                                                       tmp_path):
+    """Argmax chains: the stepwise engine (each layer keeping the entries its depth's chains wrote, fed the
+    reference's drafts) passes an `--chain-kv engine` reference at every depth; on the default reference (the
+    layers' caches teacher-forced, as MtpModel.forward over the prefix) it diverges at depth 2 bridge 1 and
+    --explain names layer_caches_other_convention (a convention), never a bug variant."""
+    import h5py
+
+    ckpt, _ = layered
+    for kv in ("engine", "teacher-forced"):
+        ref = export_trace(ckpt, tmp_path / f"{kv}.h5", TOKENS, HiddenSource(seed=0),
+                           chain=ChainOptions(3, tokens="argmax", kv=kv))
+        inputs, _ = load_trace(ref)
+        with h5py.File(ref) as f:
+            fed = {j: f[f"chain/d{j}/inputs/embed"][:] for j in (2, 3)}
+        result, report = explained(ref, _dump(ref, tmp_path, *stepwise_engine(ckpt, inputs, 3, fed_embed=fed),
+                                              name=kv), tmp_path)
+        if kv == "engine":
+            assert result.exit_code == 0 and report["diagnosis"] == [], result.output
+        else:
+            assert result.exit_code == 1, result.output
+            assert "first divergent stage: attn at depth 2 bridge 1" in last_line(result), result.output
+            assert named(report)[:1] == ["layer_caches_other_convention"], diagnosis(result)
