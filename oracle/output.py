@@ -322,6 +322,26 @@ def removed_on_interrupt(path: Path) -> Iterator[Path]:
         _PENDING.discard(Path(path))
 
 
+@contextmanager
+def scratch_directory(prefix: str) -> Iterator[Path]:
+    """A temporary directory for the block, removed after it or, on an interrupt, by `remove_pending`. Created and
+    registered, then unregistered and removed, with SIGINT/SIGTERM held: a signal between mkdtemp and the
+    registration (or between the two at the end) had left it in TMPDIR (tempfile.TemporaryDirectory +
+    removed_on_interrupt; seen in CI's signal trials)."""
+    import shutil
+    import tempfile
+
+    with _signals_held():
+        path = Path(tempfile.mkdtemp(prefix=prefix))
+        _PENDING.add(path)
+    try:
+        yield path
+    finally:
+        with _signals_held():
+            shutil.rmtree(path, ignore_errors=True)
+            _PENDING.discard(path)
+
+
 def remove_pending() -> None:
     """Kill the child processes still running and remove every unfinished output and scratch directory (from a
     signal handler: never raises)."""

@@ -11,12 +11,11 @@ distinguishable under the common colour-vision deficiencies, and the verdict is 
 
 import base64
 import html
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from oracle.output import atomic_output, removed_on_interrupt
+from oracle.output import atomic_output, scratch_directory
 from oracle.stages import STAGE_BY_NAME, STAGE_NAMES
 
 from probe.compare import DIVERGENT_STATUSES, INVALID_STATUSES, most_severe
@@ -98,7 +97,7 @@ def write_html(report: DiffReport, path: Path, explanation=None) -> None:
     """Write render_html(report, …, explanation), with the heatmap, to `path` atomically (oracle/output.py)."""
     from probe.plot import write_heatmap  # matplotlib only when a picture is asked for
 
-    with tempfile.TemporaryDirectory(prefix="mtp-probe-html-") as tmp, removed_on_interrupt(Path(tmp)):
+    with scratch_directory("mtp-probe-html-") as tmp:
         png = Path(tmp) / "heatmap.png"
         write_heatmap(report, png)
         page = render_html(report, png.read_bytes(), explanation)

@@ -31,7 +31,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, redirect_stdout
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ import numpy as np
 
 from oracle.checkpoint import Checkpoint
 from oracle.families.spec import MAIN_LM_HEAD
-from oracle.output import removed_on_interrupt, run_ended_with_us
+from oracle.output import run_ended_with_us, scratch_directory
 from oracle.progress import tracked
 from oracle.stages import LEGACY_FAMILY
 from oracle.trace import ChainDepthReader, TraceInputs, chain_info, read_trace, write_trace
@@ -178,7 +177,7 @@ def run_selftest(reference: Path | None = None, checkpoint: Path | None = None, 
         raise ProbeError(f"selftest needs the bundled fixtures and candidates ({BUNDLED_REFERENCE}, "
                          f"{CANDIDATES}); run it from a checkout, or pass --reference and --checkpoint.")
     _check_family(reference)
-    with tempfile.TemporaryDirectory(prefix="mtp-selftest-") as tmp, removed_on_interrupt(Path(tmp)):
+    with scratch_directory("mtp-selftest-") as tmp:
         builds = Path(build_dir or tmp)
         builds.mkdir(parents=True, exist_ok=True)
         one_step = first_step_reference(reference, Path(tmp) / "t1.h5")

@@ -15,13 +15,12 @@ import shlex
 import shutil
 import signal
 import subprocess
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from oracle.checkpoint import Checkpoint
-from oracle.output import kill_process_group, removed_on_interrupt, run_ended_with_us
+from oracle.output import kill_process_group, removed_on_interrupt, run_ended_with_us, scratch_directory
 from oracle.progress import Progress
 from oracle.text import printable
 from oracle.trace import TraceInputs, inputs_digest
@@ -85,7 +84,7 @@ def _compile(cmd: list[str]) -> subprocess.CompletedProcess:
     """Run the compiler in its own process group, ended with it on an interrupt (SIGTERM first; cc1, as and ld with
     it: killing the driver alone left ld to write the .so), with a TMPDIR of its own that an interrupt removes after
     it (gcc's ccXXXX.s files had stayed in the user's TMPDIR)."""
-    with tempfile.TemporaryDirectory(prefix="mtp-cc-") as scratch, removed_on_interrupt(Path(scratch)):
+    with scratch_directory("mtp-cc-") as scratch:
         return run_ended_with_us(cmd, 2.0, env={**os.environ, "TMPDIR": scratch})
 
 
@@ -131,7 +130,7 @@ class CAbiAdapter:
         if early is not None and self.capture_only is None:
             expected = inputs_digest(inputs)  # while the worker runs
             return self._results(early.proc, early.work, inputs.num_tokens, (expected, self.conventions))
-        with tempfile.TemporaryDirectory(prefix="mtp-cabi-") as tmp, removed_on_interrupt(Path(tmp)):
+        with scratch_directory("mtp-cabi-") as tmp:
             work = Path(tmp)
             np.save(work / "embed.npy", np.ascontiguousarray(inputs.embed, dtype=np.float32))
             np.save(work / "hidden.npy", np.ascontiguousarray(inputs.hidden, dtype=np.float32))

@@ -27,12 +27,11 @@ import json
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from oracle.output import removed_on_interrupt
+from oracle.output import scratch_directory
 from oracle.trace import TraceInputs
 from probe.adapters.cabi import _tail, _wait_worker
 from probe.adapters.cabi_process import start_worker
@@ -114,7 +113,7 @@ class LlamaCppAdapter:
     def run(self, inputs: TraceInputs, chain: dict[int, dict[str, np.ndarray]] | None = None) -> dict:
         """Stage -> [T, width] of depth 1, and with `chain` ({j: token_ids, positions, ...} per depth) "d{j}":
         depth j's stages [n_j, width], from llama.cpp's own loop."""
-        with tempfile.TemporaryDirectory(prefix="mtp-llama-") as tmp, removed_on_interrupt(Path(tmp)):
+        with scratch_directory("mtp-llama-") as tmp:
             work = Path(tmp)
             np.save(work / "token_ids.npy", np.asarray(inputs.token_ids, dtype=np.int64))
             np.save(work / "positions.npy", np.asarray(inputs.positions, dtype=np.int64))
