@@ -331,15 +331,17 @@ def scratch_directory(prefix: str) -> Iterator[Path]:
     import shutil
     import tempfile
 
-    with _signals_held():
-        path = Path(tempfile.mkdtemp(prefix=prefix))
-        _PENDING.add(path)
+    path = None
     try:
+        with _signals_held():  # a signal held here is delivered after the registration: the finally removes it
+            path = Path(tempfile.mkdtemp(prefix=prefix))
+            _PENDING.add(path)
         yield path
     finally:
-        with _signals_held():
-            shutil.rmtree(path, ignore_errors=True)
-            _PENDING.discard(path)
+        if path is not None:
+            with _signals_held():
+                shutil.rmtree(path, ignore_errors=True)
+                _PENDING.discard(path)
 
 
 def remove_pending() -> None:

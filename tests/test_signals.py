@@ -131,3 +131,29 @@ def test_an_interrupt_between_the_writability_trial_files_creation_and_removal_r
         output.check_writable(tmp_path / "out.h5")
     assert seen == [[f".out.h5.tmp-{os.getpid()}"]]  # it did exist then: the check below could fail
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_scratch_directory_is_removed_when_a_signal_lands_while_it_is_made(monkeypatch):
+    """The race CI's signal trial hit (a SIGTERM between mkdtemp and the registration left mtp-probe-html-* in
+    TMPDIR): the signal is held until the directory is registered, then delivered, and the directory removed.
+    Twin: without a signal the block runs in the directory, which is gone afterwards."""
+    import tempfile
+    from pathlib import Path
+
+    from oracle import output
+
+    with output.scratch_directory("mtp-test-") as path:
+        assert path.is_dir() and path in output._PENDING
+    assert not path.exists() and path not in output._PENDING
+    made, real = [], tempfile.mkdtemp
+
+    def mkdtemp_then_signal(**kwargs):
+        made.append(real(**kwargs))
+        signal.raise_signal(signal.SIGINT)  # held: delivered once the directory is registered
+        return made[-1]
+
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp_then_signal)
+    with pytest.raises(KeyboardInterrupt):
+        with output.scratch_directory("mtp-test-"):
+            pytest.fail("the block ran although the interrupt came first")
+    assert made and not Path(made[0]).exists() and Path(made[0]) not in output._PENDING
