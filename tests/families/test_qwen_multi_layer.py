@@ -31,8 +31,8 @@ from oracle.cli import cli as oracle_cli
 from oracle.export import ChainOptions, HiddenSource, export_trace
 from tests.helpers import load_script, run_cli
 from tests.probe.test_explain_loop import diagnosis, explained, layered_engine, named
-from tests.probe.test_explain_loop_layers import stepwise_engine
-from tests.probe.tracekit import diff_cli, last_line, load_trace, write_chain_raw
+from tests.probe.test_explain_loop_layers import _dump, stepwise_engine
+from tests.probe.tracekit import diff_cli, last_line, load_trace
 
 F = load_script("make_fixtures")
 # held-out dims: no fixture uses them (4 MTP layers, 6 heads over 2 KV heads of 16, half-rotary mrope)
@@ -184,12 +184,6 @@ def tiny3(tmp_path_factory):
     root = tmp_path_factory.mktemp("qwen-3-layer")
     ckpt = F.write_checkpoint(root / "ckpt", {"mtp_num_hidden_layers": 3})
     return ckpt, export_trace(ckpt, root / "ref.h5", TOKENS[:10], HiddenSource(seed=0), chain=ChainOptions(3))
-
-
-def _dump(ref, tmp_path, one, chains, name="c"):
-    _, stages = load_trace(ref)
-    return write_chain_raw(tmp_path / name, {n: one[n] for n in stages},
-                           {j: {n: p[n] for n in stages} for j, p in chains.items()})
 
 
 def test_layer0_reused_is_caught_at_depth_2_ah_and_named(tiny3, tmp_path):
