@@ -32,12 +32,22 @@ N_LAYER = ("step3p7_tiny", "mimo_v2_flash_tiny")
 NORMS = ("shared_head.norm.weight", "final_layernorm.weight")  # step3p7's per-layer shared_head, MiMo's
 
 
+def _layered(name, tmp_path_factory):
+    ckpt = FIXTURES / name
+    root = tmp_path_factory.mktemp(name)
+    return ckpt, export_trace(ckpt, root / "ref.h5", TOKENS, HiddenSource(seed=0), chain=ChainOptions(3))
+
+
 @pytest.fixture(scope="module", params=N_LAYER)
 def layered(request, tmp_path_factory):
     """(checkpoint, `export --chain 3` of 10 tokens): depth j on layer j-1, each layer its own cache."""
-    ckpt = FIXTURES / request.param
-    root = tmp_path_factory.mktemp(request.param)
-    return ckpt, export_trace(ckpt, root / "ref.h5", TOKENS, HiddenSource(seed=0), chain=ChainOptions(3))
+    return _layered(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=(*N_LAYER, "qwen3_5_tiny_3layer"))
+def any_layered(request, tmp_path_factory):
+    """`layered`, and the Qwen3.5 head with 3 MTP layers (one shared stem and final norm): the cache checks."""
+    return _layered(request.param, tmp_path_factory)
 
 
 @torch.inference_mode()
@@ -106,9 +116,9 @@ def _layer0_norm_everywhere(weights: dict) -> dict:
     return {n: (weights[norms[0]] if n in norms else t) for n, t in weights.items()}
 
 
-def test_swapped_layer_caches_are_caught_at_depth_2_and_named(layered, tmp_path):
+def test_swapped_layer_caches_are_caught_at_depth_2_and_named(any_layered, tmp_path):
     """Depth 2's row 0 has no past, so it matches; row 1 attends over layer 2's entry: attn at depth 2 bridge 1."""
-    ckpt, ref = layered
+    ckpt, ref = any_layered
     inputs, _ = load_trace(ref)
     result, report = explained(ref, _dump(ref, tmp_path, *stepwise_engine(ckpt, inputs, 3, swap=True)), tmp_path)
     assert result.exit_code == 1, result.output
@@ -129,8 +139,8 @@ def test_layer0_reused_through_its_one_cache_is_named_in_that_form(layered, tmp_
     assert diagnosis(result).startswith("DIAGNOSIS | layer0_reused [one cache] reproduces"), diagnosis(result)
 
 
-def test_twin_stepwise_engine_with_each_layer_its_own_cache_passes(layered, tmp_path):
-    ckpt, ref = layered
+def test_twin_stepwise_engine_with_each_layer_its_own_cache_passes(any_layered, tmp_path):
+    ckpt, ref = any_layered
     inputs, _ = load_trace(ref)
     result, report = explained(ref, _dump(ref, tmp_path, *stepwise_engine(ckpt, inputs, 3)), tmp_path)
     assert result.exit_code == 0, result.output
