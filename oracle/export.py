@@ -113,129 +113,134 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     h = None if hidden.seed is not None else resolve()
     ckpt.check_head()  # its header-level errors before the imports; the bytes are read on the thread
     heap = ReservedHeap(forward_bytes(family.stages(cfg), family.dims(cfg), len(token_ids)))  # oracle/heap.py
-    reads = _Prefetch(ckpt, token_ids, hidden=resolve if h is None else None, touch=heap.touch)
-    log(f"loading torch and transformers (the {family.name} head's modules; several seconds the first time) …")
-    try:
-        impl = head_module(family)  # torch and the family's transformers modules, while the thread reads
+    try:  # the heap keeps what is freed for the whole export (chains, drafts, evidence): glibc's defaults after
+        reads = _Prefetch(ckpt, token_ids, hidden=resolve if h is None else None, touch=heap.touch)
+        log(f"loading torch and transformers (the {family.name} head's modules; several seconds the first time) …")
+        try:
+            impl = head_module(family)  # torch and the family's transformers modules, while the thread reads
+        finally:
+            reads.join()  # from here on only this thread touches the checkpoint
+            heap.release()  # its pages, faulted on the thread, serve the forward's tensors
+        # bf16 stays bf16: half the memory; routed experts mapped, read where routed; the digest of the same bytes
+        weights = dataclasses.replace(reads.head.result(), digest=reads.digest.result())
+        from oracle.attention_evidence import qk_blind_tokens, qk_warning, reused_projections  # torch: loaded already
+
+        # a family whose head has its own embedding copy (DeepSeek/GLM) reads it, and says which table it used
+        embed, embedding = (impl.embedding_rows(ckpt, token_ids) if hasattr(impl, "embedding_rows")
+                            else (reads.rows.result(), None))
+        if embedding and embedding.get("rows_equal_main") is False:
+            warn(f"warning: {embedding['tensor']} differs from {embedding['main']} at these tokens; the trace uses the "
+                 f"MTP layer's own copy (recorded in the trace's `embedding` attribute).")
+        h = reads.hidden.result() if h is None else h
+        inputs = TraceInputs(token_ids=token_ids, positions=positions, hidden=h, embed=embed)
+        head, rotary = impl.build_head(cfg, impl.torch_weights(weights))
+        projection = _draft_projection(ckpt, warn, needed=chain is not None and chain.tokens == "argmax")
+        if projection is not None:
+            projection.read_ahead()  # its rows reach the page cache while the head runs, not when the sweep starts
+        log(f"running the head ({mode})")
+        bridge = None
+        with reused_projections(head):  # the uniform-weights pass gets the real pass's q/k/v projections back
+            with Progress(f"export ({mode})", total=len(token_ids)) as bar:  # one pass: no ETA before it ends
+                if chain is not None:  # the bridge steps through the cache the chains start from (oracle/draft_loop.py)
+                    bridge, stages = _bridge(ckpt, head, rotary, inputs)
+                    bar.update(len(token_ids))
+                elif mode == "batched":
+                    stages = impl.run_batched(head, rotary, inputs)
+                    bar.update(len(token_ids))
+                else:
+                    stages = impl.run_stepwise(head, rotary, inputs, on_step=lambda t: bar.update())
+            uniform = impl.attention_with_uniform_weights(head, rotary, inputs, stages["ah"])
+            part_rows, qk_parts = qk_part_evidence(impl, head, rotary, inputs, stages["ah"], stages["attn"])
+        stage_list = family.stages(cfg)
+        if projection is None:
+            stage_list = StageList(s for s in stage_list if s.name != DRAFT.name)
+        recorded = {k: stages.pop(k) for k in list(stages) if k in EVIDENCE_DOCS}  # e.g. topk_margin: evidence
+        if set(stages) | {DRAFT.name} != set(stage_list.names) | {DRAFT.name}:  # a bug in the head, never the input
+            raise RuntimeError(f"the {family.name} head recorded {sorted(stages)}, its stage list is "
+                               f"{stage_list.names}")
+        evidence = recorded | {"attn_uniform": uniform} | part_rows
+        check_finite_reference(ckpt, inputs, stages, stage_list.names, evidence)  # NaN/Inf: refused, naming the tensor
+        # Teacher-forced drafts feed nothing: every depth's are taken in one sweep of the vocabulary, after the chains.
+        # Argmax chain tokens need depth j-1's drafts before depth j runs: one sweep per depth, in the loop.
+        in_loop = projection is not None and chain is not None and chain.tokens == "argmax"
+        if in_loop:
+            stages["draft"], evidence["draft_margin"] = _drafted(projection, stages["out"])
+        chains, depth_parts = {}, {}
+        if chain is not None:
+            log(f"running depths 2..{chain.depths} of the chains ({TOKEN_MODES[chain.tokens]} tokens, recycling "
+                f"{recycle})")
+            chains, depth_parts = _chain_records(ckpt, head, rotary, inputs, bridge, stages, chain, recycle,
+                                                 projection if in_loop else None, qk_parts)
+            chain_stages = {f"d{j}/{n}": v for j, r in chains.items() for n, v in r.stages.items()}
+            check_finite_reference(ckpt, inputs, chain_stages,
+                                   [f"d{j}/{n}" for j in chains for n in stage_list.names],
+                                   {f"d{j}/{n}": v for j, r in chains.items() for n, v in r.evidence.items()})
+        evidence_attrs = {}
+        if projection is not None:
+            if not in_loop:
+                _draft_every_depth(projection, stages, evidence, chains)
+            evidence_attrs["draft_margin"] = {"row_norm_max": projection.row_norm_max()}
+            for record in chains.values():
+                record.evidence_attrs["draft_margin"] = evidence_attrs["draft_margin"]
+        blind = qk_blind_tokens(stages["attn"], evidence["attn_uniform"])
+        if blind.all():
+            warn(qk_warning(inputs.num_tokens))
+        else:
+            from oracle.qk_parts import parts_warning, parts_without_evidence
+
+            missing = parts_without_evidence(part_rows, qk_parts, stages["attn"])
+            if missing:
+                warn(parts_warning(missing))
+        if "topk_margin" in evidence and "router_logits" in stages:
+            from oracle.families.routing_evidence import near_tie_tokens, near_tie_warning
+
+            ties = near_tie_tokens(stages["router_logits"], evidence["topk_margin"])
+            if len(ties):
+                warn(near_tie_warning(ties, inputs.num_tokens))
+        import torch
+        import transformers  # both loaded by the head module: the versions recorded are the ones that ran
+
+        attrs = {
+            "family": family.name,
+            "evidence_rules": family.evidence_rules(cfg, inputs.positions)
+            | ({"qk_parts": qk_parts} if qk_parts else {})
+            | ({"qk_parts_at_depth": {str(j): names for j, names in depth_parts.items()}} if depth_parts else {}),
+            "producer": reads.producer.result(),
+            "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                         "h5py": h5py.__version__, "numpy": np.__version__},
+            "config": cfg.to_dict(),
+            "checkpoint_digest": weights.digest,  # of the bytes the head was built from
+            "provenance": {"command": command, "checkpoint": str(Path(ckpt.path).resolve()), "source": ckpt.source,
+                           "hidden": hidden.describe(),
+                           "mode": mode, "dtype": "float32", "attn_implementation": "eager",
+                           "oracle_commit": reads.commit.result(), "created": _now()},
+        }
+        if weights.layout is not None and weights.layout.experts is not None:
+            # The head digest leaves the routed experts out (gigabytes); these are the ones this trace used.
+            used = sorted(int(e) for e in np.unique(stages["topk_ids"]))
+            attrs["experts"] = {"layout": weights.layout.experts.kind, "used": used,
+                                "digest": ckpt.experts_digest(used, _hashed_parts(head))}
+            if "router_group_limited" in evidence:  # tokens whose choice the group limit changed
+                attrs["experts"]["group_limited_tokens"] = int(evidence["router_group_limited"].sum())
+        if embedding:
+            attrs["embedding"] = embedding
+        ckpt.check_unchanged()  # a shard rewritten or cut meanwhile: the stages may mix old and new bytes
+        chain_record = None
+        if chain is not None:
+            num_layers = _layer_count(ckpt)
+            chain_record = {"depths": chain.depths, "tokens": TOKEN_MODES[chain.tokens], "recycle": recycle,
+                            "layers": [_layer_of(chain, num_layers, j) for j in range(2, chain.depths + 1)],
+                            "num_layers": num_layers, "kv": KV_DROPPED if num_layers == 1 else KV_CONVENTIONS[chain.kv]}
+            if num_layers > 1:
+                chain_record["layer_convention"] = LAYER_CONVENTIONS[chain.layers]
+            attrs["provenance"]["chain"] = {"depths": chain.depths, "tokens": chain.tokens, "recycle": recycle,
+                                            "recycle_convention": family.recycled}
+        log(f"writing {out}")
+        write_trace(out, inputs, stages, attrs, evidence=evidence, stage_list=stage_list, dims=family.dims(cfg),
+                    evidence_attrs=evidence_attrs, chain=chain_record, chains=chains or None)
+        return Path(out)
     finally:
-        reads.join()  # from here on only this thread touches the checkpoint
-        heap.release()  # its pages, faulted on the thread, serve the forward's tensors
-    # bf16 stays bf16: half the memory; routed experts mapped, read where routed; the digest of the same bytes
-    weights = dataclasses.replace(reads.head.result(), digest=reads.digest.result())
-    from oracle.attention_evidence import qk_blind_tokens, qk_warning, reused_projections  # torch: loaded already
-
-    # a family whose head has its own embedding copy (DeepSeek/GLM) reads it, and says which table it used
-    embed, embedding = (impl.embedding_rows(ckpt, token_ids) if hasattr(impl, "embedding_rows")
-                        else (reads.rows.result(), None))
-    if embedding and embedding.get("rows_equal_main") is False:
-        warn(f"warning: {embedding['tensor']} differs from {embedding['main']} at these tokens; the trace uses the "
-             f"MTP layer's own copy (recorded in the trace's `embedding` attribute).")
-    h = reads.hidden.result() if h is None else h
-    inputs = TraceInputs(token_ids=token_ids, positions=positions, hidden=h, embed=embed)
-    head, rotary = impl.build_head(cfg, impl.torch_weights(weights))
-    projection = _draft_projection(ckpt, warn, needed=chain is not None and chain.tokens == "argmax")
-    if projection is not None:
-        projection.read_ahead()  # its rows reach the page cache while the head runs, not when the sweep starts
-    log(f"running the head ({mode})")
-    bridge = None
-    with reused_projections(head):  # the uniform-weights pass gets the real pass's q/k/v projections back
-        with Progress(f"export ({mode})", total=len(token_ids)) as bar:  # one pass: no ETA before it ends
-            if chain is not None:  # the bridge steps through the cache the chains start from (oracle/draft_loop.py)
-                bridge, stages = _bridge(ckpt, head, rotary, inputs)
-                bar.update(len(token_ids))
-            elif mode == "batched":
-                stages = impl.run_batched(head, rotary, inputs)
-                bar.update(len(token_ids))
-            else:
-                stages = impl.run_stepwise(head, rotary, inputs, on_step=lambda t: bar.update())
-        uniform = impl.attention_with_uniform_weights(head, rotary, inputs, stages["ah"])
-        part_rows, qk_parts = qk_part_evidence(impl, head, rotary, inputs, stages["ah"], stages["attn"])
-    heap.close()
-    stage_list = family.stages(cfg)
-    if projection is None:
-        stage_list = StageList(s for s in stage_list if s.name != DRAFT.name)
-    recorded = {k: stages.pop(k) for k in list(stages) if k in EVIDENCE_DOCS}  # e.g. topk_margin: evidence
-    if set(stages) | {DRAFT.name} != set(stage_list.names) | {DRAFT.name}:  # a bug in the head, never the input
-        raise RuntimeError(f"the {family.name} head recorded {sorted(stages)}, its stage list is {stage_list.names}")
-    evidence = recorded | {"attn_uniform": uniform} | part_rows
-    check_finite_reference(ckpt, inputs, stages, stage_list.names, evidence)  # NaN/Inf: refused, naming the tensor
-    # Teacher-forced drafts feed nothing: every depth's are taken in one sweep of the vocabulary, after the chains.
-    # Argmax chain tokens need depth j-1's drafts before depth j runs: one sweep per depth, in the loop.
-    in_loop = projection is not None and chain is not None and chain.tokens == "argmax"
-    if in_loop:
-        stages["draft"], evidence["draft_margin"] = _drafted(projection, stages["out"])
-    chains, depth_parts = {}, {}
-    if chain is not None:
-        log(f"running depths 2..{chain.depths} of the chains ({TOKEN_MODES[chain.tokens]} tokens, recycling "
-            f"{recycle})")
-        chains, depth_parts = _chain_records(ckpt, head, rotary, inputs, bridge, stages, chain, recycle,
-                                             projection if in_loop else None, qk_parts)
-        check_finite_reference(ckpt, inputs, {f"d{j}/{n}": v for j, r in chains.items() for n, v in r.stages.items()},
-                               [f"d{j}/{n}" for j in chains for n in stage_list.names],
-                               {f"d{j}/{n}": v for j, r in chains.items() for n, v in r.evidence.items()})
-    evidence_attrs = {}
-    if projection is not None:
-        if not in_loop:
-            _draft_every_depth(projection, stages, evidence, chains)
-        evidence_attrs["draft_margin"] = {"row_norm_max": projection.row_norm_max()}
-        for record in chains.values():
-            record.evidence_attrs["draft_margin"] = evidence_attrs["draft_margin"]
-    blind = qk_blind_tokens(stages["attn"], evidence["attn_uniform"])
-    if blind.all():
-        warn(qk_warning(inputs.num_tokens))
-    else:
-        from oracle.qk_parts import parts_warning, parts_without_evidence
-
-        missing = parts_without_evidence(part_rows, qk_parts, stages["attn"])
-        if missing:
-            warn(parts_warning(missing))
-    if "topk_margin" in evidence and "router_logits" in stages:
-        from oracle.families.routing_evidence import near_tie_tokens, near_tie_warning
-
-        ties = near_tie_tokens(stages["router_logits"], evidence["topk_margin"])
-        if len(ties):
-            warn(near_tie_warning(ties, inputs.num_tokens))
-    import torch
-    import transformers  # both loaded by the head module: the versions recorded are the ones that ran
-
-    attrs = {
-        "family": family.name,
-        "evidence_rules": family.evidence_rules(cfg, inputs.positions) | ({"qk_parts": qk_parts} if qk_parts else {})
-        | ({"qk_parts_at_depth": {str(j): names for j, names in depth_parts.items()}} if depth_parts else {}),
-        "producer": reads.producer.result(),
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "h5py": h5py.__version__, "numpy": np.__version__},
-        "config": cfg.to_dict(),
-        "checkpoint_digest": weights.digest,  # of the bytes the head was built from
-        "provenance": {"command": command, "checkpoint": str(Path(ckpt.path).resolve()), "source": ckpt.source,
-                       "hidden": hidden.describe(),
-                       "mode": mode, "dtype": "float32", "attn_implementation": "eager",
-                       "oracle_commit": reads.commit.result(), "created": _now()},
-    }
-    if weights.layout is not None and weights.layout.experts is not None:
-        # The head digest leaves the routed experts out (gigabytes); these are the ones this trace used.
-        used = sorted(int(e) for e in np.unique(stages["topk_ids"]))
-        attrs["experts"] = {"layout": weights.layout.experts.kind, "used": used,
-                            "digest": ckpt.experts_digest(used, _hashed_parts(head))}
-        if "router_group_limited" in evidence:  # tokens whose choice the group limit changed
-            attrs["experts"]["group_limited_tokens"] = int(evidence["router_group_limited"].sum())
-    if embedding:
-        attrs["embedding"] = embedding
-    ckpt.check_unchanged()  # a shard rewritten or cut meanwhile: the stages may mix old and new bytes
-    chain_record = None
-    if chain is not None:
-        num_layers = _layer_count(ckpt)
-        chain_record = {"depths": chain.depths, "tokens": TOKEN_MODES[chain.tokens], "recycle": recycle,
-                        "layers": [_layer_of(chain, num_layers, j) for j in range(2, chain.depths + 1)],
-                        "num_layers": num_layers, "kv": KV_DROPPED if num_layers == 1 else KV_CONVENTIONS[chain.kv]}
-        if num_layers > 1:
-            chain_record["layer_convention"] = LAYER_CONVENTIONS[chain.layers]
-        attrs["provenance"]["chain"] = {"depths": chain.depths, "tokens": chain.tokens, "recycle": recycle,
-                                        "recycle_convention": family.recycled}
-    log(f"writing {out}")
-    write_trace(out, inputs, stages, attrs, evidence=evidence, stage_list=stage_list, dims=family.dims(cfg),
-                evidence_attrs=evidence_attrs, chain=chain_record, chains=chains or None)
-    return Path(out)
+        heap.close()
 
 
 def qk_part_evidence(impl, head, rotary, inputs: TraceInputs, ah: np.ndarray,

@@ -6,7 +6,8 @@ faults and is zeroed by the kernel inside the forward (340k faults, 0.3-0.65 s o
 Qwen3.5-27B-shaped head). `ReservedHeap` makes glibc serve large blocks from its heap and keep what is freed
 (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD at its maximum), allocates a block on the calling thread, has another
 thread write it (`touch`: the kernel's faults run there, on the core the single-threaded imports leave idle) and
-frees it before the forward, whose tensors then reuse those pages and the ones freed by earlier tensors.
+frees it before the forward, whose tensors then reuse those pages and the ones freed by earlier tensors; the export
+keeps these settings until its trace is written (its chains, drafts and evidence reuse the pages too).
 Values are untouched: this only changes where blocks live. Where glibc's mallopt is missing (another C library),
 it does nothing.
 """
