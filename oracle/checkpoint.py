@@ -25,6 +25,7 @@ import os
 import re
 import struct
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,6 +82,7 @@ class Checkpoint:
         self._maps: dict[Path, mmap.mmap] = {}
         self._read: dict[str, np.ndarray] = {}  # dense tensors as read (pread, private): the head and digest use these
         self._read_lock = threading.Lock()  # the digest may run on a thread beside the head's reads
+        self._map_dense = False  # `map_dense`: dense tensors as views of their shards' mappings, not pread copies
         self._identity: dict[Path, tuple] = {}  # each shard's identity when its header was read (check_unchanged)
         self._shard_of = self._weight_map()
 
@@ -139,12 +141,27 @@ class Checkpoint:
         return _widen(self._pread(entry, 0, entry.shape[0] if entry.shape else None), entry.dtype)
 
     def _stored(self, entry: TensorEntry) -> np.ndarray:
-        """A dense tensor as stored, read once into private memory: every later use (the head, its digest, the
-        NaN scan) sees these bytes, whatever happens to the file meanwhile."""
+        """A dense tensor as stored, read once: every later use (the head, its digest, the NaN scan) sees these
+        bytes. Into private memory with pread, whatever happens to the file meanwhile; or, where `map_dense` is
+        set (the export), a view of its shard's mapping: the page cache's pages, no copy (oracle/sigbus.py says
+        why), the bytes then the file's until check_unchanged, which refuses a shard changed since its header was
+        read, and a shard cut short is exit 2 naming it (the SIGBUS guard)."""
         with self._read_lock:
             if entry.name not in self._read:
-                self._read[entry.name] = self._pread(entry, 0, entry.shape[0] if entry.shape else None)
+                self._read[entry.name] = (self._mapped(entry) if self.map_dense else
+                                          self._pread(entry, 0, entry.shape[0] if entry.shape else None))
             return self._read[entry.name]
+
+    @property
+    def map_dense(self) -> bool:
+        return self._map_dense
+
+    @map_dense.setter
+    def map_dense(self, wanted: bool) -> None:
+        """Read the dense tensors through mappings from now on, where the SIGBUS guard is available (else pread)."""
+        from oracle import sigbus
+
+        self._map_dense = bool(wanted) and sigbus.available()
 
     def _pread(self, entry: TensorEntry, start: int, stop: int | None, into: np.ndarray | None = None) -> np.ndarray:
         """Rows start..stop of a tensor as stored (all of a 0-d one: stop None), read with os.preadv into fresh
@@ -203,12 +220,14 @@ class Checkpoint:
 
     def _mapped(self, entry: TensorEntry) -> np.ndarray:
         """The tensor as stored, a view into its shard mapped copy-on-write: no copy, pages read only when touched.
-        Only an unwidened head's routed experts: moe_experts reads their bytes from the file with pread, never
-        through the mapping (a page past the end of a shard cut short is a SIGBUS)."""
+        An unwidened head's routed experts (moe_experts reads their bytes from the file with pread, not through
+        the mapping) and, with `map_dense`, the dense tensors. Every mapping is guarded (oracle/sigbus.py): a page
+        past the end of a shard cut short meanwhile is exit 2 naming the shard, not a bare SIGBUS."""
         if entry.file not in self._maps:
             with open(entry.file, "rb") as f:
-                self._maps[entry.file] = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE,
-                                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                self._maps[entry.file] = mapping = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE,
+                                                             prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            _guarded(mapping, entry.file)
         count = entry.nbytes // _ITEMSIZE[entry.dtype]
         try:
             return np.frombuffer(self._maps[entry.file], dtype=_STORED_NUMPY[entry.dtype], count=count,
@@ -468,6 +487,15 @@ class Checkpoint:
 _MAIN_LAYER = re.compile(r"(?:model\.(?:language_model\.)?)?layers\.(\d+)\.")  # HF layouts; V4's release: layers.N.
 _STACK_LAYER = re.compile(r"model\.layers\.(\d+)\.")  # DeepSeek/GLM/Step: the MTP layers follow the main stack
 _LAYER_COUNT_KEYS = ("num_nextn_predict_layers", "num_mtp_layers", "mtp_num_hidden_layers")
+
+
+def _guarded(mapping: mmap.mmap, path: Path) -> None:
+    """Register `mapping` with the SIGBUS guard (oracle/sigbus.py) for as long as it lives."""
+    from oracle import sigbus
+
+    if len(mapping) and sigbus.available():
+        key = sigbus.guard(np.frombuffer(mapping, dtype=np.uint8).ctypes.data, len(mapping), str(path))
+        weakref.finalize(mapping, sigbus.unguard, key)
 
 
 def _identity(path: Path) -> tuple | None:

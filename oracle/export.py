@@ -98,6 +98,7 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     if mode not in MODES:
         raise InputError(f"mode {mode!r}: use one of {', '.join(MODES)} (CLI: --mode).")
     ckpt = Checkpoint(checkpoint_dir)
+    ckpt.map_dense = True  # the page cache's pages, not a private copy (oracle/sigbus.py: why, and how it is safe)
     cfg = ckpt.config = _overridden(ckpt, config_overrides or {})
     family = ckpt.family
     check_token_ids(token_ids, cfg.vocab_size)

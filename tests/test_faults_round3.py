@@ -91,6 +91,27 @@ def test_a_checkpoint_cut_short_during_an_export_is_exit_2_naming_the_shard(tmp_
     assert not (tmp_path / "ref.h5").exists()
 
 
+def test_a_checkpoint_cut_short_while_the_chains_read_its_mapped_head_is_exit_2_naming_the_shard(tmp_path):
+    # The export reads the dense head through the shard's mapping (oracle/sigbus.py): cut after the bridge, the
+    # chains then touch pages past the new end. The SIGBUS guard's message, not check_unchanged's: the fault hit.
+    ckpt = checkpoint_copy(tmp_path)
+    result = run_program([ckpt / "model.safetensors", "after-forward", "truncate", "export", ckpt, "--out",
+                          tmp_path / "ref.h5", "--tokens", TOKENS, "--hidden-seed", "0", "-q", "--chain", "2"],
+                         code=_FAULT_DRIVER)
+    assert result.returncode != -7, "SIGBUS: a mapped page past the new end of the shard was read"
+    assert_exit_2(result, str(ckpt / "model.safetensors"), tmp_path)
+    assert "a page of its tensors lies past the file's new end" in result.stderr, result.stderr
+    assert not (tmp_path / "ref.h5").exists()
+
+
+def test_twin_the_same_chained_export_undisturbed_writes_its_trace(tmp_path):
+    ckpt = checkpoint_copy(tmp_path)
+    result = run_program([ckpt / "model.safetensors", "none", "none", "export", ckpt, "--out", tmp_path / "ref.h5",
+                          "--tokens", TOKENS, "--hidden-seed", "0", "-q", "--chain", "2"], code=_FAULT_DRIVER)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (tmp_path / "ref.h5").is_file()
+
+
 @pytest.mark.parametrize("when", ["before-read", "after-forward"])
 def test_a_checkpoint_rewritten_in_place_during_an_export_is_refused(tmp_path, when):
     ckpt = checkpoint_copy(tmp_path)
