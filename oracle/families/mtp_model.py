@@ -85,6 +85,7 @@ class MtpModelHead(nn.Module):
         self.routed: dict[int, StackedExperts] = {}  # layer -> its lazily read routed experts (load)
         self.text_config = self.mtp.config
         self.text_config._attn_implementation = "eager"  # eager is not causal without our mask
+        _eager_experts(self.mtp)
         self.num_layers = cfg.num_mtp_layers
         # short-convolution states per layer (Inkling): every pass runs through an MtpCache (see new_cache)
         self.conv_states = getattr(self.text_config, "number_of_conv_states", 0) > 0
@@ -300,6 +301,16 @@ class StackedExperts(RoutedExperts):
 # transformers' conversion ops that only move stored values (split, join, reorder): exact in bf16 as in float32
 MOVES_ONLY = frozenset({"Chunk", "Split", "Concatenate", "Interleave", "MergeModulelist", "SplitModulelist",
                         "Transpose", "PermuteForRope"})
+
+
+def _eager_experts(mtp: nn.Module) -> None:
+    """Every experts block runs the official eager forward, one expert at a time: the oracle's lazily read routed
+    experts stand in per expert (`_Widened[e]`), never as one stacked tensor. Set on each layer's own config, since
+    a per-layer MTP config is a copy; transformers 5.25 dispatches an unset one to grouped_mm."""
+    for module in mtp.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_experts_implementation"):
+            config._experts_implementation = "eager"
 
 
 def _plain_linear(module: nn.Module) -> bool:
