@@ -91,6 +91,7 @@ class _Uniform:
     function: object = uniform_mean_attention
     memo: list = field(default_factory=list)
     reuse: bool = True  # False: every projection computes again (the specification's pass)
+    archive: "ProjectionArchive | None" = None  # archived_projections: the real passes' rows, for later passes
 
 
 _UNIFORM = _Uniform()
@@ -165,9 +166,12 @@ class _ProjectionMemo:
                     and torch.equal(scoped[1], x)):
                 self.hits += 1
                 return scoped[2]
-            out = forward(x)
+            archive = _UNIFORM.archive
+            out = archive.assemble(linear, x, forward) if self.replaying and archive is not None else forward(x)
             if not self.replaying:
                 self.saved[linear] = (x.clone(), out.clone())
+                if archive is not None:
+                    archive.record(linear, *self.saved[linear])
             elif self.scope is not None:
                 self.scope[linear] = (linear.weight, x.clone(), out.clone())
             return out
@@ -178,6 +182,82 @@ class _ProjectionMemo:
             del linear.forward  # the instance attribute: the class's forward again
         self.saved.clear()
         self.scope = None
+
+
+class ProjectionArchive:
+    """The rows every real pass's attention projections computed (`record`, by the recording memos), handed back
+    row by row to a later pass that projects some of the same rows (`assemble`): the q/k-part variants of a
+    chain's rows stacked on the bridge's (oracle/qk_parts.py chain_part_records) were never one pass, but each of
+    their rows was a row of the bridge's pass or of a chain step's, and an N-layer depth's variants run on that
+    depth's own rows. Compared, not assumed: a row is taken only where its input is bit for bit an archived row's
+    (a hash finds the candidate, equality decides) under the very weight tensor that projected it (a variant that
+    swaps a weight computes again); the other rows are computed, the taken ones are the real pass's own bits. A
+    linear's output row reads its input row alone, so the assembled output is the linear's. `skip`: linears never
+    archived (the output projections, whose variant inputs are never a real pass's, and which `measure` defers),
+    nor is a linear that is not row-wise (_row_wise)."""
+
+    def __init__(self, skip=()) -> None:
+        self.skip = {id(linear) for linear in skip}
+        self.inputs: list[tuple[torch.Tensor, dict[int, int]]] = []  # (input rows [n, D], {row hash: row})
+        self.entries: dict[object, list[tuple[torch.Tensor, int, torch.Tensor]]] = {}  # linear -> (weight, input, out)
+
+    def record(self, linear, x: torch.Tensor, out: torch.Tensor) -> None:
+        if id(linear) in self.skip or not _row_wise(linear) or x.dtype != torch.float32 or x.dim() < 2:
+            return
+        rows = x.reshape(-1, x.shape[-1])
+        if self.inputs and self.inputs[-1][0].shape == rows.shape and torch.equal(self.inputs[-1][0], rows):
+            index = len(self.inputs) - 1  # q, k and v of one pass read one input: indexed once
+        else:
+            index = len(self.inputs)
+            self.inputs.append((rows, {h: r for r, h in enumerate(_row_hashes(rows))}))
+        self.entries.setdefault(linear, []).append((linear.weight, index, out.reshape(len(rows), -1)))
+
+    def assemble(self, linear, x: torch.Tensor, forward) -> torch.Tensor:
+        """forward(x), its rows taken from the archive where a real pass projected them, the others computed."""
+        entries = [e for e in self.entries.get(linear, ()) if e[0] is linear.weight]
+        if not entries or x.dtype != torch.float32 or x.dim() < 2:
+            return forward(x)
+        rows = x.reshape(-1, x.shape[-1])
+        taken = [None] * len(rows)
+        for r, h in enumerate(_row_hashes(rows)):
+            for weight, index, out in entries:
+                found = self.inputs[index][1].get(h)
+                if found is not None and torch.equal(self.inputs[index][0][found], rows[r]):
+                    taken[r] = out[found]
+                    break
+        missing = [r for r, t in enumerate(taken) if t is None]
+        if len(missing) == len(rows):
+            return forward(x)
+        result = torch.empty(len(rows), entries[0][2].shape[-1], dtype=entries[0][2].dtype)
+        have = [r for r, t in enumerate(taken) if t is not None]
+        result[have] = torch.stack([taken[r] for r in have])
+        if missing:
+            result[missing] = forward(rows[missing]).to(result.dtype)
+        return result.reshape(*x.shape[:-1], -1)
+
+
+def _row_wise(linear) -> bool:
+    """A linear whose output row is its input row times one weight, wherever the row sits: torch's and the
+    oracle's linears over stored weights; not a grouped one (DeepSeek-V4's o_a_proj: a weight block per group)."""
+    from oracle.families.torch_parts import Fp8Linear, UpcastLinear
+
+    return type(linear) in (torch.nn.Linear, UpcastLinear, Fp8Linear)
+
+
+def _row_hashes(rows: torch.Tensor) -> list[int]:
+    data = np.ascontiguousarray(rows.detach().numpy())
+    return [hash(row.tobytes()) for row in data]
+
+
+@contextmanager
+def archived_projections(skip=()):
+    """Within the block, the recording memos (`reused_projections`) archive every row their attention
+    projections compute, and every replaying pass takes its rows from there (ProjectionArchive)."""
+    saved, _UNIFORM.archive = _UNIFORM.archive, ProjectionArchive(skip)
+    try:
+        yield _UNIFORM.archive
+    finally:
+        _UNIFORM.archive = saved
 
 
 def _is_linear(module) -> bool:

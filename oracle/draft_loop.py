@@ -367,14 +367,17 @@ def _layer_pass(head, rotary: Rotary, layer: int, positions: torch.Tensor, token
         keys, values = past[0][:, :, :n], past[1][:, :, :n]
         mask = _past_mask(keys.shape[2], n, head.window(layer))
         cache.update(keys, values, layer)
-    stages = {k: v[0] for k, v in head.steps(rotary, e, recycled[None], p, mask, cache, layer=layer).items()}
-    result = Depth(0, tokens, positions.numpy(), recycled, embed, stages, layer_index=layer)
-    if n:
-        result.cache_rows = (cache.layers[layer].keys[:, :, -n:], cache.layers[layer].values[:, :, -n:])
-    if spec.uniform and n:
-        cache = _new_cache(head)  # the pass's cache without its n rows: it started empty
-        result.evidence["attn_uniform"] = head.uniform_attention(rotary, stages["ah"][None], p, mask, cache,
-                                                                 layer=layer)[0].numpy()
+    from oracle.attention_evidence import reused_projections
+
+    with reused_projections(head):  # the uniform pass (and an archive's later passes) reuse its q/k/v projections
+        stages = {k: v[0] for k, v in head.steps(rotary, e, recycled[None], p, mask, cache, layer=layer).items()}
+        result = Depth(0, tokens, positions.numpy(), recycled, embed, stages, layer_index=layer)
+        if n:
+            result.cache_rows = (cache.layers[layer].keys[:, :, -n:], cache.layers[layer].values[:, :, -n:])
+        if spec.uniform and n:
+            cache = _new_cache(head)  # the pass's cache without its n rows: it started empty
+            result.evidence["attn_uniform"] = head.uniform_attention(rotary, stages["ah"][None], p, mask, cache,
+                                                                     layer=layer)[0].numpy()
     return result
 
 

@@ -114,6 +114,7 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     h = None if hidden.seed is not None else resolve()
     ckpt.check_head()  # its header-level errors before the imports; the bytes are read on the thread
     heap = ReservedHeap(forward_bytes(family.stages(cfg), family.dims(cfg), len(token_ids)))  # oracle/heap.py
+    archive = contextlib.ExitStack()  # a chain's q/k-part passes take the real passes' projected rows back
     try:  # the heap keeps what is freed for the whole export (chains, drafts, evidence): glibc's defaults after
         reads = _Prefetch(ckpt, token_ids, hidden=resolve if h is None else None, touch=heap.touch)
         log(f"loading torch and transformers (the {family.name} head's modules; several seconds the first time) …")
@@ -124,7 +125,8 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
             heap.release()  # its pages, faulted on the thread, serve the forward's tensors
         # bf16 stays bf16: half the memory; routed experts mapped, read where routed; the digest of the same bytes
         weights = dataclasses.replace(reads.head.result(), digest=reads.digest.result())
-        from oracle.attention_evidence import qk_blind_tokens, qk_warning, reused_projections  # torch: loaded already
+        from oracle.attention_evidence import (archived_projections, qk_blind_tokens, qk_warning,  # torch: loaded
+                                               reused_projections)
 
         # a family whose head has its own embedding copy (DeepSeek/GLM) reads it, and says which table it used
         embed, embedding = (impl.embedding_rows(ckpt, token_ids) if hasattr(impl, "embedding_rows")
@@ -140,6 +142,8 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
             projection.read_ahead()  # its rows reach the page cache while the head runs, not when the sweep starts
         log(f"running the head ({mode})")
         bridge = None
+        if chain is not None and hasattr(impl, "qk_part_variants"):
+            archive.enter_context(archived_projections(_output_projections(impl, head, _layer_count(ckpt))))
         with reused_projections(head):  # the uniform-weights pass gets the real pass's q/k/v projections back
             with Progress(f"export ({mode})", total=len(token_ids)) as bar:  # one pass: no ETA before it ends
                 if chain is not None:  # the bridge steps through the cache the chains start from (oracle/draft_loop.py)
@@ -172,6 +176,7 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
                 f"{recycle})")
             chains, depth_parts = _chain_records(ckpt, head, rotary, inputs, bridge, stages, chain, recycle,
                                                  projection if in_loop else None, qk_parts)
+            archive.close()  # its rows go before the draft sweep
             chain_stages = {f"d{j}/{n}": v for j, r in chains.items() for n, v in r.stages.items()}
             check_finite_reference(ckpt, inputs, chain_stages,
                                    [f"d{j}/{n}" for j in chains for n in stage_list.names],
@@ -241,6 +246,7 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
                     evidence_attrs=evidence_attrs, chain=chain_record, chains=chains or None)
         return Path(out)
     finally:
+        archive.close()
         heap.close()
 
 
@@ -254,6 +260,13 @@ def qk_part_evidence(impl, head, rotary, inputs: TraceInputs, ah: np.ndarray,
     if not hasattr(impl, "qk_part_variants"):  # not measured: the report says so (probe/report.py NOT_MEASURED)
         return {}, {}
     return measure(impl.qk_part_variants(head, rotary, inputs, ah), attn, impl.qk_output_projection(head))
+
+
+def _output_projections(impl, head, num_layers: int) -> list:
+    """Every MTP layer's attention output projection (never archived: oracle/attention_evidence.py)."""
+    if num_layers == 1:
+        return [impl.qk_output_projection(head)]
+    return [impl.qk_output_projection(head, layer=layer) for layer in range(num_layers)]
 
 
 TOKEN_MODES = {"teacher": "teacher_forced", "argmax": "argmax"}  # --chain-tokens -> the trace's `chain.tokens`

@@ -5,7 +5,8 @@ weight) gets it back (attention_evidence.replayed_projections' scope), and the o
 rows only (the bridge rows of a stacked pass are keys and values, never measured).
 
 Each test compares against the same records with every projection computed again (specified_uniform_weights turns
-the memo off): bit-identical. Twins: a variant that swaps a projection's weight is computed again (the memo would
+the memo off): bit-identical. (The export itself takes the stacked rows' projections from the real passes:
+tests/oracle/test_projection_archive.py.) Twins: a variant that swaps a projection's weight is computed again (the memo would
 hand back the unswapped rows and record a distance of 0); the bridge rows are what the rows kept drop."""
 
 import h5py
@@ -74,8 +75,10 @@ def test_each_blocks_variants_share_one_projection_pass_bit_identical(loop, monk
         assert set(fast[j]) == set(slow[j]) == set(recorded[j])
         for name in fast[j]:
             np.testing.assert_array_equal(fast[j][name], slow[j][name], err_msg=name)
-            if block == 64:  # the export's own blocking (one block): the records it wrote
-                np.testing.assert_array_equal(fast[j][name], recorded[j][name], err_msg=name)
+            if block == 64:  # the export's own blocking (one block): the records it wrote, whose projections
+                # are the real passes' own rows (attention_evidence.ProjectionArchive), not one stacked matmul's:
+                # equal within float32 rounding (tests/oracle/test_projection_archive.py holds the bits)
+                np.testing.assert_allclose(fast[j][name], recorded[j][name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 def test_the_output_projection_runs_on_the_chain_rows_only(loop, monkeypatch):
