@@ -135,37 +135,71 @@ class _Deferred:
     def __init__(self, linear: nn.Module | None, keep: slice = slice(None)) -> None:
         self.linear, self.inputs, self.keep = linear, [], keep
         self.baseline: torch.Tensor | None = None  # the input without a variant (measure's `baseline` pass)
+        self.columns = measured_columns(linear) if linear is not None else None
+        self._weight_rows: torch.Tensor | None = None  # the measured columns' weight rows, widened once
 
     def call(self, x: torch.Tensor) -> torch.Tensor:
-        self.inputs.append(x.detach()[..., self.keep, :].clone())  # rows dropped here are never multiplied
+        rows = x.detach()[..., self.keep, :]  # rows dropped here are never multiplied
+        if self.columns is not None and self.baseline is not None:
+            # Measured columns of a wide projection: projected now, the changed rows only, so each variant keeps
+            # [changed, columns] instead of its whole input (Qwen3.5-27B-shaped --chain 4: nine 12 MB inputs and
+            # their concatenation held at once, the chained export's peak RSS); the same product, row for row.
+            flat = rows.reshape(-1, rows.shape[-1])
+            changed = self._changed(flat)
+            self.inputs.append(_Projected(changed, self._measured(flat[changed])))
+        else:
+            self.inputs.append(rows.clone())
         return x.new_zeros((*x.shape[:-1], 0))  # a placeholder the attention module hands back unread
+
+    def _changed(self, flat: torch.Tensor) -> torch.Tensor:
+        """Rows that differ from the baseline's input (every row without one). NaN != NaN: a NaN row counts as
+        changed and is projected, never taken for the real row."""
+        base = None if self.baseline is None else self.baseline.reshape(-1, self.baseline.shape[-1])
+        if base is None or flat.shape != base.shape:
+            return torch.ones(len(flat), dtype=torch.bool)
+        return (flat != base).any(dim=1)
+
+    def _measured(self, x: torch.Tensor) -> torch.Tensor:
+        """The linear's measured columns of rows x (as _project, its weight rows widened once per measure)."""
+        if self._weight_rows is None:
+            rows = self.linear.weight[torch.from_numpy(self.columns)]
+            self._weight_rows = rows if rows.dtype == x.dtype else rows.to(x.dtype)
+        return torch.nn.functional.linear(x, self._weight_rows)
 
     def finish(self, real: np.ndarray) -> list[np.ndarray]:
         """Each call's output rows [n, D] float32: the projection of the rows that differ from the baseline's input
-        (every row without one), in one matmul; `real` [n, D] where a row equals the baseline's."""
-        flat = [x.reshape(-1, x.shape[-1]) for x in self.inputs]
-        base = None if self.baseline is None else self.baseline.reshape(-1, self.baseline.shape[-1])
-        # NaN != NaN: a NaN row counts as changed and is projected, never taken for the real row
-        changed = [(x != base).any(dim=1) if base is not None and x.shape == base.shape
-                   else torch.ones(len(x), dtype=torch.bool) for x in flat]
-        todo = torch.cat([x[c] for x, c in zip(flat, changed)])
-        columns = measured_columns(self.linear)
-        out = _project(self.linear, todo, columns) if len(todo) else None
-        results, start = [], 0
-        for x, c in zip(flat, changed):
-            rows = np.array(real, dtype=np.float32).reshape(len(x), -1)  # the real row where nothing is measured
-            picked = int(c.sum())
-            if picked:
-                got = out[start:start + picked].to(torch.float32).numpy()
-                if columns is None:
+        (every row without one), those deferred in one matmul; `real` [n, D] where a row equals the baseline's."""
+        deferred = [x.reshape(-1, x.shape[-1]) for x in self.inputs if not isinstance(x, _Projected)]
+        changed = [self._changed(x) for x in deferred]
+        todo = torch.cat([x[c] for x, c in zip(deferred, changed)]) if deferred else None
+        out = _project(self.linear, todo, self.columns) if todo is not None and len(todo) else None
+        results, start, later = [], 0, iter(zip(deferred, changed))
+        for item in self.inputs:
+            if isinstance(item, _Projected):
+                c, got = item.changed, item.rows
+            else:
+                x, c = next(later)
+                picked = int(c.sum())
+                got, start = (out[start:start + picked] if picked else None), start + picked
+            rows = np.array(real, dtype=np.float32).reshape(len(c), -1)  # the real row where nothing is measured
+            if got is not None and len(got):
+                got = got.to(torch.float32).numpy()
+                if self.columns is None:
                     rows[c.numpy()] = got
                 else:
                     changed_rows = rows[c.numpy()]
-                    changed_rows[:, columns] = got
+                    changed_rows[:, self.columns] = got
                     rows[c.numpy()] = changed_rows
             results.append(rows)
-            start += picked
         return results
+
+
+@dataclass(frozen=True)
+class _Projected:
+    """A variant call's output already projected (_Deferred.call): its changed rows' measured columns."""
+
+    changed: torch.Tensor
+    rows: torch.Tensor
 
 
 def measured_columns(linear: nn.Module) -> np.ndarray | None:

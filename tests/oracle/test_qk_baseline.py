@@ -141,3 +141,31 @@ def test_qwen_variant_passes_run_sdpa_only_under_an_explicit_mask_and_restore_ea
     except KeyError:
         pass
     assert attention.config._attn_implementation == "eager"
+
+
+def test_measured_columns_are_projected_at_each_call_and_no_variant_input_is_kept(monkeypatch):
+    """Past MEASURED_COLUMNS, after the baseline, each variant call keeps its changed rows' measured columns only
+    (the chained 27B export's peak RSS held nine whole o_proj inputs); twin: without a baseline the calls keep their
+    inputs for one matmul in finish, as before. Both give the distances over the same columns."""
+    out, x, real = wide_setup()
+    monkeypatch.setattr(qk_parts, "MEASURED_COLUMNS", 4)
+    kept = []
+    finish = qk_parts._Deferred.finish
+
+    def spying(self, r):
+        kept.append(list(self.inputs))
+        return finish(self, r)
+
+    monkeypatch.setattr(qk_parts._Deferred, "finish", spying)
+
+    def scaled(y):
+        y[0, 2:] *= 1.5
+
+    with_base, _ = measure([baseline(variant(out, x, "none").run), variant(out, x, "scaled", scaled)], real, out)
+    without, _ = measure([variant(out, x, "scaled", scaled)], real, out)
+    projected, deferred = kept
+    assert [type(i).__name__ for i in projected] == ["_Projected"]
+    assert projected[0].rows.shape == (4, 4)  # rows 2..5 changed, 4 measured columns
+    assert isinstance(deferred[0], torch.Tensor) and deferred[0].shape == (1, 6, 8)
+    np.testing.assert_allclose(with_base["qk_rope"][2:], without["qk_rope"][2:], rtol=1e-6, atol=0)
+    assert (with_base["qk_rope"][:2] == 0).all()  # the unchanged rows: the real rows (recomputed without a baseline)
