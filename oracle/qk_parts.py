@@ -162,8 +162,7 @@ class _Deferred:
     def _measured(self, x: torch.Tensor) -> torch.Tensor:
         """The linear's measured columns of rows x (as _project, its weight rows widened once per measure)."""
         if self._weight_rows is None:
-            rows = self.linear.weight[torch.from_numpy(self.columns)]
-            self._weight_rows = rows if rows.dtype == x.dtype else rows.to(x.dtype)
+            self._weight_rows = _column_rows(self.linear, self.columns, x.dtype)
         return torch.nn.functional.linear(x, self._weight_rows)
 
     def finish(self, real: np.ndarray) -> list[np.ndarray]:
@@ -217,8 +216,13 @@ def _project(linear: nn.Module, x: torch.Tensor, columns: np.ndarray | None) -> 
     forward: no memo (attention_evidence) can hold these rows, and none should copy them."""
     if columns is None:
         return type(linear).forward(linear, x)
+    return torch.nn.functional.linear(x, _column_rows(linear, columns, x.dtype))
+
+
+def _column_rows(linear: nn.Module, columns: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """The weight rows of the measured output columns, widened exactly to the activations' dtype."""
     rows = linear.weight[torch.from_numpy(columns)]
-    return torch.nn.functional.linear(x, rows if rows.dtype == x.dtype else rows.to(x.dtype))
+    return rows if rows.dtype == dtype else rows.to(dtype)
 
 
 @contextmanager
