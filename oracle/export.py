@@ -18,7 +18,7 @@ from oracle.checkpoint import Checkpoint, check_token_ids
 from oracle.errors import InputError
 from oracle.families.registry import head_module
 from oracle.finite import check_finite_reference
-from oracle.heap import ReservedHeap, forward_bytes
+from oracle.heap import ReservedHeap, enable_huge_pages, forward_bytes
 from oracle.inputs import hidden_from_file, hidden_from_seed, positions_from_start, token_ids_from_array
 from oracle.limits import check_export_limits
 from oracle.output import check_writable
@@ -94,6 +94,7 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     `log` is silenced. `config_overrides` sets head-config fields where engines disagree on a convention (e.g.
     {"norm_topk_prob": False}); the trace's config records the value used. `chain` records depths 2..K too."""
     check_writable(out)
+    enable_huge_pages()  # a library caller that has not imported torch yet gets the CLI's allocator (oracle/heap.py)
     token_ids = token_ids_from_array(token_ids, "token_ids")
     if mode not in MODES:
         raise InputError(f"mode {mode!r}: use one of {', '.join(MODES)} (CLI: --mode).")
@@ -115,7 +116,7 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
     ckpt.check_head()  # its header-level errors before the imports; the bytes are read on the thread
     heap = ReservedHeap(forward_bytes(family.stages(cfg), family.dims(cfg), len(token_ids)))  # oracle/heap.py
     archive = contextlib.ExitStack()  # a chain's q/k-part passes take the real passes' projected rows back
-    try:  # the heap keeps what is freed for the whole export (chains, drafts, evidence): glibc's defaults after
+    try:  # the heap keeps what is freed through the forward and the chain steps: glibc's defaults after
         reads = _Prefetch(ckpt, token_ids, hidden=resolve if h is None else None, touch=heap.touch)
         log(f"loading torch and transformers (the {family.name} head's modules; several seconds the first time) …")
         try:
@@ -174,8 +175,10 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
         if chain is not None:
             log(f"running depths 2..{chain.depths} of the chains ({TOKEN_MODES[chain.tokens]} tokens, recycling "
                 f"{recycle})")
-            chains, depth_parts = _chain_records(ckpt, head, rotary, inputs, bridge, stages, chain, recycle,
-                                                 projection if in_loop else None, qk_parts)
+            chains = _chain_records(ckpt, head, rotary, inputs, bridge, stages, chain, recycle,
+                                    projection if in_loop else None)
+            heap.close()  # kept longer, the q/k parts' and the sweep's other block sizes fragment it (oracle/heap.py)
+            depth_parts = _chain_qk_parts(ckpt, head, rotary, inputs, stages, chains, qk_parts, chain.tokens)
             archive.close()  # its rows go before the draft sweep
             chain_stages = {f"d{j}/{n}": v for j, r in chains.items() for n, v in r.stages.items()}
             check_finite_reference(ckpt, inputs, chain_stages,
@@ -377,10 +380,10 @@ def _draft_every_depth(projection, stages: dict, evidence: dict, chains: dict) -
 
 
 def _chain_records(ckpt: Checkpoint, head, rotary, inputs: TraceInputs, bridge, stages: dict, chain: ChainOptions,
-                   recycle: str, projection, qk_parts: dict[str, list[str]] | None = None) -> tuple[dict, dict]:
+                   recycle: str, projection) -> dict:
     """Depths 2..K through the draft loop, as the trace records them (oracle/trace.py ChainDepthRecord); with
-    `projection` (argmax chain tokens) each depth's draft too, which the next depth is fed. Also {depth: {part:
-    [variant names]}} where a depth's q/k parts are its own layer's (N-layer heads, _chain_qk_parts)."""
+    `projection` (argmax chain tokens) each depth's draft too, which the next depth is fed. Their q/k-part records
+    come after (_chain_qk_parts)."""
     from oracle.draft_loop import ARGMAX, TEACHER, ChainSpec, chain_rows, embedding_rows, run_chains
 
     num_steps, family = inputs.num_tokens, ckpt.family
@@ -404,8 +407,7 @@ def _chain_records(ckpt: Checkpoint, head, rotary, inputs: TraceInputs, bridge, 
                         "embed": depth.embed}
             records[depth.depth] = ChainDepthRecord(inputs_j, rows, evidence)
             bar.update()
-    depth_parts = _chain_qk_parts(ckpt, head, rotary, inputs, stages, records, qk_parts, chain.tokens)
-    return records, depth_parts
+    return records
 
 
 def _chain_qk_parts(ckpt: Checkpoint, head, rotary, inputs: TraceInputs, stages: dict, records: dict,

@@ -122,8 +122,9 @@ class LmHead:
         if len(x) == 0:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
         cand = self._screen(x, second=True)
-        logit, err = self._float64_logits(x.astype(np.float64), cand.rows, cand.ids)
-        ids = self._decide(x, cand, (logit, err))  # the same float64 logits: rescored once, not twice
+        x64 = x.astype(np.float64)
+        logit, err = self._float64_logits(x64, cand.rows, cand.ids)
+        ids = self._decide(x, cand, (logit, err), x64)  # the same float64 logits: rescored once, not twice
         best = cand.ids == ids[cand.rows]
         top = np.full(len(x), -np.inf)
         np.maximum.at(top, cand.rows[best], logit[best] - err[best])
@@ -247,10 +248,11 @@ class LmHead:
 
     # ---- 4: rescore exactly -------------------------------------------------------------------------------------
 
-    def _decide(self, x: np.ndarray, cand: "Candidates", scored: tuple | None = None) -> np.ndarray:
+    def _decide(self, x: np.ndarray, cand: "Candidates", scored: tuple | None = None,
+                x64: np.ndarray | None = None) -> np.ndarray:
         """Per row, the exact argmax among its candidates (which include every id that may be the argmax);
-        `scored`: their (float64 logits, error bounds) where the caller has them already."""
-        x64 = x.astype(np.float64)
+        `scored`: their (float64 logits, error bounds) and `x64` (x widened) where the caller has them already."""
+        x64 = x.astype(np.float64) if x64 is None else x64
         logit, err = scored if scored is not None else self._float64_logits(x64, cand.rows, cand.ids)
         broken = np.abs(logit - cand.score) > (cand.slack + cand.rel * np.abs(cand.score) + err) * (1 + MARGIN)
         if broken.any():
@@ -278,9 +280,10 @@ class LmHead:
         logit, err = np.empty(len(ids)), np.empty(len(ids))
         bound = (x64.shape[1] + 8) * 2.0**-52  # >= 2·γ_D for float64: any summation order, plus the |.| sum's own
         for a in range(0, len(ids), PAIR_BLOCK):
-            products = x64[rows[a:a + PAIR_BLOCK]] * self._rows64(ids[a:a + PAIR_BLOCK])  # (P, D): exact
+            products = x64[rows[a:a + PAIR_BLOCK]]  # (P, D), a copy: the products are taken in place
+            products *= self._rows64(ids[a:a + PAIR_BLOCK])  # exact
             logit[a:a + PAIR_BLOCK] = products.sum(axis=1)
-            err[a:a + PAIR_BLOCK] = np.abs(products).sum(axis=1) * bound
+            err[a:a + PAIR_BLOCK] = np.abs(products, out=products).sum(axis=1) * bound
         return logit, err
 
     def _exact_best(self, x64: np.ndarray, ids: np.ndarray, exact: np.ndarray, logit: np.ndarray) -> int:
@@ -330,10 +333,17 @@ def _screen_operand(x: np.ndarray, bf16: bool) -> tuple[torch.Tensor, torch.Tens
     kept = operand.float().numpy()
     if bf16 and not np.isfinite(kept).all():
         raise InputError("lm_head argmax: a row holds a value beyond the bf16 range (3.4e38).")
-    residual = np.abs(x - kept).astype(np.float64)  # exact: x and its rounding are within a factor 2 (Sterbenz)
-    weight = (residual + gamma * np.abs(kept)) * (1 + 2.0**-30)  # (R, D); covers A's float64 rounding, D < 2^22
+    # (R, D) float64, built in place: |x - kept| (exact: x and its rounding are within a factor 2, Sterbenz)
+    # + gamma·|kept| (in float64: a float32 product could round below gamma·|kept|), then (1 + 2^-30) for A's own
+    # float64 rounding (D < 2^22)
+    weight = np.abs(x - kept, dtype=np.float64)
+    magnitude = np.abs(kept, dtype=np.float64)
+    phi = FLUSH * (3 * d + 2 + magnitude.sum(axis=1))
+    magnitude *= gamma
+    weight += magnitude
+    del magnitude
+    weight *= 1 + 2.0**-30
     weight = torch.from_numpy(weight)
-    phi = FLUSH * (3 * d + 2 + np.abs(kept).astype(np.float64).sum(axis=1))
     return operand, weight, phi, BF16_REL if bf16 else 0.0
 
 

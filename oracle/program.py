@@ -29,6 +29,9 @@ def guard_start() -> None:
 def oracle_main() -> None:
     """`mtp-oracle`."""
     guard_start()
+    from oracle.heap import enable_huge_pages
+
+    enable_huge_pages()  # before anything imports torch, which reads it once (oracle/heap.py)
     from oracle.cli import main
 
     main()

@@ -84,7 +84,7 @@ def measure(variants: list[PartVariant], attn: np.ndarray, output: nn.Module | N
     row: its distance is 0, exactly, and it is not multiplied (a window wider than T, RoPE at position 0, a step
     that sees only its own key anyway). Only the rows a variant changed go through the output projection."""
     keep = rows if rows is not None else slice(None)
-    real = np.asarray(attn, dtype=np.float64).reshape(len(attn), -1)[keep]
+    real = np.asarray(attn).reshape(len(attn), -1)[keep]  # sliced before any copy
     base = [v for v in variants if v.part == BASELINE]
     variants = [v for v in variants if v.part != BASELINE]
     columns: dict[str, list[np.ndarray]] = {}
@@ -95,7 +95,12 @@ def measure(variants: list[PartVariant], attn: np.ndarray, output: nn.Module | N
                 base[0].rows()
                 pending.baseline = pending.inputs.pop()
             computed = [variant.rows() for variant in variants]
-        computed = pending.finish(real) if output is not None else [r.reshape(len(r), -1)[keep] for r in computed]
+        if output is not None:  # the measured columns alone: elsewhere a variant row holds the real row's values
+            real = real if pending.columns is None else real[:, pending.columns]
+            computed = pending.finish(real)
+        else:
+            computed = [r.reshape(len(r), -1)[keep] for r in computed]
+        real = real.astype(np.float64)
         for variant, rows in zip(variants, computed):
             rows = rows.astype(np.float64).reshape(len(real), -1)
             columns.setdefault(variant.part, []).append(max_abs_toward_zero(rows, real))
@@ -166,8 +171,10 @@ class _Deferred:
         return torch.nn.functional.linear(x, self._weight_rows)
 
     def finish(self, real: np.ndarray) -> list[np.ndarray]:
-        """Each call's output rows [n, D] float32: the projection of the rows that differ from the baseline's input
-        (every row without one), those deferred in one matmul; `real` [n, D] where a row equals the baseline's."""
+        """Each call's output rows over the measured columns ([n, C] float32; C = D where `columns` is None): the
+        projection of the rows that differ from the baseline's input (every row without one), those deferred in
+        one matmul; `real` ([n, C], the real rows' same columns) where a row equals the baseline's. The columns
+        left out would hold the real rows' values: a distance of 0, which `measure` need not compute."""
         deferred = [x.reshape(-1, x.shape[-1]) for x in self.inputs if not isinstance(x, _Projected)]
         changed = [self._changed(x) for x in deferred]
         todo = torch.cat([x[c] for x, c in zip(deferred, changed)]) if deferred else None
@@ -182,13 +189,7 @@ class _Deferred:
                 got, start = (out[start:start + picked] if picked else None), start + picked
             rows = np.array(real, dtype=np.float32).reshape(len(c), -1)  # the real row where nothing is measured
             if got is not None and len(got):
-                got = got.to(torch.float32).numpy()
-                if self.columns is None:
-                    rows[c.numpy()] = got
-                else:
-                    changed_rows = rows[c.numpy()]
-                    changed_rows[:, self.columns] = got
-                    rows[c.numpy()] = changed_rows
+                rows[c.numpy()] = got.to(torch.float32).numpy()
             results.append(rows)
         return results
 

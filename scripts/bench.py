@@ -1029,6 +1029,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from oracle.heap import enable_huge_pages
+
+    enable_huge_pages()  # as `mtp-oracle` does (oracle/program.py), before torch: every child inherits it
     if len(sys.argv) > 1 and sys.argv[1].startswith("child-"):
         {"child-export": lambda a: child_export(a[0], int(a[1]), a[2]),
          "child-floors": lambda a: child_floors(a[0], [int(t) for t in a[1:]]),

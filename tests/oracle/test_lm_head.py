@@ -172,6 +172,42 @@ def test_the_screen_bound_holds_for_every_logit_at_real_width(tmp_path, dtype):
     assert used.max() < 0.5, used.max()  # a kernel rounding partial sums to bf16 would use > 1
 
 
+def _exact_weight_floor(rows: np.ndarray, kept: np.ndarray) -> list:
+    """|x - kept| + gamma·|kept| per element in exact rational arithmetic (what the screen's weight must cover)."""
+    from fractions import Fraction
+
+    d = rows.shape[1]
+    gamma = Fraction(d) * Fraction(lm_head_module.U32) / (1 - Fraction(d) * Fraction(lm_head_module.U32))
+    return [abs(Fraction(float(x)) - Fraction(float(k))) + gamma * abs(Fraction(float(k)))
+            for x, k in zip(rows.ravel(), kept.ravel())]
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
+def test_the_screen_weight_covers_gamma_times_each_entry_exactly(bf16):
+    # the weight of M in A (module docstring, 2) is an upper bound on |x - kept| + gamma·|kept|, element by element,
+    # as real numbers: computed in float64 and rounded up, never a float32 product that could round below it
+    rows = np.random.default_rng(11).standard_normal((4, 96)).astype(np.float32)
+    operand, weight, phi, rel = lm_head_module._screen_operand(rows, bf16)
+    from fractions import Fraction
+
+    kept = operand.float().numpy()
+    got = weight.numpy().ravel()
+    assert all(Fraction(float(w)) >= need for w, need in zip(got, _exact_weight_floor(rows, kept)))
+
+
+def test_twin_a_float32_gamma_product_falls_below_the_exact_weight():
+    # the form the screen had before: gamma·|kept| taken in float32 (numpy keeps a float32 array's dtype for a
+    # Python float factor) rounds below the real product for some entries, which (1 + 2^-30) does not cover
+    from fractions import Fraction
+
+    rows = np.random.default_rng(11).standard_normal((4, 96)).astype(np.float32)
+    d = rows.shape[1]
+    gamma = d * lm_head_module.U32 / (1 - d * lm_head_module.U32)
+    old = ((np.abs(rows - rows).astype(np.float64) + gamma * np.abs(rows)) * (1 + 2.0**-30)).ravel()
+    assert (gamma * np.abs(rows)).dtype == np.float32
+    assert any(Fraction(float(w)) < need for w, need in zip(old, _exact_weight_floor(rows, rows)))
+
+
 def test_a_screen_that_breaks_its_bound_is_caught_not_trusted(tmp_path, trained_w, monkeypatch):
     """Twin: scores 1% off (as a kernel that does not accumulate as assumed might give) raise, never answer."""
     real = lm_head_module._screen_operand
