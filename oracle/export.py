@@ -18,7 +18,7 @@ from oracle.checkpoint import Checkpoint, check_token_ids
 from oracle.errors import InputError
 from oracle.families.registry import head_module
 from oracle.finite import check_finite_reference
-from oracle.heap import ReservedHeap, enable_huge_pages, forward_bytes
+from oracle.heap import ReservedHeap, enable_huge_pages, forward_bytes, return_free_pages
 from oracle.inputs import hidden_from_file, hidden_from_seed, positions_from_start, token_ids_from_array
 from oracle.limits import check_export_limits
 from oracle.output import check_writable
@@ -180,6 +180,7 @@ def export_trace(checkpoint_dir: Path, out: Path, token_ids: np.ndarray, hidden:
             heap.close()  # kept longer, the q/k parts' and the sweep's other block sizes fragment it (oracle/heap.py)
             depth_parts = _chain_qk_parts(ckpt, head, rotary, inputs, stages, chains, qk_parts, chain.tokens)
             archive.close()  # its rows go before the draft sweep
+            return_free_pages()  # theirs and the q/k parts' freed blocks: not under the sweep's peak (oracle/heap.py)
             chain_stages = {f"d{j}/{n}": v for j, r in chains.items() for n, v in r.stages.items()}
             check_finite_reference(ckpt, inputs, chain_stages,
                                    [f"d{j}/{n}" for j in chains for n in stage_list.names],

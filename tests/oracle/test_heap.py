@@ -102,6 +102,22 @@ def test_twin_without_the_close_the_kept_pages_stay():
     assert printed_by_a_fresh_process(code, huge=False) < BLOCK
 
 
+_FRAGMENTED = ("import numpy as np; from oracle import heap; import tests.oracle.test_heap as t; "
+               "heap.ReservedHeap(1).close(); "  # glibc's defaults, as after the export's close
+               "blocks = [np.ones(100_000 // 8) for _ in range(t.BLOCK // 100_000)]; last = blocks[-1]; del blocks; "
+               "kept = t.rss(); ")  # blocks under the mmap threshold, freed below a live one: no trim of the top
+
+
+def test_returning_free_pages_gives_back_blocks_freed_inside_the_heap():
+    # what the chain q/k parts leave free in glibc's heap and arenas (~70 MB at 27B shape) before the draft sweep
+    assert printed_by_a_fresh_process(_FRAGMENTED + "heap.return_free_pages(); print(kept - t.rss())",
+                                      huge=False) > 0.8 * BLOCK
+
+
+def test_twin_without_returning_them_glibc_keeps_them():
+    assert printed_by_a_fresh_process(_FRAGMENTED + "print(kept - t.rss())", huge=False) < 0.1 * BLOCK
+
+
 def rss() -> int:
     """This process's resident bytes now."""
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
