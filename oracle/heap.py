@@ -31,7 +31,7 @@ THP = "THP_MEM_ALLOC_ENABLE"  # torch's CPU allocator: blocks >= 2 MB 2 MB-align
 def enable_huge_pages() -> bool:
     """Ask torch's CPU allocator for transparent huge pages (THP_MEM_ALLOC_ENABLE=1), unless the user set the
     variable: one fault per 2 MB instead of per 4 kB page (this VM: ~10 us a fault; 2 GB of fresh tensors 1.79 ->
-    0.34 s, the 27B-shaped --chain 4 export's faults 1.0M -> 0.28M; its peak RSS fell too, with the plain
+    0.34 s, the 27B-shaped --chain 4 export's faults 1.0M -> 0.26-0.28M; its peak RSS fell too, with the plain
     export's). Torch reads the variable once, at its first allocation: this works only before `import torch`, so
     the CLI calls it first (oracle/program.py); returns whether it took effect. Where the kernel's THP mode is
     `never` the advice is ignored. Values are untouched."""
@@ -65,9 +65,9 @@ def forward_bytes(stage_list, dims, num_tokens: int) -> int:
 
 
 def return_free_pages() -> None:
-    """Give the kernel back what glibc holds free (malloc_trim): after the heap is closed, glibc's dynamic mmap
-    threshold still keeps freed blocks under 32 MB in its heap (the chain q/k parts left ~70 MB there, under the
-    draft sweep's peak). A no-op without glibc."""
+    """Give the kernel back what glibc holds free (malloc_trim): even with its defaults, blocks under the mmap
+    threshold that are freed below a live one stay in its heap and arenas, where trimming the top never reaches
+    them (the chain q/k parts left ~70 MB so, under the draft sweep's peak). A no-op without glibc."""
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(0)
