@@ -6,6 +6,7 @@ reference (its rounding depends on its summation order, so it breaks exact ties 
 """
 
 import json
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -174,8 +175,6 @@ def test_the_screen_bound_holds_for_every_logit_at_real_width(tmp_path, dtype):
 
 def _exact_weight_floor(rows: np.ndarray, kept: np.ndarray) -> list:
     """|x - kept| + gamma·|kept| per element in exact rational arithmetic (what the screen's weight must cover)."""
-    from fractions import Fraction
-
     d = rows.shape[1]
     gamma = Fraction(d) * Fraction(lm_head_module.U32) / (1 - Fraction(d) * Fraction(lm_head_module.U32))
     return [abs(Fraction(float(x)) - Fraction(float(k))) + gamma * abs(Fraction(float(k)))
@@ -188,8 +187,6 @@ def test_the_screen_weight_covers_gamma_times_each_entry_exactly(bf16):
     # as real numbers: computed in float64 and rounded up, never a float32 product that could round below it
     rows = np.random.default_rng(11).standard_normal((4, 96)).astype(np.float32)
     operand, weight, phi, rel = lm_head_module._screen_operand(rows, bf16)
-    from fractions import Fraction
-
     kept = operand.float().numpy()
     got = weight.numpy().ravel()
     assert all(Fraction(float(w)) >= need for w, need in zip(got, _exact_weight_floor(rows, kept)))
@@ -198,8 +195,6 @@ def test_the_screen_weight_covers_gamma_times_each_entry_exactly(bf16):
 def test_twin_a_float32_gamma_product_falls_below_the_exact_weight():
     # the form the screen had before: gamma·|kept| taken in float32 (numpy keeps a float32 array's dtype for a
     # Python float factor) rounds below the real product for some entries, which (1 + 2^-30) does not cover
-    from fractions import Fraction
-
     rows = np.random.default_rng(11).standard_normal((4, 96)).astype(np.float32)
     d = rows.shape[1]
     gamma = d * lm_head_module.U32 / (1 - d * lm_head_module.U32)
